@@ -1,0 +1,234 @@
+"""Typed host data: every key a rig may carry, its default, and what is allowed.
+
+pyinfra host data is a flat dict merged from the inventory, group data and `--data`; rigbook
+validates that dict into one frozen `Rig` before any operation is planned, so a typo or an
+out-of-range value stops the run with the host and the field named, and nothing changes.
+Keys are prefixed by the role that reads them (driver_*, power_*, sysctl_*, shm_*, wsl_*).
+docs/host-data.md is generated from these models (`rigbook docs`); a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from roles.errors import RigbookError
+
+GpuClass = Literal["rtx3090", "rtx3090ti", "rtx4090", "rtx5090", "a6000", "other"]
+Cooling = Literal["air", "water", "aio"]
+Platform = Literal["ubuntu", "debian", "wsl2"]
+PowerProfile = Literal["sweet-spot", "prefill", "stock"]
+
+#: Driver branches rigbook installs: CUDA 13 needs >= 580; 590 is transitional to 595 on Ubuntu.
+DRIVER_BRANCHES = (580, 595)
+
+#: Per-card sweet spots (watts) measured by the seeds' 10 W sweeps, by workload profile and cooling.
+SWEET_SPOTS: dict[tuple[str, str], dict[str, int]] = {
+    ("rtx3090", "sweet-spot"): {"air": 290, "water": 330, "aio": 330},
+    ("rtx3090", "prefill"): {"air": 250, "water": 250, "aio": 250},
+    ("rtx4090", "sweet-spot"): {"air": 260, "water": 260, "aio": 260},
+    ("rtx5090", "sweet-spot"): {"air": 400, "water": 400, "aio": 400},
+}
+
+#: VRAM per card class in GiB, for recipe fit checks.
+VRAM_GIB = {"rtx3090": 24, "rtx3090ti": 24, "rtx4090": 24, "rtx5090": 32, "a6000": 48}
+
+#: Host-data keys that belong to pyinfra itself (connectors, global arguments), not to rigbook.
+_PYINFRA_KEY = re.compile(r"^(_|ssh_|winrm_|docker_|local_|chroot_|podman_|vagrant_)")
+
+_SIZE = re.compile(r"^[1-9][0-9]*[KMG]$|^[1-9][0-9]?%$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VenvSpec(_Model):
+    """One serving venv (built by the venvs role)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Stable name: /opt/rigbook/venvs/<name>.")
+    engine: Literal["vllm", "sglang", "llama-cpp-python"] = Field(description="The engine it serves.")
+    python: str = Field("3.12", pattern=r"^3\.1[1-4]$", description="Python version for the venv.")
+    packages: tuple[str, ...] = Field(description="Pinned requirements, e.g. 'vllm==0.33.0'.")
+    torch_backend: Literal["cu130"] = Field("cu130", description="CUDA build of torch.")
+
+
+class ModelSpec(_Model):
+    """One model snapshot in the Hugging Face cache (pulled by the models role)."""
+
+    repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="Hub repo id, ORG/NAME.")
+    revision: str = Field(pattern=r"^[0-9a-f]{40}$", description="Pinned commit hash (40 hex).")
+    allow_patterns: tuple[str, ...] = Field((), description="Only files matching these globs.")
+    ignore_patterns: tuple[str, ...] = Field((), description="Skip files matching these globs.")
+
+
+class Rig(_Model):
+    """The host data of one rig. Every key is optional unless marked required."""
+
+    # -- hardware -----------------------------------------------------------------------------
+    platform: Platform = Field(description="Operating system family; wsl2 means Ubuntu under WSL2.")
+    gpu_class: GpuClass = Field(description="Card class of every GPU in the rig.")
+    gpu_count: int = Field(ge=1, le=8, description="How many GPUs the rig has.")
+    gpu_limits_watts: tuple[int, int] | None = Field(
+        None, description="(min, max) power limit of the card; required when gpu_class is other."
+    )
+    cooling: Cooling = Field("air", description="How the cards are cooled; picks the sweet spot.")
+    nvlink: bool = Field(False, description="An NVLink bridge is installed and working.")
+
+    # -- driver -------------------------------------------------------------------------------
+    driver_branch: int = Field(580, description=f"NVIDIA driver branch; one of {DRIVER_BRANCHES}.")
+    driver_version: str | None = Field(
+        None,
+        pattern=r"^\d{3}\.\d{2,3}(\.\d{2})?$",
+        description="Exact driver version to install (e.g. 580.95.05); none = newest of the branch.",
+    )
+    driver_open: bool = Field(True, description="Open kernel modules (the default from 560 on).")
+    driver_server: bool = Field(False, description="Ubuntu only: the -server driver packages.")
+    driver_repo_uri: str | None = Field(
+        None, description="Debian only: apt repository of the driver; none = NVIDIA's CUDA repository."
+    )
+    driver_repo_trusted: bool = Field(
+        False, description="Trust driver_repo_uri without a signing key (local test repositories)."
+    )
+    driver_persistence: bool = Field(
+        True, description="Run nvidia-persistenced with persistence mode on (Ubuntu ships it off)."
+    )
+    driver_modprobe_options: dict[str, str] = Field(
+        {}, description="nvidia module options, e.g. {'NVreg_DynamicPowerManagement': '0x00'}."
+    )
+    allow_reboot: bool = Field(False, description="A deploy may reboot the rig when a change needs it.")
+
+    # -- power --------------------------------------------------------------------------------
+    power_profile: PowerProfile = Field(
+        "sweet-spot",
+        description="Named cap: sweet-spot (by card and cooling), prefill (3090: 250 W) or stock.",
+    )
+    power_cap_watts: int | None = Field(
+        None, gt=0, description="One cap for every GPU, in watts; overrides power_profile."
+    )
+    power_caps: dict[str, int] = Field(
+        {}, description="Per-GPU caps in watts keyed by GPU index ('0') or UUID; override the rest."
+    )
+
+    # -- host tuning --------------------------------------------------------------------------
+    sysctl_inotify_max_user_watches: int = Field(
+        1048576, ge=8192, description="fs.inotify.max_user_watches (an engine died of ENOSPC at 65536)."
+    )
+    sysctl_inotify_max_user_instances: int = Field(
+        1024, ge=128, description="fs.inotify.max_user_instances."
+    )
+    sysctl_extra: dict[str, int | str] = Field(
+        {}, description="Other sysctl keys for /etc/sysctl.d/90-rigbook.conf."
+    )
+    shm_size: str | None = Field(
+        None, description="/dev/shm tmpfs size (e.g. 64G or 50%); none = leave it as it is."
+    )
+    stale_files: tuple[str, ...] = Field(
+        (), description="Leftover files to remove, e.g. /etc/sysctl.d/99-vllm-swap.conf."
+    )
+
+    # -- WSL2 ---------------------------------------------------------------------------------
+    wsl_tdr_delay: int = Field(60, ge=2, le=600, description="Windows TdrDelay in seconds.")
+    wsl_tdr_ddi_delay: int = Field(60, ge=5, le=600, description="Windows TdrDdiDelay in seconds.")
+    wsl_tdr_disable: bool = Field(False, description="Also set TdrLevel=0 (no TDR at all).")
+    wsl_min_memory_gib: int = Field(24, ge=1, description="Least WSL2 memory for model loading.")
+
+    # -- serving ------------------------------------------------------------------------------
+    venvs: tuple[VenvSpec, ...] = Field((), description="Serving venvs to build (venvs role).")
+    models: tuple[ModelSpec, ...] = Field((), description="Models to hold in the HF cache.")
+    recipe: str | None = Field(None, description="Name of the serving recipe to run.")
+
+    @field_validator("driver_branch")
+    @classmethod
+    def _known_branch(cls, value: int) -> int:
+        if value not in DRIVER_BRANCHES:
+            raise ValueError(f"unknown driver branch {value}; allowed: {DRIVER_BRANCHES}")
+        return value
+
+    @field_validator("shm_size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None and not _SIZE.match(value):
+            raise ValueError(f"{value!r} is not a tmpfs size; use e.g. 64G, 512M or 50%")
+        return value
+
+    @field_validator("stale_files")
+    @classmethod
+    def _absolute(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        for path in paths:
+            if not path.startswith("/") or ".." in path.split("/"):
+                raise ValueError(f"{path!r} must be an absolute path without '..'")
+        return paths
+
+    @field_validator("power_caps")
+    @classmethod
+    def _positive_caps(cls, caps: dict[str, int]) -> dict[str, int]:
+        for gpu, watts in caps.items():
+            if watts <= 0:
+                raise ValueError(f"cap for GPU {gpu} must be positive, got {watts}")
+        return caps
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Rig:
+        if self.gpu_class == "other" and self.gpu_limits_watts is None:
+            raise ValueError("gpu_class other needs gpu_limits_watts: (min, max)")
+        if self.gpu_limits_watts and self.gpu_limits_watts[0] >= self.gpu_limits_watts[1]:
+            raise ValueError(f"gpu_limits_watts {self.gpu_limits_watts}: min must be below max")
+        if self.platform != "ubuntu" and self.driver_server:
+            raise ValueError("driver_server is for Ubuntu's -server packages only")
+        if self.power_cap_watts is None and self.power_profile != "stock":
+            self.default_cap()  # raises when the card has no documented cap for the profile
+        for gpu in self.power_caps:
+            if gpu.isdigit() and int(gpu) >= self.gpu_count:
+                raise ValueError(f"power_caps names GPU {gpu} but the rig has {self.gpu_count}")
+        return self
+
+    def default_cap(self) -> int | None:
+        """The cap every GPU gets unless power_caps names it; None means the card's default."""
+        if self.power_cap_watts is not None:
+            return self.power_cap_watts
+        if self.power_profile == "stock":
+            return None
+        table = SWEET_SPOTS.get((self.gpu_class, self.power_profile))
+        if table is None:
+            raise ValueError(
+                f"no documented {self.power_profile} cap for {self.gpu_class}: "
+                "set power_cap_watts or power_profile: stock"
+            )
+        return table[self.cooling]
+
+
+def _field_error(host: str, error: dict[str, Any], fields: set[str]) -> str:
+    where = ".".join(str(part) for part in error["loc"]) or "host data"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+        close = difflib.get_close_matches(str(error["loc"][0]), fields, n=1)
+        if close:
+            message += f" (did you mean {close[0]}?)"
+    elif "input" in error and error["type"] != "missing":
+        message += f" (got {error['input']!r})"
+    return f"{host}: {where}: {message}"
+
+
+def rig_data(data: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a host's data that rigbook owns (pyinfra's connector keys left out)."""
+    return {key: value for key, value in data.items() if not _PYINFRA_KEY.match(key)}
+
+
+def parse_rig(host: str, data: dict[str, Any]) -> Rig:
+    """Validate one host's data; RigbookError lists every bad field with the host's name."""
+    try:
+        return Rig.model_validate(rig_data(data))
+    except ValidationError as exc:
+        fields = set(Rig.model_fields)
+        lines = [_field_error(host, error, fields) for error in exc.errors()]
+        raise RigbookError("\n".join(lines)) from None
+
+
+def rig_of(host) -> Rig:
+    """The validated Rig of a pyinfra host (deploys call this once, then pass the Rig on)."""
+    return parse_rig(host.name, host.data.dict())

@@ -1,0 +1,111 @@
+"""Shared test fixtures: sandbox rigs for end-to-end tests and a runner for the real pyinfra CLI.
+
+End-to-end tests boot sandbox rigs (systemd-nspawn hosts with real systemd, sshd and apt) and
+drive them with the `pyinfra` command exactly as a user does. One set of rigs serves the whole
+session; a file lock keeps two test runs on one machine from fighting over them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
+SANDBOX_INVENTORY = "inventory/sandbox.py"
+LOCK = Path("/run/lock/rigbook-sandbox.lock")
+#: rig1 dual-3090, rig2 single-4090, rig3 wsl2-3090 (profiles are assigned round-robin).
+RIGS = int(os.environ.get("RIGBOOK_TEST_RIGS", "3"))
+
+
+def sandbox_unavailable() -> str | None:
+    """Why sandbox rigs cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "sandbox rigs need root"
+    for tool in ("systemd-nspawn", "debootstrap", "ip", "zstd", "dpkg-scanpackages"):
+        if shutil.which(tool) is None:
+            return f"sandbox rigs need {tool}"
+    return None
+
+
+def rigbook(*args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the rigbook CLI from this checkout."""
+    return subprocess.run(
+        [sys.executable, "-m", "roles.cli", *args],
+        cwd=ROOT, capture_output=True, text=True, check=check, timeout=timeout,
+    )
+
+
+@dataclass
+class PyinfraRun:
+    """One run of the pyinfra CLI with --json: exit code, results and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    results: dict | None = field(default=None)
+
+    def changed(self) -> dict[str, list[str]]:
+        """Operation name -> hosts on which it changed something."""
+        if not self.results:
+            return {}
+        return {op["name"]: op["success"] for op in self.results["operations"] if op["success"]}
+
+    def errors(self) -> dict[str, list[str]]:
+        """Operation name -> hosts on which it failed."""
+        if not self.results:
+            return {}
+        return {op["name"]: op["error"] for op in self.results["operations"] if op["error"]}
+
+    def explain(self) -> str:
+        return f"exit {self.returncode}\n--- stderr ---\n{self.stderr[-6000:]}"
+
+
+def run_pyinfra(inventory: str, deploy: str, *args: str, timeout: int = 900) -> PyinfraRun:
+    """`pyinfra -y --json INVENTORY DEPLOY ARGS`, from the repo root as a user runs it."""
+    proc = subprocess.run(
+        [PYINFRA, "-y", "--json", inventory, deploy, *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYINFRA_PROGRESS": "off"},
+    )
+    try:
+        results = json.loads(proc.stdout).get("results")
+    except json.JSONDecodeError:
+        results = None
+    return PyinfraRun(proc.returncode, proc.stdout, proc.stderr, results)
+
+
+def rig_ssh(rig: dict, command: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a shell command on a sandbox rig as root, over SSH like pyinfra does."""
+    return subprocess.run(
+        ["ssh", "-i", rig["ssh_key"], "-o", "StrictHostKeyChecking=no",
+         "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes",
+         f"root@{rig['address']}", command],
+        capture_output=True, text=True, check=check, timeout=300,
+    )
+
+
+@pytest.fixture(scope="session")
+def sandbox():
+    """RIGS sandbox rigs, up for the whole session, down (and cleaned) at its end."""
+    reason = sandbox_unavailable()
+    if reason:
+        pytest.skip(reason)
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            up = rigbook("sandbox", "up", str(RIGS), check=False)
+            assert up.returncode == 0, up.stdout + up.stderr
+            listing = rigbook("sandbox", "list", "--json")
+            yield {rig["name"]: rig for rig in json.loads(listing.stdout)}
+        finally:
+            rigbook("sandbox", "down", check=False)
