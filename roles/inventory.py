@@ -13,7 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+from pyinfra.api import State
 from pyinfra.api.exceptions import InventoryError
+from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory_from_files
 from pyinfra_cli.util import parse_cli_arg
 
@@ -41,9 +43,10 @@ def cli_override_data(argv: list[str]) -> dict:
 
 def load_rigs(inventory_file: str, override_data: dict | None = None) -> dict[str, Rig]:
     """Every host of an inventory file, validated; RigbookError lists all bad hosts at once."""
-    inventory = make_inventory_from_files(
-        str(Path(inventory_file).resolve()), override_data=override_data or {}, cwd=os.getcwd()
-    )
+    with ctx_state.use(ctx_state.get() or State()):  # pyinfra's loader needs a state to exec in
+        inventory = make_inventory_from_files(
+            str(Path(inventory_file).resolve()), override_data=override_data or {}, cwd=os.getcwd()
+        )
     rigs, errors = {}, []
     for host in inventory:
         try:

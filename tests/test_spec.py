@@ -1,0 +1,145 @@
+"""Host data validation: good inventories load, bad ones are refused before any connection."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import textwrap
+import threading
+
+import pytest
+
+from roles.docs import HOST_DATA_MD, host_data_markdown
+from roles.errors import RigbookError
+from roles.inventory import cli_override_data, load_rigs
+from roles.spec import parse_rig
+from tests.conftest import PYINFRA, ROOT
+
+GOOD = {"platform": "ubuntu", "gpu_class": "rtx3090", "gpu_count": 2}
+
+
+def test_example_fleet_validates_with_group_data_and_host_precedence():
+    rigs = load_rigs(str(ROOT / "inventory/rigs.py"))
+    assert set(rigs) == {"rig-dual3090", "rig-5090", "rig-wsl3090"}
+    assert rigs["rig-5090"].driver_branch == 595  # host data wins over group data (580)
+    assert rigs["rig-dual3090"].driver_branch == 580
+    assert rigs["rig-dual3090"].default_cap() == 290  # 3090 air sweet spot
+    assert rigs["rig-wsl3090"].default_cap() == 250  # 3090 prefill profile
+    assert rigs["rig-5090"].default_cap() == 400
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({**GOOD, "coolng": "air"}, "box: coolng: unknown key (did you mean cooling?)"),
+        ({**GOOD, "power_cap_watts": -5}, "box: power_cap_watts: Input should be greater than 0"),
+        ({**GOOD, "gpu_class": "rtx9090"}, "box: gpu_class: Input should be 'rtx3090'"),
+        ({**GOOD, "gpu_class": "other"}, "gpu_class other needs gpu_limits_watts"),
+        ({**GOOD, "driver_branch": 470}, "box: driver_branch: unknown driver branch 470"),
+        ({**GOOD, "power_caps": {"2": 300}}, "power_caps names GPU 2 but the rig has 2"),
+        ({**GOOD, "power_caps": {"0": 0}}, "cap for GPU 0 must be positive"),
+        ({**GOOD, "gpu_class": "a6000"}, "no documented sweet-spot cap for a6000"),
+        ({**GOOD, "power_profile": "prefill", "gpu_class": "rtx5090"}, "no documented prefill cap"),
+        ({**GOOD, "shm_size": "lots"}, "'lots' is not a tmpfs size"),
+        ({**GOOD, "stale_files": ["etc/x"]}, "'etc/x' must be an absolute path"),
+        ({**GOOD, "platform": "debian", "driver_server": True}, "driver_server is for Ubuntu"),
+        ({"platform": "ubuntu"}, "box: gpu_class: Field required"),
+    ],
+)
+def test_bad_host_data_names_host_and_field(data, expected):
+    with pytest.raises(RigbookError) as error:
+        parse_rig("box", data)
+    assert expected in str(error.value)
+
+
+def test_every_error_is_reported_at_once():
+    with pytest.raises(RigbookError) as error:
+        parse_rig("box", {**GOOD, "coolng": "air", "nvlink": "maybe"})
+    lines = str(error.value).splitlines()
+    assert len(lines) == 2 and all(line.startswith("box: ") for line in lines)
+
+
+def test_pyinfra_keys_pass_and_per_gpu_caps_override():
+    rig = parse_rig("box", {**GOOD, "ssh_hostname": "x", "_sudo": True, "power_caps": {"1": 310}})
+    assert rig.default_cap() == 290 and rig.power_caps == {"1": 310}
+    assert parse_rig("box", {**GOOD, "power_profile": "stock"}).default_cap() is None
+    assert parse_rig("box", {**GOOD, "power_cap_watts": "300"}).default_cap() == 300
+
+
+def test_cli_override_data_types_values_like_pyinfra():
+    argv = ["pyinfra", "inv.py", "d.py", "--data", "power_cap_watts=290", "--data=allow_reboot=true"]
+    assert cli_override_data(argv) == {"power_cap_watts": 290, "allow_reboot": True}
+
+
+def test_host_data_docs_are_generated_from_the_models():
+    assert HOST_DATA_MD.read_text() == host_data_markdown(), "run `rigbook docs` to regenerate"
+
+
+class _CountingListener:
+    """A loopback TCP listener that counts connection attempts (stands in for sshd)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def listener():
+    counting = _CountingListener()
+    yield counting
+    counting.close()
+
+
+def _inventory(tmp_path, listener, data: dict) -> str:
+    path = tmp_path / "inv.py"
+    path.write_text(textwrap.dedent(f"""\
+        from roles.inventory import check_inventory
+        rigs = [("box-a", {{"ssh_hostname": "127.0.0.1", "ssh_port": {listener.port}, **{data!r}}})]
+        check_inventory(__file__)
+    """))
+    return str(path)
+
+
+def _pyinfra(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYINFRA, "-y", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_bad_inventory_exits_nonzero_without_connecting(tmp_path, listener):
+    inventory = _inventory(tmp_path, listener, {**GOOD, "coolng": "air", "power_cap_watts": -5})
+    proc = _pyinfra(inventory, "deploys/rig.py")
+    assert proc.returncode != 0
+    assert "box-a: coolng: unknown key (did you mean cooling?)" in proc.stderr
+    assert "box-a: power_cap_watts: Input should be greater than 0" in proc.stderr
+    assert "nothing was changed" in proc.stderr
+    assert listener.connections == 0
+
+
+def test_bad_cli_data_is_refused_without_connecting(tmp_path, listener):
+    inventory = _inventory(tmp_path, listener, GOOD)
+    proc = _pyinfra(inventory, "deploys/power_cap.py", "--data", "power_cap_watts=-5")
+    assert proc.returncode != 0
+    assert "box-a: power_cap_watts: Input should be greater than 0 (got -5)" in proc.stderr
+    assert listener.connections == 0
