@@ -1,0 +1,169 @@
+"""rigbook's own pyinfra facts: rig state that pyinfra's built-in facts do not read.
+
+Each fact is a small class with `command()` and `process()`, and a docstring that shows real
+output. Parsing lives in plain modules (roles/gpus.py for anything nvidia-smi or NVML prints) so
+that tests feed real captured output to the same code the facts run.
+
+A fact whose command exits non-zero fails the host in pyinfra (api/facts.py), and only stdout
+reaches `process()`. Facts that read a layer which can be broken on a live rig (a driver
+mismatch after an upgrade without reboot) therefore run their command inside a shell wrapper
+that always exits 0 and reports the real exit status and stderr on marked stdout lines.
+
+Grouped by concern:
+
+- GPU layer: NvidiaGpus, NvidiaDriverVersion, LoadedNvidiaModule
+"""
+
+from __future__ import annotations
+
+import re
+
+from pyinfra.api import FactBase, ShortFactBase
+from pyinfra.api.exceptions import FactProcessError
+
+from roles.gpus import GpuProbe, parse_query_csv, query_args
+
+# --- GPU layer -----------------------------------------------------------------------------
+
+#: Where else nvidia-smi lives, tried in this order after the one on PATH (distro packages):
+#: WSL2's copy of the Windows driver's tool (a distro nvidia-smi on PATH shadows it there and
+#: fails), and the NVIDIA container-toolkit / cloud image location (the H200 host's only one).
+NVIDIA_SMI_PATHS = ("/usr/lib/wsl/lib/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi")
+
+_SMI = "##RIGBOOK_SMI##"
+_RC = "##RIGBOOK_RC##"
+_NO_SMI = "##RIGBOOK_NO_SMI##"
+
+#: Seconds one nvidia-smi call may take: a card that fell off the bus can hang it for ever.
+SMI_TIMEOUT_S = 60
+
+
+def _smi_script(args: str) -> str:
+    """Shell that runs `nvidia-smi ARGS` from the first place that works, always exiting 0.
+
+    Each attempt prints `_SMI path`, the tool's stdout and stderr, and `_RC status`; it stops at
+    the first attempt that exits 0. No nvidia-smi anywhere prints `_NO_SMI`.
+    """
+    candidates = " ".join(f"'{path}'" for path in NVIDIA_SMI_PATHS)
+    return (
+        'tried=" "; limit=""; '
+        f'command -v timeout >/dev/null 2>&1 && limit="timeout {SMI_TIMEOUT_S}"; '
+        f'for c in "$(command -v nvidia-smi)" {candidates}; do '
+        '[ -n "$c" ] && [ -x "$c" ] || continue; '
+        'case "$tried" in *" $c "*) continue;; esac; '
+        'tried="$tried$c "; '
+        f'echo "{_SMI} $c"; '
+        f'$limit "$c" {args} 2>&1; rc=$?; '
+        f"printf '\\n{_RC} %s\\n' \"$rc\"; "
+        '[ "$rc" -eq 0 ] && break; '
+        "done; "
+        f'[ "$tried" = " " ] && echo "{_NO_SMI}"; '
+        "true"
+    )
+
+
+def _smi_attempts(output: list[str]) -> list[tuple[str, list[str], int]] | None:
+    """(path, output lines, exit status) per nvidia-smi tried; None when there was none."""
+    if output and output[0].strip() == _NO_SMI:
+        return None
+    attempts: list[tuple[str, list[str], int]] = []
+    path, lines = None, []
+    for line in output:
+        if line.startswith(_SMI):
+            path, lines = line[len(_SMI):].strip(), []
+        elif line.startswith(_RC):
+            if path is None:
+                raise FactProcessError(f"nvidia-smi status without a path: {output!r}")
+            attempts.append((path, [x for x in lines if x.strip()], int(line[len(_RC):])))
+            path = None
+        else:
+            lines.append(line)
+    if not attempts:
+        raise FactProcessError(f"no nvidia-smi attempt in the output: {output!r}")
+    return attempts
+
+
+class NvidiaGpus(FactBase[GpuProbe | None]):
+    """
+    The GPUs as nvidia-smi reports them, or why it cannot; None when no nvidia-smi exists.
+
+    Runs ``nvidia-smi --query-gpu=<roles.gpus.QUERY_FIELDS> --format=csv,nounits``, whose
+    output is like (real, H200)::
+
+        index, uuid, name, pci.bus_id, driver_version, power.limit [W], ...
+        0, GPU-b76da475-45a0-f91f-b11d-022ca55575ef, NVIDIA H200, 00000000:00:06.0, ...
+
+    and returns a ``roles.gpus.GpuProbe``:
+
+    .. code:: python
+
+        GpuProbe(smi="/usr/local/nvidia/bin/nvidia-smi", gpus=(Gpu(index=0, ...),))
+
+    When nvidia-smi exists but fails, the deploy goes on and the probe carries its message:
+
+    .. code:: python
+
+        GpuProbe(smi="/usr/bin/nvidia-smi", gpus=(), exit_code=18,
+                 error="Failed to initialize NVML: Driver/library version mismatch")
+    """
+
+    def command(self) -> str:
+        return _smi_script(query_args(header=True))
+
+    def process(self, output: list[str]) -> GpuProbe | None:
+        attempts = _smi_attempts(output)
+        if attempts is None:
+            return None
+        # The first nvidia-smi that exited 0 answers; if none did, the first one's message
+        # (the nvidia-smi a user on that host gets by typing it) says what is broken.
+        path, lines, status = next((a for a in attempts if a[2] == 0), attempts[0])
+        text = "\n".join(lines)
+        if status == 124:  # coreutils timeout: the card hangs nvidia-smi
+            text = f"nvidia-smi did not answer within {SMI_TIMEOUT_S} s\n{text}"
+        if status != 0:
+            return GpuProbe(smi=path, error=text.strip() or f"exit {status}", exit_code=status)
+        try:
+            return GpuProbe(smi=path, gpus=tuple(parse_query_csv(text)))
+        except ValueError as e:  # e.g. "No devices were found" printed with exit 0
+            return GpuProbe(smi=path, error=f"{text.strip()} ({e})")
+
+
+class NvidiaDriverVersion(ShortFactBase[str | None]):
+    """
+    The driver version nvidia-smi reports (``"580.159.04"``), from NvidiaGpus.
+
+    None when there is no nvidia-smi or it fails: a mismatch after an upgrade without reboot has
+    no single version; compare LoadedNvidiaModule (the kernel side) with the packages then.
+    """
+
+    fact = NvidiaGpus
+
+    def process_data(self, data: GpuProbe | None) -> str | None:
+        return data.driver_version if data is not None else None
+
+
+_NVRM = re.compile(r"^NVRM version: .*?\s(\d+\.\d+(?:\.\d+)?)\s")
+
+
+class LoadedNvidiaModule(FactBase[str | None]):
+    """
+    The version of the loaded nvidia kernel module, from /proc/driver/nvidia/version.
+
+    None when the module is not loaded (no file; also always on WSL2, where the Windows driver
+    serves the GPU). Real output of the open module (H200 host)::
+
+        NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (...)
+        GCC version:  gcc version 15.3.0 (GCC)
+
+    The proprietary module writes ``NVRM version: NVIDIA UNIX x86_64 Kernel Module  515.76  ...``.
+    """
+
+    def command(self) -> str:
+        return "! test -r /proc/driver/nvidia/version || cat /proc/driver/nvidia/version"
+
+    def process(self, output: list[str]) -> str | None:
+        for line in output:
+            match = _NVRM.match(line + " ")
+            if match:
+                return match.group(1)
+        raise FactProcessError(f"no NVRM version line in /proc/driver/nvidia/version: {output!r}")

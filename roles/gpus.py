@@ -1,0 +1,449 @@
+"""What the GPUs are and how they are set, parsed from nvidia-smi and NVML output.
+
+Every role that looks at GPUs (power caps, driver checks, serving preflight, the status table)
+reads them through this one module, so a GPU means the same `Gpu` everywhere. It is plain Python
+on purpose: it imports no pyinfra, so `python3 gpus.py --probe` also runs on a rig on its own,
+where only nvidia-ml-py (pynvml) is needed, and the facts in roles/facts.py only build commands
+around it.
+
+Three sources, one shape:
+
+- `nvidia-smi --query-gpu=... --format=csv` (`parse_query_csv`), what the facts use;
+- `nvidia-smi -L` (`parse_list`), the cheap "is the card still there" check;
+- the NVML probe below (`nvml_probe`, `parse_probe_json`), for hosts where nvidia-smi is not on
+  PATH or lies (WSL2 shadowing) but the driver's NVML library loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+MIB = 1024 * 1024
+
+#: Exit status of `--probe` when NVML cannot be loaded or initialised (no driver, mismatch).
+PROBE_NO_NVML = 3
+
+
+class ProbeError(RuntimeError):
+    """The NVML probe could not run: the GPU layer is broken or missing on that host."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as nvidia-smi or NVML reports it; None where the source did not say.
+
+    Power is in watts, memory in MiB (as nvidia-smi counts it), temperature in degrees C.
+    `bus_id` is nvidia-smi's `00000000:00:06.0` form; it is "" only when the source did not
+    report it at all (NVML captures made before the probe recorded it).
+    """
+
+    index: int
+    uuid: str
+    name: str
+    bus_id: str
+    driver_version: str | None = None
+    power_limit_w: float | None = None
+    default_limit_w: float | None = None
+    min_limit_w: float | None = None
+    max_limit_w: float | None = None
+    enforced_limit_w: float | None = None
+    power_draw_w: float | None = None
+    memory_total_mib: int | None = None
+    memory_used_mib: int | None = None
+    persistence: bool | None = None
+    pcie_gen: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width: int | None = None
+    pcie_width_max: int | None = None
+    temperature_c: int | None = None
+    compute_cap: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Gpu:
+        """The inverse of to_dict; an unknown key is an error, so JSON drift is seen."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown Gpu keys: {', '.join(sorted(unknown))}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"bad Gpu data: {e}") from None
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """What asking one nvidia-smi gave: the GPUs, or why the GPU layer is broken.
+
+    A broken layer (driver/library mismatch after an upgrade without reboot, no device found)
+    is a state to report and act on, not a crash: `error` holds nvidia-smi's own message and
+    `gpus` is empty then. `smi` is the path of the nvidia-smi that answered.
+    """
+
+    smi: str
+    gpus: tuple[Gpu, ...] = ()
+    error: str | None = None
+    exit_code: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def driver_version(self) -> str | None:
+        """The driver version nvidia-smi reports (one per host), None when it could not say."""
+        return self.gpus[0].driver_version if self.gpus else None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form; pyinfra's CLI calls it (`pyinfra @rig fact roles.facts.NvidiaGpus`)."""
+        return asdict(self)
+
+
+# --- nvidia-smi --query-gpu ----------------------------------------------------------------
+
+
+def _na(value: str) -> bool:
+    """nvidia-smi writes every value it cannot give in brackets ([N/A], [Not Supported], ...)."""
+    return value in ("", "N/A", "Not Supported") or (value.startswith("[") and value.endswith("]"))
+
+
+_NUMBER = re.compile(r"^(-?\d+(?:\.\d+)?)(?:\s*[A-Za-z%]+)?$")
+
+
+def _number(value: str) -> str:
+    """'700.00 W' / '143771 MiB' / '38' -> the number alone (csv with or without units)."""
+    match = _NUMBER.match(value)
+    if not match:
+        raise ValueError(f"not a number: {value!r}")
+    return match.group(1)
+
+
+def _int(value: str) -> int:
+    return int(_number(value))
+
+
+def _float(value: str) -> float:
+    return float(_number(value))
+
+
+def _enabled(value: str) -> bool:
+    if value not in ("Enabled", "Disabled"):
+        raise ValueError(f"not Enabled/Disabled: {value!r}")
+    return value == "Enabled"
+
+
+#: --query-gpu field -> (Gpu attribute, converter). The order is QUERY_FIELDS' order.
+_COLUMNS: dict[str, tuple[str, Any]] = {
+    "index": ("index", _int),
+    "uuid": ("uuid", str),
+    "name": ("name", str),
+    "pci.bus_id": ("bus_id", str),
+    "driver_version": ("driver_version", str),
+    "power.limit": ("power_limit_w", _float),
+    "power.default_limit": ("default_limit_w", _float),
+    "power.min_limit": ("min_limit_w", _float),
+    "power.max_limit": ("max_limit_w", _float),
+    "enforced.power.limit": ("enforced_limit_w", _float),
+    "power.draw": ("power_draw_w", _float),
+    "memory.total": ("memory_total_mib", _int),
+    "memory.used": ("memory_used_mib", _int),
+    "persistence_mode": ("persistence", _enabled),
+    "pcie.link.gen.current": ("pcie_gen", _int),
+    "pcie.link.gen.max": ("pcie_gen_max", _int),
+    "pcie.link.width.current": ("pcie_width", _int),
+    "pcie.link.width.max": ("pcie_width_max", _int),
+    "temperature.gpu": ("temperature_c", _int),
+    "compute_cap": ("compute_cap", str),
+}
+
+#: The --query-gpu fields that fill a Gpu, in the order query_args() asks for them.
+QUERY_FIELDS: tuple[str, ...] = tuple(_COLUMNS)
+
+_REQUIRED = ("index", "uuid", "name", "pci.bus_id")
+
+_HEADER_CELL = re.compile(r"^[a-z][a-z0-9_.]*(?: \[[^\]]*\])?$")
+
+
+def query_args(header: bool = False) -> str:
+    """nvidia-smi arguments that print QUERY_FIELDS as csv without units.
+
+    The facts ask with header=True: the header then names each column, so the parse cannot
+    silently shift if a field is ever added, dropped or reordered on one side.
+    """
+    fmt = "csv,nounits" if header else "csv,noheader,nounits"
+    return f"--query-gpu={','.join(QUERY_FIELDS)} --format={fmt}"
+
+
+def _header(cells: list[str]) -> list[str] | None:
+    """Field names if this csv row is nvidia-smi's header ('power.limit [W]'), else None."""
+    if not all(_HEADER_CELL.match(cell) for cell in cells):
+        return None
+    return [cell.split(" [", 1)[0] for cell in cells]
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in next(csv.reader([line], skipinitialspace=True))]
+
+
+def parse_query_csv(
+    text: str, fields: tuple[str, ...] | list[str] = QUERY_FIELDS, *, skip_mismatched: bool = False
+) -> list[Gpu]:
+    """GPUs from `nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]` output.
+
+    A header line, when the first line is one, names the columns and `fields` is not used;
+    otherwise `fields` are the columns in order. Units are stripped; [N/A], N/A and
+    [Not Supported] become None; columns that are not Gpu fields are ignored. index, uuid, name
+    and pci.bus_id must be among the columns.
+
+    A row whose column count differs from the header is an error (ValueError naming the line),
+    since nvidia-smi never writes one: it means two outputs were mixed. skip_mismatched=True
+    skips such rows instead, for captures that append a second, different query (the H200
+    fixture does).
+    """
+    rows = [
+        (number, line)
+        for number, line in enumerate(text.splitlines(), 1)
+        if line.strip()
+    ]
+    columns = list(fields)
+    if rows:
+        header = _header(_cells(rows[0][1]))
+        if header is not None:
+            columns = header
+            rows = rows[1:]
+    missing = [name for name in _REQUIRED if name not in columns]
+    if missing:
+        raise ValueError(f"query lacks required fields: {', '.join(missing)}")
+
+    gpus = []
+    for number, line in rows:
+        cells = _cells(line)
+        if len(cells) != len(columns):
+            if skip_mismatched:
+                continue
+            raise ValueError(
+                f"line {number}: expected {len(columns)} columns, got {len(cells)}: {line!r}"
+            )
+        values: dict[str, Any] = {}
+        for column, cell in zip(columns, cells, strict=True):
+            if column not in _COLUMNS:
+                continue
+            attribute, convert = _COLUMNS[column]
+            if _na(cell):
+                if column in _REQUIRED:
+                    raise ValueError(f"line {number}: {column} is {cell}: {line!r}")
+                values[attribute] = None
+                continue
+            try:
+                values[attribute] = convert(cell)
+            except ValueError as e:
+                raise ValueError(f"line {number}: bad {column} ({e}): {line!r}") from None
+        gpus.append(Gpu(**values))
+    return gpus
+
+
+# --- nvidia-smi -L -------------------------------------------------------------------------
+
+_LIST_GPU = re.compile(r"^GPU (\d+): (.+) \(UUID: ([^)]+)\)$")
+_LIST_MIG = re.compile(r"^\s+MIG\b")
+
+
+def parse_list(text: str) -> list[tuple[int, str, str]]:
+    """(index, name, uuid) per GPU from `nvidia-smi -L`; MIG instance lines are skipped.
+
+        GPU 0: NVIDIA H200 (UUID: GPU-b76da475-45a0-f91f-b11d-022ca55575ef)
+
+    Any other line (e.g. "No devices were found") is a ValueError: a card that vanished must
+    not read as an empty list.
+    """
+    gpus = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or _LIST_MIG.match(line):
+            continue
+        match = _LIST_GPU.match(line.rstrip())
+        if not match:
+            raise ValueError(f"line {number}: not an nvidia-smi -L GPU line: {line!r}")
+        gpus.append((int(match.group(1)), match.group(2), match.group(3)))
+    return gpus
+
+
+# --- NVML ----------------------------------------------------------------------------------
+
+
+def cuda_version_from_driver(version: int) -> str:
+    """CUDA's integer driver API version -> 'major.minor' (13000 -> '13.0', 12080 -> '12.8')."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def nvml_probe() -> dict[str, Any]:
+    """Ask NVML directly (no nvidia-smi) what the driver and every GPU say, as a JSON-able dict.
+
+    Shape (fixtures/nvidia-h200/nvml.txt is a real one, made before index, bus_id,
+    pcie_width_max and mem_reserved were added; parse_probe_json reads both):
+
+        {"driver": "580.159.04", "cuda_driver": 13000, "nvml": "13.580.159.04", "count": 1,
+         "gpus": [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-...", "serial": "...",
+                   "bus_id": "00000000:00:06.0", "power_limit_mw": 700000,
+                   "default_limit_mw": 700000, "constraints_mw": [200000, 700000],
+                   "enforced_mw": 700000, "power_usage_mw": 126412, "persistence": 1,
+                   "cc": [9, 0], "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16,
+                   "pcie_width_max": 16, "temp": 38, "procs": [{"pid": 1, "used_mib": 10}],
+                   "mem": [total_bytes, used_bytes], "mem_reserved": bytes}]}
+
+    A value the card does not support is null. Raises ProbeError when pynvml is missing or
+    NVML does not initialise.
+    """
+    try:
+        import pynvml
+    except ImportError as e:
+        raise ProbeError(f"pynvml (nvidia-ml-py) is not importable: {e}") from None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise ProbeError(f"NVML did not initialise: {e}") from None
+
+    def ask(function, *args):
+        try:
+            return function(*args)
+        except pynvml.NVMLError:
+            return None
+
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        gpus = []
+        for index in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            pci = ask(pynvml.nvmlDeviceGetPciInfo, handle)
+            cc = ask(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+            constraints = ask(pynvml.nvmlDeviceGetPowerManagementLimitConstraints, handle)
+            mem = ask(pynvml.nvmlDeviceGetMemoryInfo, handle, pynvml.nvmlMemory_v2)
+            reserved = getattr(mem, "reserved", None)
+            if mem is None:  # drivers without the v2 call: used then includes reserved
+                mem = ask(pynvml.nvmlDeviceGetMemoryInfo, handle)
+            procs = ask(pynvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
+            gpus.append({
+                "index": index,
+                "name": pynvml.nvmlDeviceGetName(handle),
+                "uuid": pynvml.nvmlDeviceGetUUID(handle),
+                "serial": ask(pynvml.nvmlDeviceGetSerial, handle),
+                "bus_id": str(pci.busId) if pci is not None else None,
+                "power_limit_mw": ask(pynvml.nvmlDeviceGetPowerManagementLimit, handle),
+                "default_limit_mw": ask(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, handle),
+                "constraints_mw": list(constraints) if constraints is not None else None,
+                "enforced_mw": ask(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle),
+                "power_usage_mw": ask(pynvml.nvmlDeviceGetPowerUsage, handle),
+                "persistence": ask(pynvml.nvmlDeviceGetPersistenceMode, handle),
+                "cc": list(cc) if cc is not None else None,
+                "pcie_gen": ask(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                "pcie_gen_max": ask(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+                "pcie_width": ask(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+                "pcie_width_max": ask(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+                "temp": ask(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU),
+                "procs": [
+                    {
+                        "pid": proc.pid,
+                        "used_mib": None if proc.usedGpuMemory is None
+                        else proc.usedGpuMemory // MIB,
+                    }
+                    for proc in procs
+                ],
+                "mem": [mem.total, mem.used] if mem is not None else None,
+                "mem_reserved": reserved,
+            })
+        return {
+            "driver": pynvml.nvmlSystemGetDriverVersion(),
+            "cuda_driver": pynvml.nvmlSystemGetCudaDriverVersion(),
+            "nvml": ask(pynvml.nvmlSystemGetNVMLVersion),
+            "count": count,
+            "gpus": gpus,
+        }
+    except pynvml.NVMLError as e:
+        raise ProbeError(f"NVML query failed: {e}") from None
+    finally:
+        ask(pynvml.nvmlShutdown)
+
+
+def parse_probe_json(text: str) -> tuple[str, str, list[Gpu]]:
+    """(driver version, CUDA version, GPUs) from nvml_probe's JSON as printed by `--probe`.
+
+    Only the first JSON value is read: text after it is ignored (the H200 capture has the
+    pynvml path on the line after). An {"error": ...} object raises ProbeError; anything else
+    that is not a probe raises ValueError.
+    """
+    try:
+        data, _ = json.JSONDecoder().raw_decode(text.lstrip())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"NVML probe output is not JSON: {e}: {text[:200]!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"NVML probe output is not an object: {text[:200]!r}")
+    if "error" in data:
+        raise ProbeError(str(data["error"]))
+    try:
+        driver = data["driver"]
+        gpus = [_gpu_from_nvml(position, gpu, driver) for position, gpu in enumerate(data["gpus"])]
+        return driver, cuda_version_from_driver(int(data["cuda_driver"])), gpus
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"NVML probe output lacks or mangles {e}: {text[:200]!r}") from None
+
+
+def _watts(milliwatts: int | None) -> float | None:
+    return None if milliwatts is None else milliwatts / 1000
+
+
+def _gpu_from_nvml(position: int, gpu: dict[str, Any], driver: str) -> Gpu:
+    constraints = gpu.get("constraints_mw") or (None, None)
+    mem = gpu.get("mem") or (None, None)
+    cc = gpu.get("cc")
+    persistence = gpu.get("persistence")
+    return Gpu(
+        index=gpu.get("index", position),
+        uuid=gpu["uuid"],
+        name=gpu["name"],
+        bus_id=gpu.get("bus_id") or "",
+        driver_version=driver,
+        power_limit_w=_watts(gpu.get("power_limit_mw")),
+        default_limit_w=_watts(gpu.get("default_limit_mw")),
+        min_limit_w=_watts(constraints[0]),
+        max_limit_w=_watts(constraints[1]),
+        enforced_limit_w=_watts(gpu.get("enforced_mw")),
+        power_draw_w=_watts(gpu.get("power_usage_mw")),
+        memory_total_mib=None if mem[0] is None else mem[0] // MIB,
+        memory_used_mib=None if mem[1] is None else mem[1] // MIB,
+        persistence=None if persistence is None else bool(persistence),
+        pcie_gen=gpu.get("pcie_gen"),
+        pcie_gen_max=gpu.get("pcie_gen_max"),
+        pcie_width=gpu.get("pcie_width"),
+        pcie_width_max=gpu.get("pcie_width_max"),
+        temperature_c=gpu.get("temp"),
+        compute_cap=None if cc is None else f"{cc[0]}.{cc[1]}",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 -m roles.gpus --probe` (or `python3 gpus.py --probe` on a rig): NVML as JSON.
+
+    Exits 0 with the probe, or PROBE_NO_NVML (3) with {"error": "..."} when NVML cannot load.
+    """
+    parser = argparse.ArgumentParser(prog="gpus", description=__doc__.splitlines()[0])
+    parser.add_argument("--probe", action="store_true", required=True,
+                        help="print what NVML reports as JSON")
+    parser.parse_args(argv)
+    try:
+        result, status = nvml_probe(), 0
+    except ProbeError as e:
+        result, status = {"error": str(e)}, PROBE_NO_NVML
+    json.dump(result, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
