@@ -434,3 +434,28 @@ def test_loaded_module_unreadable_content_fails_processing():
 def test_nvidia_gpus_fact_hung_nvidia_smi_is_reported():
     probe = NvidiaGpus().process(attempt(SMI, [], 124))
     assert not probe.ok and probe.exit_code == 124 and "did not answer within 60 s" in probe.error
+
+
+def test_full_query_captured_with_rigbook_fields_parses_every_field():
+    """The exact query NvidiaGpus sends, as the real H200 host answered it (units in the header)."""
+    [gpu] = parse_query_csv(fixture("query-full-nounits.csv"))
+    assert (gpu.uuid, gpu.bus_id, gpu.driver_version) == (
+        "GPU-26318cf3-2491-8ba9-5e54-60691789063b", "00000000:00:06.0", "580.159.04"
+    )
+    assert (gpu.min_limit_w, gpu.max_limit_w, gpu.power_limit_w) == (200.0, 700.0, 700.0)
+    assert (gpu.pcie_width, gpu.pcie_width_max, gpu.compute_cap) == (16, 16, "9.0")
+    assert gpu.persistence is True and gpu.memory_total_mib == 143771
+
+
+def test_probe_captured_on_the_real_host_matches_nvidia_smi():
+    driver, cuda, [gpu] = parse_probe_json(fixture("probe.json"))
+    [smi] = parse_query_csv(fixture("query-full-nounits.csv"))
+    assert (driver, cuda) == ("580.159.04", "13.0")
+    assert (gpu.uuid, gpu.bus_id) == (smi.uuid, smi.bus_id)
+    assert (gpu.min_limit_w, gpu.max_limit_w) == (smi.min_limit_w, smi.max_limit_w)
+    assert gpu.memory_used_mib == smi.memory_used_mib == 0
+
+
+def test_loaded_module_version_from_the_real_proc_file():
+    lines = fixture("proc-driver-version.txt").splitlines()
+    assert LoadedNvidiaModule().process(lines) == "580.159.04"
