@@ -1,0 +1,50 @@
+"""pyinfra inventory of the local sandbox rigs that `rigbook sandbox up` started.
+
+    pyinfra inventory/sandbox.py deploys/rig.py
+
+Reads hosts.json from the sandbox state dir (RIGBOOK_SANDBOX_DIR, default
+/var/lib/rigbook/sandbox); without it, says to run `rigbook sandbox up` first. A rig's host data
+is its SSH login plus PROFILE_DATA for its simulated hardware profile: exactly what a user would
+write for a real rig of that kind, except that the driver comes from the local repository of
+stand-in packages that the sandbox mounts at /srv/rigbook-sim-repo.
+"""
+
+from roles.inventory import check_inventory
+from roles.sandbox import REPO_MOUNT, rigs
+
+_SIM_DRIVER = {
+    "driver_branch": 580,
+    "driver_version": "580.95.05",
+    "driver_repo_uri": f"file:{REPO_MOUNT}",
+    "driver_repo_trusted": True,
+    "allow_reboot": True,
+}
+
+# Host data per simulated hardware profile (sandbox/simulated/profiles.json).
+PROFILE_DATA = {
+    "dual-3090": {
+        "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "cooling": "air",
+        "shm_size": "2G", "stale_files": ["/etc/sysctl.d/99-vllm-swap.conf"], **_SIM_DRIVER,
+    },
+    "single-4090": {
+        "platform": "debian", "gpu_class": "rtx4090", "gpu_count": 1, "shm_size": "1G",
+        **_SIM_DRIVER,
+    },
+    "wsl2-3090": {"platform": "wsl2", "gpu_class": "rtx3090", "gpu_count": 1},
+}
+
+
+def _rig(entry: dict) -> tuple[str, dict]:
+    return entry["name"], {
+        "ssh_hostname": entry["address"],
+        "ssh_user": "root",
+        "ssh_key": entry["ssh_key"],
+        "ssh_strict_host_key_checking": "off",
+        "ssh_known_hosts_file": "/dev/null",
+        **PROFILE_DATA[entry["profile"]],
+    }
+
+
+sandbox_rigs = [_rig(entry) for entry in rigs()]
+
+check_inventory(__file__)

@@ -1,0 +1,81 @@
+"""The `rigbook` command.
+
+One function per sub-command; each sub-command group registers itself in `build_parser`, so a
+new group (`status`, ...) is one more `add_*_commands` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from roles import sandbox
+from roles.errors import RigbookError
+
+
+def sandbox_up(args: argparse.Namespace) -> None:
+    _print_rigs(sandbox.up(args.count))
+
+
+def sandbox_down(args: argparse.Namespace) -> None:
+    sandbox.down()
+
+
+def sandbox_restart(args: argparse.Namespace) -> None:
+    sandbox.restart(args.name)
+
+
+def sandbox_list(args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(sandbox.rigs(), indent=2))
+    else:
+        _print_rigs(sandbox.rigs())
+
+
+def _print_rigs(entries: list[dict]) -> None:
+    for entry in entries:
+        print(f"{entry['name']:<8} {entry['address']:<15} {entry['profile']}")
+
+
+def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
+    group = commands.add_parser(
+        "sandbox", help="local sandbox rigs (systemd-nspawn, simulated GPUs)"
+    )
+    actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
+    up = actions.add_parser("up", help="start fresh sandbox rigs, replacing any running ones")
+    up.add_argument("count", nargs="?", type=int, default=2, help="how many rigs (default 2)")
+    up.set_defaults(func=sandbox_up)
+    actions.add_parser("down", help="stop all sandbox rigs and remove them").set_defaults(
+        func=sandbox_down
+    )
+    restart = actions.add_parser("restart", help="reboot one rig, keeping its disk")
+    restart.add_argument("name", help="rig name, e.g. rig1")
+    restart.set_defaults(func=sandbox_restart)
+    listing = actions.add_parser("list", help="print name, address and profile of each rig")
+    listing.add_argument("--json", action="store_true", help="print the hosts.json entries")
+    listing.set_defaults(func=sandbox_list)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rigbook", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_sandbox_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one sub-command; a RigbookError is printed plainly and exits 1."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="rigbook: %(message)s")
+    try:
+        args.func(args)
+    except RigbookError as error:
+        print(f"rigbook: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
