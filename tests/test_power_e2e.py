@@ -1,0 +1,138 @@
+"""Power caps end to end on the dual-3090 sandbox rig (rig1), driven by the pyinfra CLI.
+
+One story, in order, because each step starts from the state the last one left: converge (the
+driver, its reboot, then the unit and the caps), converge again (nothing), a fleet cap change
+(exactly the unit and the live caps), a reboot (the unit sets the cap again), a cap the cards do
+not allow (refused, nothing changes) run together with the WSL2 rig (which goes on: nothing to
+change there, caps reported).
+The rig's cards are simulated RTX 3090s: min 100 W, max 400 W, default 350 W.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from roles.gpus import Gpu, parse_query_csv, query_args
+from roles.power import UNIT_NAME, UNIT_PATH
+from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+
+pytestmark = pytest.mark.sandbox
+
+UNIT_OP = f"Power limits | Power-limit unit ({UNIT_NAME})"
+LIVE_OP = "Power limits | Live GPU power caps"
+
+
+def gpus(rig: dict, smi: str = "nvidia-smi") -> list[Gpu]:
+    """The rig's GPUs as its nvidia-smi reports them, read with rigbook's own parser."""
+    return parse_query_csv(rig_ssh(rig, f"{smi} {query_args(header=True)}").stdout)
+
+
+def live_caps(rig: dict) -> list[float]:
+    return [gpu.power_limit_w for gpu in gpus(rig)]
+
+
+def unit_text(rig: dict) -> str | None:
+    done = rig_ssh(rig, f"cat {UNIT_PATH}", check=False)
+    return done.stdout if done.returncode == 0 else None
+
+
+def exec_starts(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("ExecStart=")]
+
+
+def forget_power_caps(rig: dict) -> None:
+    """Undo what an earlier test may have left: no unit, and the cards at their default cap."""
+    rig_ssh(rig, f"systemctl disable {UNIT_NAME}; rm -f {UNIT_PATH}; systemctl daemon-reload",
+            check=False)
+    if rig_ssh(rig, "nvidia-smi -L", check=False).returncode == 0:
+        for gpu in gpus(rig):
+            rig_ssh(rig, f"nvidia-smi -i {gpu.uuid} -pl {gpu.default_limit_w:g}")
+
+
+def power_changes(run) -> dict[str, list[str]]:
+    return {name: hosts for name, hosts in run.changed().items() if name.startswith("Power")}
+
+
+def test_power_caps_converge_change_survive_reboot_and_refuse(sandbox):
+    rig1 = sandbox["rig1"]
+    forget_power_caps(rig1)
+    try:
+        # 1. First converge: the driver (and its reboot) first, then the unit and the caps.
+        first = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", "--limit", "rig1")
+        assert first.returncode == 0, first.explain()
+        assert power_changes(first) == {UNIT_OP: ["rig1"], LIVE_OP: ["rig1"]}, first.explain()
+        cards = gpus(rig1)
+        assert len(cards) == 2
+        assert [gpu.power_limit_w for gpu in cards] == [290.0, 290.0]  # 3090 air sweet spot
+        text = unit_text(rig1)
+        assert text is not None
+        smi = rig_ssh(rig1, "command -v nvidia-smi").stdout.strip()
+        assert exec_starts(text) == [f"ExecStart={smi} -i {gpu.uuid} -pl 290" for gpu in cards]
+        for line in ("Type=oneshot", "RemainAfterExit=yes", "After=nvidia-persistenced.service",
+                     "Requires=nvidia-persistenced.service", "WantedBy=multi-user.target"):
+            assert line in text.splitlines()
+        assert rig_ssh(rig1, f"systemctl is-enabled {UNIT_NAME}").stdout.strip() == "enabled"
+
+        # 2. Second run: the power role has nothing to do, in the converge and on its own.
+        second = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", "--limit", "rig1")
+        assert second.returncode == 0, second.explain()
+        assert power_changes(second) == {}, second.explain()
+        alone = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
+        assert alone.returncode == 0, alone.explain()
+        assert alone.changed() == {}, alone.explain()
+
+        # 3. The fleet cap change: exactly the unit and the live caps, with a table of them.
+        change = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1",
+                             "--data", "power_cap_watts=300")
+        assert change.returncode == 0, change.explain()
+        assert change.changed() == {UNIT_OP: ["rig1"], LIVE_OP: ["rig1"]}, change.explain()
+        assert live_caps(rig1) == [300.0, 300.0]
+        text = unit_text(rig1)
+        assert exec_starts(text) == [f"ExecStart={smi} -i {gpu.uuid} -pl 300" for gpu in cards]
+        assert "GPU power caps" in change.stderr
+        for gpu in cards:
+            row = rf"rig1\W+{gpu.index} {re.escape(gpu.uuid)}\W+290 W\W+300 W\W+set\b"
+            assert re.search(row, change.stderr), change.explain()
+        again = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1",
+                            "--data", "power_cap_watts=300")
+        assert again.returncode == 0 and again.changed() == {}, again.explain()
+
+        # 4. A reboot forgets the live cap; the unit sets it again at boot.
+        rigbook("sandbox", "restart", "rig1")
+        deadline = time.monotonic() + 90
+        while True:
+            state = rig_ssh(rig1, f"systemctl is-active {UNIT_NAME}", check=False).stdout.strip()
+            if state in ("active", "failed") or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert state == "active", rig_ssh(rig1, f"systemctl status {UNIT_NAME}", check=False)
+        assert live_caps(rig1) == [300.0, 300.0]
+
+        # 5. One pass over two rigs at once: rig1 refuses a cap outside its cards' range and
+        # changes nothing; the WSL2 rig goes on (no unit, no cap change, live cap reported).
+        rig3 = sandbox["rig3"]
+        mixed = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1",
+                            "--limit", "rig3", "--data", "power_cap_watts=500")
+        assert mixed.returncode != 0, mixed.explain()
+        assert mixed.changed() == {}, mixed.explain()
+        assert mixed.errors() == {UNIT_OP: ["rig1"], LIVE_OP: ["rig1"]}, mixed.explain()
+        for gpu in cards:
+            assert (
+                f"rig1: GPU {gpu.index} ({gpu.uuid}): power_cap_watts asks 500 W, outside the "
+                "card's allowed range 100-400 W"
+            ) in mixed.stderr, mixed.explain()
+            row = rf"rig1\W+{gpu.index} {re.escape(gpu.uuid)}\W+300 W\W+300 W\W+refused, unchanged"
+            assert re.search(row, mixed.stderr), mixed.explain()
+        assert unit_text(rig1) == text
+        assert live_caps(rig1) == [300.0, 300.0]
+        assert unit_text(rig3) is None
+        row = r"rig3\W+0 GPU-\S+\W+350 W\W+350 W\W+WSL2: set on the Windows host"
+        assert re.search(row, mixed.stderr), mixed.explain()
+        (wsl_gpu,) = gpus(rig3, "/usr/lib/wsl/lib/nvidia-smi")
+        assert wsl_gpu.power_limit_w == 350.0
+    finally:
+        # Leave rig1 as its inventory says (sweet spot), for whatever runs next.
+        run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
