@@ -1,0 +1,444 @@
+"""Host tuning: inotify limits, the /dev/shm size, and leftovers that mislead.
+
+Why each setting exists (docs/tuning.md has the long form):
+
+- fs.inotify.max_user_watches / max_user_instances: an engine died at startup with "ENOSPC:
+  System limit for number of file watchers reached" while an editor held 59,628 of 65,536
+  watches. The values go to /etc/sysctl.d/90-rigbook.conf (the truth across reboots) and are
+  applied live as a separate step, only where the live values differ.
+- /dev/shm is a tmpfs in host RAM that engines fill with offload buffers (vLLM's KV offload
+  region is a file there). Its size is a ceiling, not a reservation; rigbook sets it in
+  /etc/fstab and remounts it live, and refuses a size above the host's RAM.
+- Leftovers such as /etc/sysctl.d/99-vllm-swap.conf (vm.swappiness on a box with no swap) are
+  removed, each one reported.
+
+A host whose /proc/sys is mounted read-only (a container such as the sandbox rigs) cannot take
+live values: the file is still written, the live step warns and changes nothing, so a second
+run is clean. Bad input (a /dev/shm size above RAM, a sysctl key this kernel lacks) fails that
+host before anything on it changes; the other hosts go on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operation
+from pyinfra.api.command import QuoteString
+from pyinfra.api.exceptions import FactProcessError
+from pyinfra.operations import files
+
+from roles.errors import RigbookError
+from roles.spec import Rig
+
+FILES = Path(__file__).resolve().parent.parent / "files"
+SYSCTL_TEMPLATE = FILES / "tuning" / "90-rigbook.conf.j2"
+SYSCTL_CONF = "/etc/sysctl.d/90-rigbook.conf"
+FSTAB = "/etc/fstab"
+SHM = "/dev/shm"
+PAGE = 4096
+
+#: What a host that refuses live sysctl writes is told (the file step has already run).
+READ_ONLY_NOTE = "the file is in place; the values apply at the next boot of a host that allows it"
+
+_SIZE = re.compile(r"^([1-9][0-9]*)([KMG%])$")
+_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+# --- messages: refusals, warnings and notices ------------------------------------------------
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_once(message: str) -> None:
+    """logger.warning naming the host, once per run.
+
+    An operation body runs at prepare time (when pyinfra diffs) and again at execution; with -y
+    it runs only at execution. Warning from the body and remembering what was said prints the
+    warning exactly once in every mode, --dry included.
+    """
+    key = (host.name, message)
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(f"{host.print_prefix}{message}")
+
+
+def _log_warning(state, host, message: str) -> bool:
+    logger.warning(f"{host.print_prefix}{message}")
+    return True
+
+
+def _log_refusal(state, host, message: str) -> bool:
+    host.log_styled(message, fg="red", log_func=logger.error)
+    return False
+
+
+def notice(message: str) -> FunctionCommand:
+    """A command that prints a warning when it executes (so only when the operation ran)."""
+    return FunctionCommand(_log_warning, (message,), {})
+
+
+def refuse(message: str) -> FunctionCommand:
+    """A command that fails its host with `message` when it executes.
+
+    pyinfra aborts the whole run when a deploy raises while it prepares, so a RigbookError that
+    concerns one host is turned into this failing step instead: that host stops here, before
+    the operations after it change anything, and the other hosts go on.
+    """
+    return FunctionCommand(_log_refusal, (message,), {})
+
+
+# --- sysctl ---------------------------------------------------------------------------------
+
+
+def sysctl_values(rig: Rig) -> dict[str, str]:
+    """Every key that files/tuning/90-rigbook.conf.j2 writes, with its value, in file order."""
+    values = {
+        "fs.inotify.max_user_watches": str(rig.sysctl_inotify_max_user_watches),
+        "fs.inotify.max_user_instances": str(rig.sysctl_inotify_max_user_instances),
+    }
+    values.update((key, str(rig.sysctl_extra[key])) for key in sorted(rig.sysctl_extra))
+    return values
+
+
+def sysctl_path(key: str) -> str:
+    """The /proc/sys file of a key: dots are separators, a slash stands for a dot (sysctl(8))."""
+    return "/proc/sys/" + key.translate({ord("."): "/", ord("/"): "."})
+
+
+def same_sysctl(wanted: str, live: str | None) -> bool:
+    """Whether a live value equals the wanted one; multi-value keys compare field by field."""
+    return live is not None and wanted.split() == live.split()
+
+
+@dataclass(frozen=True)
+class LiveSysctl:
+    """One key as the running kernel has it."""
+
+    value: str | None  # None: this kernel has no such key
+    read_only: bool  # the /proc/sys file sits on a read-only mount
+
+
+class LiveSysctls(FactBase[dict[str, LiveSysctl]]):
+    """
+    Live values of sysctl keys, and whether /proc/sys may be written for each.
+
+    Reads /proc/sys directly and the mounts under /proc from /proc/mounts; a key is read-only
+    when the deepest mount holding its file is mounted ``ro`` (systemd-nspawn and Docker mount
+    /proc/sys that way, nspawn with /proc/sys/net writable again). Output of a sandbox rig::
+
+        mount /proc rw,nosuid,nodev,noexec,relatime
+        mount /proc/sys ro,nosuid,nodev,noexec,relatime
+        key fs.inotify.max_user_watches 124208
+        nokey vm.no_such_key
+
+    .. code:: python
+
+        {"fs.inotify.max_user_watches": LiveSysctl(value="124208", read_only=True),
+         "vm.no_such_key": LiveSysctl(value=None, read_only=True)}
+    """
+
+    default = dict
+
+    def command(self, keys: tuple[str, ...]) -> StringCommand:
+        parts: list = ["awk '$2 ~ \"^/proc(/|$)\" {print \"mount\", $2, $4}' /proc/mounts;"]
+        for key in keys:
+            path = QuoteString(sysctl_path(key))
+            parts += [
+                "if [ -f", path, "]; then printf 'key %s ' ", QuoteString(key), ";",
+                "tr '\\t\\n' '  ' <", path, "; echo; else echo nokey", QuoteString(key), "; fi;",
+            ]
+        return StringCommand(*parts, "true")
+
+    def process(self, output: list[str]) -> dict[str, LiveSysctl]:
+        return parse_live_sysctls(output)
+
+
+def parse_live_sysctls(output: list[str]) -> dict[str, LiveSysctl]:
+    """LiveSysctls' output into key -> LiveSysctl (see the fact's docstring)."""
+    mounts: dict[str, bool] = {}
+    found: dict[str, str | None] = {}
+    for line in output:
+        kind, _, rest = line.strip().partition(" ")
+        if kind == "mount":
+            point, _, options = rest.partition(" ")
+            mounts[point] = "ro" in options.split(",")
+        elif kind == "key":
+            key, _, value = rest.partition(" ")
+            found[key] = value.strip()
+        elif kind == "nokey":
+            found[rest.strip()] = None
+        elif line.strip():
+            raise FactProcessError(f"unexpected line in the sysctl probe: {line!r}")
+
+    def read_only(key: str) -> bool:
+        path = sysctl_path(key)
+        holders = [p for p in mounts if path == p or path.startswith(p.rstrip("/") + "/")]
+        return mounts[max(holders, key=len)] if holders else False
+
+    return {key: LiveSysctl(value, read_only(key)) for key, value in found.items()}
+
+
+@dataclass(frozen=True)
+class SysctlPlan:
+    """What the live step does: write these keys, warn about those it cannot write."""
+
+    apply: dict[str, str]
+    read_only: dict[str, str]
+    missing: tuple[str, ...]
+
+
+def plan_live_sysctl(wanted: dict[str, str], live: dict[str, LiveSysctl]) -> SysctlPlan:
+    """Split the wanted keys into: differ and writable, differ but read-only, unknown."""
+    apply, read_only, missing = {}, {}, []
+    for key, value in wanted.items():
+        now = live.get(key)
+        if now is None or now.value is None:
+            missing.append(key)
+        elif not same_sysctl(value, now.value):
+            (read_only if now.read_only else apply)[key] = value
+    return SysctlPlan(apply, read_only, tuple(missing))
+
+
+@operation()
+def sysctl_live(values: dict[str, str], conf: str = SYSCTL_CONF) -> Iterator:
+    """
+    Apply sysctl values to the running kernel where they differ from it.
+
+    + values: key -> value, exactly as in ``conf``
+    + conf: the sysctl.d file that holds them (written by an earlier step)
+
+    All differing keys writable: ``sysctl -p conf``. Keys on a read-only /proc/sys (a
+    container) are left alone with a warning naming them; that is no change, so a second run is
+    clean. Keys this kernel does not have fail the host.
+    """
+    plan = plan_live_sysctl(values, host.get_fact(LiveSysctls, keys=tuple(values)))
+    if plan.missing:
+        yield refuse(
+            f"{host.name}: sysctl: this kernel has no {', '.join(plan.missing)} "
+            f"(no {', '.join(sysctl_path(k) for k in plan.missing)}); "
+            "remove it from sysctl_extra"
+        )
+        return
+    if plan.read_only:
+        warn_once(
+            f"{host.name}: /proc/sys is read-only here, live sysctl not applied for "
+            f"{', '.join(f'{k}={v}' for k, v in plan.read_only.items())}: {READ_ONLY_NOTE}"
+        )
+    if not plan.apply:
+        if not plan.read_only:
+            host.noop(f"sysctl values of {conf} are live")
+        return
+    if not plan.read_only:
+        yield StringCommand("sysctl", "-p", QuoteString(conf))
+        return
+    for key, value in plan.apply.items():
+        yield StringCommand("sysctl", "-w", QuoteString(f"{key}={value}"))
+
+
+# --- /dev/shm -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShmState:
+    """/dev/shm as mounted now, and the host's RAM (all in bytes)."""
+
+    fstype: str | None  # None: nothing is mounted on /dev/shm
+    options: str
+    size_bytes: int | None
+    used_bytes: int | None
+    mem_total_bytes: int
+
+
+class Shm(FactBase[ShmState | None]):
+    """
+    The /dev/shm mount (/proc/mounts), its size and use (``df -B1``) and MemTotal.
+
+    Output (a dual-3090 sandbox rig)::
+
+        mount tmpfs rw,nosuid,nodev,size=65536k,nr_inodes=1048576,inode64
+        df 67108864 0
+        MemTotal:       24596720 kB
+    """
+
+    def command(self) -> str:
+        return (
+            f"awk '$2==\"{SHM}\" {{print \"mount\", $3, $4}}' /proc/mounts; "
+            f"df -B1 --output=size,used {SHM} 2>/dev/null | tail -n +2 | sed 's/^ */df /'; "
+            "grep '^MemTotal:' /proc/meminfo"
+        )
+
+    def process(self, output: list[str]) -> ShmState:
+        return parse_shm(output)
+
+
+def parse_shm(output: list[str]) -> ShmState:
+    """Shm's output into a ShmState; the last mount on /dev/shm is the one that is seen."""
+    fstype, options, size, used, mem = None, "", None, None, None
+    for line in output:
+        fields = line.split()
+        if not fields:
+            continue
+        if fields[0] == "mount" and len(fields) >= 3:
+            fstype, options = fields[1], fields[2]
+        elif fields[0] == "df" and len(fields) == 3:
+            size, used = int(fields[1]), int(fields[2])
+        elif fields[0] == "MemTotal:" and len(fields) == 3 and fields[2] == "kB":
+            mem = int(fields[1]) * 1024
+    if mem is None:
+        raise FactProcessError(f"no MemTotal in /proc/meminfo: {output!r}")
+    return ShmState(fstype, options, size if fstype else None, used if fstype else None, mem)
+
+
+def size_bytes(size: str, mem_total_bytes: int) -> int:
+    """A tmpfs size= value in bytes as the kernel sets it: K/M/G binary units, N% of RAM.
+
+    Rounded up to whole pages like tmpfs does; a percentage is of MemTotal (the kernel's
+    totalram pages, which is what /proc/meminfo's MemTotal counts).
+    """
+    match = _SIZE.match(size)
+    if not match:
+        raise ValueError(f"{size!r} is not a tmpfs size; use e.g. 64G, 512M or 50%")
+    number, unit = int(match.group(1)), match.group(2)
+    if unit == "%":
+        pages = -(-(mem_total_bytes // PAGE) * number // 100)
+    else:
+        pages = -(-number * _UNITS[unit] // PAGE)
+    return pages * PAGE
+
+
+def gib(size: int) -> str:
+    return f"{size / 1024**3:.1f} GiB"
+
+
+def check_shm(host_name: str, size: str, shm: ShmState) -> int:
+    """The wanted /dev/shm size in bytes; RigbookError when it cannot or must not be set."""
+    wanted = size_bytes(size, shm.mem_total_bytes)
+    if wanted > shm.mem_total_bytes:
+        raise RigbookError(
+            f"{host_name}: shm_size: asked {size} ({gib(wanted)}) but the host has "
+            f"{gib(shm.mem_total_bytes)} of RAM (MemTotal); allowed: up to the RAM, "
+            "e.g. 50% or a size below it. Nothing was changed."
+        )
+    if shm.fstype != "tmpfs":
+        raise RigbookError(
+            f"{host_name}: shm_size: asked {size} but {SHM} is "
+            f"{'not mounted' if shm.fstype is None else f'a {shm.fstype} mount'}, not a tmpfs; "
+            "allowed: a host whose /dev/shm is tmpfs. Nothing was changed."
+        )
+    if shm.used_bytes is not None and wanted < shm.used_bytes:
+        raise RigbookError(
+            f"{host_name}: shm_size: asked {size} ({gib(wanted)}) but {SHM} holds "
+            f"{gib(shm.used_bytes)} now (engine offload buffers?); allowed: at least what is in "
+            "use: stop the engine or pick a larger size. Nothing was changed."
+        )
+    return wanted
+
+
+def shm_differs(wanted_bytes: int, shm: ShmState) -> bool:
+    """Whether the live /dev/shm size differs from the wanted one (by more than a page)."""
+    return shm.size_bytes is None or abs(shm.size_bytes - wanted_bytes) > PAGE
+
+
+def fstab_line(size: str) -> str:
+    return f"tmpfs {SHM} tmpfs defaults,size={size} 0 0"
+
+
+#: An fstab line that mounts something on /dev/shm (ERE, for files.line); comments excluded.
+FSTAB_SHM_LINE = r"^[^#[:space:]]+[[:space:]]+/dev/shm[[:space:]]"
+
+
+@operation()
+def shm_live(size: str) -> Iterator:
+    """
+    Remount /dev/shm with ``size`` when its live size differs.
+
+    + size: tmpfs size as in fstab (``2G``, ``512M``, ``50%``)
+
+    Sizes compare in bytes (percentages of MemTotal, rounded to pages as tmpfs does).
+    """
+    shm = host.get_fact(Shm)
+    try:
+        wanted = check_shm(host.name, size, shm)
+    except RigbookError as error:
+        yield refuse(str(error))
+        return
+    if shm_differs(wanted, shm):
+        yield StringCommand("mount", "-o", QuoteString(f"remount,size={size}"), SHM)
+    else:
+        host.noop(f"{SHM} is already {gib(wanted)} (size={size})")
+
+
+# --- preflight ------------------------------------------------------------------------------
+
+
+def preflight_errors(rig: Rig, host_name: str, shm: ShmState, live: dict[str, LiveSysctl]):
+    """Every reason to refuse the tuning of this host, as messages (empty: go ahead)."""
+    errors = []
+    if rig.shm_size is not None:
+        try:
+            check_shm(host_name, rig.shm_size, shm)
+        except RigbookError as error:
+            errors.append(str(error))
+    missing = plan_live_sysctl(sysctl_values(rig), live).missing
+    if missing:
+        errors.append(
+            f"{host_name}: sysctl_extra: this kernel has no {', '.join(missing)} "
+            f"(no {', '.join(sysctl_path(k) for k in missing)}); allowed: keys under /proc/sys. "
+            "Nothing was changed."
+        )
+    return errors
+
+
+@operation()
+def tuning_preflight(rig: Rig) -> Iterator:
+    """
+    Refuse, before anything changes, a tuning the host cannot take.
+
+    + rig: the validated host data
+
+    Refused: a /dev/shm size above MemTotal, below what /dev/shm holds now, or for a /dev/shm
+    that is not tmpfs; a sysctl key this kernel does not have. Nothing else is yielded, so a
+    host that passes reports no change.
+    """
+    live = host.get_fact(LiveSysctls, keys=tuple(sysctl_values(rig)))
+    errors = preflight_errors(rig, host.name, host.get_fact(Shm), live)
+    if errors:
+        yield refuse("\n".join(errors))
+    else:
+        host.noop("host tuning can be applied")
+
+
+# --- the role -------------------------------------------------------------------------------
+
+
+@deploy("Host tuning")
+def host_tuning(rig: Rig) -> None:
+    """Converge inotify limits, /dev/shm and leftovers (see the module docstring)."""
+    tuning_preflight(name="Check the host can take the tuning", rig=rig)
+
+    for path in rig.stale_files:
+        files.file(name=f"Remove leftover {path}", path=path, present=False)
+
+    values = sysctl_values(rig)
+    files.template(
+        name=f"Write {SYSCTL_CONF}",
+        src=str(SYSCTL_TEMPLATE),
+        dest=SYSCTL_CONF,
+        mode="644",
+        cfg=rig,
+    )
+    sysctl_live(name="Apply the sysctl values live", values=values)
+
+    if rig.shm_size is not None:
+        files.line(
+            name=f"Set the {SHM} size in {FSTAB}",
+            path=FSTAB,
+            line=FSTAB_SHM_LINE,
+            replace=fstab_line(rig.shm_size),
+            extended_regex=True,
+        )
+        shm_live(name=f"Resize the live {SHM}", size=rig.shm_size)
