@@ -12,6 +12,7 @@ import logging
 import sys
 
 from roles import sandbox
+from roles.docs import write_host_data_docs
 from roles.errors import RigbookError
 
 
@@ -58,10 +59,37 @@ def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
     listing.set_defaults(func=sandbox_list)
 
 
+def show_status(args: argparse.Namespace) -> int:
+    from roles.status import status  # imports pyinfra_cli, which gevent-patches the process
+
+    return status(args.inventory, args.limit, args.json)
+
+
+def add_status_command(commands: argparse._SubParsersAction) -> None:
+    status = commands.add_parser("status", help="what every rig is doing, and where it drifted")
+    status.add_argument("inventory", help="pyinfra inventory file, e.g. inventory/rigs.py")
+    status.add_argument(
+        "--limit", action="append", help="host, group or glob (repeatable), as pyinfra's --limit"
+    )
+    status.add_argument("--json", action="store_true", help="print the facts as JSON")
+    status.set_defaults(func=show_status)
+
+
+def write_docs(args: argparse.Namespace) -> None:
+    print(f"wrote {write_host_data_docs()}")
+
+
+def add_docs_command(commands: argparse._SubParsersAction) -> None:
+    docs = commands.add_parser("docs", help="regenerate docs/host-data.md from the models")
+    docs.set_defaults(func=write_docs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rigbook", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_sandbox_commands(commands)
+    add_docs_command(commands)
+    add_status_command(commands)
     return parser
 
 
@@ -70,11 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="rigbook: %(message)s")
     try:
-        args.func(args)
+        return args.func(args) or 0  # sub-commands with an exit status of their own return it
     except RigbookError as error:
         print(f"rigbook: error: {error}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,717 @@
+"""roles.status: facts -> RigStatus (drift rules, exit codes), the table and the JSON.
+
+Fact values are made the way pyinfra makes them: each fact's own `process()` on output in its
+real format (the H200 captures in tests/fixtures/nvidia-h200, dpkg/apt/df/proc output), and the
+unit and sysctl file the roles themselves render (power.render_unit, the tuning template), so
+status is checked against what a converge really leaves. Facts whose commands are rigbook's own
+are also run for real here (against stand-in journalctl/dmesg where a kernel log is needed).
+One test gathers from @local and a closed loopback port through pyinfra's API.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from pyinfra.api import Inventory
+from pyinfra.api.util import get_template
+from rich.console import Console
+
+from roles.apt import AptHolds, DpkgInstalled
+from roles.driver import LoadedDriverVersion
+from roles.errors import RigbookError
+from roles.facts import NvidiaGpus
+from roles.gpus import Gpu, GpuProbe
+from roles.power import desired_caps, render_unit
+from roles.spec import Rig
+from roles.status import (
+    FleetStatus,
+    FreeDisk,
+    KernelXids,
+    PowerUnitFile,
+    PresentPaths,
+    RigFacts,
+    RigStatus,
+    build_rig_status,
+    fact_plan,
+    fleet_exit_code,
+    parse_kernel_log,
+    parse_sysctl_conf,
+    render,
+    status,
+    unit_caps,
+    unreachable_status,
+)
+from roles.status import _limit as limit_hosts
+from roles.tuning import SYSCTL_TEMPLATE, fstab_line, parse_live_sysctls, parse_shm
+from roles.wsl import RegProbe, WindowsProfile, WslSignals
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
+H200_SMI = "/usr/local/nvidia/bin/nvidia-smi"
+SMI = "/usr/bin/nvidia-smi"
+UUID0 = "GPU-5f1c0a3e-0000-4000-8000-000000000000"
+UUID1 = "GPU-5f1c0a3e-1111-4000-8000-000000000001"
+SIM_PACKAGES = ("libnvidia-ml1", "nvidia-kernel-open-dkms", "nvidia-open", "nvidia-persistenced",
+                "nvidia-smi")
+
+
+# --- facts as pyinfra hands them over ------------------------------------------------------
+
+
+def smi_output(path: str, lines: list[str], rc: int = 0) -> list[str]:
+    """What NvidiaGpus' shell wrapper prints around one nvidia-smi run."""
+    return [f"##RIGBOOK_SMI## {path}", *lines, f"##RIGBOOK_RC## {rc}"]
+
+
+def h200_probe() -> GpuProbe:
+    csv = (H200 / "query-full-nounits.csv").read_text().splitlines()
+    return NvidiaGpus().process(smi_output(H200_SMI, csv))
+
+
+def rtx3090(index: int, uuid: str, limit: float = 290.0, persistence: bool = True) -> Gpu:
+    return Gpu(
+        index=index, uuid=uuid, name="NVIDIA GeForce RTX 3090",
+        bus_id=f"00000000:0{index + 1}:00.0", driver_version="580.95.05", power_limit_w=limit,
+        default_limit_w=350.0, min_limit_w=100.0, max_limit_w=400.0, enforced_limit_w=limit,
+        persistence=persistence,
+    )
+
+
+def dual_3090(**data) -> Rig:
+    return Rig(platform="debian", gpu_class="rtx3090", gpu_count=2, driver_version="580.95.05",
+               shm_size="2G", stale_files=("/etc/sysctl.d/99-vllm-swap.conf",), **data)
+
+
+def dpkg(packages: dict[str, str], held: set[str]) -> dict[str, str]:
+    """DpkgInstalled from dpkg-query lines (held packages show as 'hi')."""
+    lines = ["amd64"] + [
+        f"{'hi' if name in held else 'ii'} \t{name}\tamd64\t{version}"
+        for name, version in packages.items()
+    ]
+    return DpkgInstalled().process(lines)
+
+
+def unit_fact(rig: Rig, gpus, smi: str = SMI, enabled: str = "enabled") -> object:
+    """PowerUnitFile's value for the unit power.py writes for these GPUs."""
+    text = render_unit(smi, desired_caps(rig, "rig1", gpus))
+    starts = [line for line in text.splitlines() if line.startswith("ExecStart=")]
+    return PowerUnitFile().process(["##RIGBOOK_UNIT##", *starts, f"##RIGBOOK_ENABLED## {enabled}"])
+
+
+def sysctl_file(rig: Rig) -> list[str]:
+    return get_template(str(SYSCTL_TEMPLATE)).render(cfg=rig).splitlines()
+
+
+def live_sysctls(rig: Rig, read_only: bool = True, **values: str) -> dict:
+    """LiveSysctls' value: /proc/sys read-only (nspawn) unless asked, values by key."""
+    lines = [f"mount /proc/sys {'ro' if read_only else 'rw'},nosuid,nodev,noexec,relatime"]
+    keys = {"fs.inotify.max_user_watches": str(rig.sysctl_inotify_max_user_watches),
+            "fs.inotify.max_user_instances": str(rig.sysctl_inotify_max_user_instances)}
+    keys.update({key.replace("__", "."): value for key, value in values.items()})
+    lines += [f"key {key} {value}" for key, value in keys.items()]
+    return parse_live_sysctls(lines)
+
+
+def converged_dual(rig: Rig | None = None, gpus=None) -> RigFacts:
+    """A dual-3090 sandbox-like rig as deploys/rig.py leaves it: everything as declared."""
+    rig = rig or dual_3090()
+    gpus = gpus or (rtx3090(0, UUID0), rtx3090(1, UUID1))
+    installed = {name: "580.95.05-1" for name in SIM_PACKAGES}
+    return RigFacts(
+        probe=GpuProbe(smi=SMI, gpus=tuple(gpus)),
+        installed=dpkg(installed, set(installed)),
+        holds=AptHolds().process(list(SIM_PACKAGES)),
+        loaded="580.95.05",
+        reboot_marker=[],
+        wsl=WslSignals("6.1.0-27-amd64", interop=False, run_wsl=False),
+        unit=unit_fact(rig, gpus),
+        sysctl_file=sysctl_file(rig),
+        sysctl_live=live_sysctls(rig, read_only=True, fs__inotify__max_user_watches="124208",
+                                 fs__inotify__max_user_instances="128"),
+        shm=parse_shm(["mount tmpfs rw,nosuid,nodev,size=2097152k,inode64", "df 2147483648 0",
+                       "MemTotal:       24596720 kB"]),
+        fstab=["# /etc/fstab: static file system information.", fstab_line("2G")],
+        stale_present=[],
+        disks=FreeDisk().process(["/ overlay 63000000000 20000000000 43000000000 32% /"]),
+        klog=parse_kernel_log(["##RIGBOOK_KLOG## journalctl", "##RIGBOOK_KLOG_ALL_BOOTS##"]),
+    )
+
+
+def drifts(status: RigStatus, level: str = "drift") -> list[tuple[str, str | None, str]]:
+    return [(f.area, f.gpu, f.reason) for f in status.findings if f.level == level]
+
+
+def table_text(*rigs: RigStatus) -> str:
+    fleet = FleetStatus(inventory="inventory/test.py", rigs=list(rigs),
+                        exit_code=fleet_exit_code(rigs))
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render(fleet))
+    return console.export_text()
+
+
+# --- all as declared ------------------------------------------------------------------------
+
+
+def test_converged_dual_3090_is_as_declared():
+    status = build_rig_status("rig1", dual_3090(), converged_dual())
+    assert status.state == "as-declared", status.findings
+    assert status.exit_code == 0
+    assert [(g.index, g.cap_desired_w, g.cap_unit_w, g.cap_live_w) for g in status.gpus] == [
+        (0, 290.0, 290.0, 290.0), (1, 290.0, 290.0, 290.0)]
+    assert status.gpus[0].cap_source == "power_profile sweet-spot (rtx3090, air)"
+    assert status.driver.running == "580.95.05" and status.driver.unheld == []
+    assert status.power_unit.enabled == "enabled"
+    # /proc/sys is read-only (the sandbox): the file is in place, so a warning, not drift
+    assert [f.area for f in status.findings] == ["tuning", "tuning"]
+    assert all(f.level == "warn" and "read-only" in f.reason for f in status.findings)
+    text = table_text(status)
+    assert "as declared" in text
+    assert "290 / 290 / 290" in text and "RTX 3090" in text and "held" in text
+
+
+def test_real_h200_capture():
+    """The H200 host as captured: driver from /usr/local/nvidia, no packages, no systemd."""
+    rig = Rig(platform="ubuntu", gpu_class="other", gpu_count=1, gpu_limits_watts=(200, 700),
+              power_profile="stock", driver_version="580.159.04")
+    proc = (H200 / "proc-driver-version.txt").read_text().splitlines()
+    facts = RigFacts(
+        probe=h200_probe(),
+        installed={},
+        holds=AptHolds().process((H200 / "apt-mark-showhold.txt").read_text().splitlines()),
+        loaded=LoadedDriverVersion().process(proc),
+        unit=None,
+        sysctl_file=None,
+        sysctl_live=live_sysctls(rig, read_only=False, fs__inotify__max_user_watches="1030000",
+                                 fs__inotify__max_user_instances="128"),
+        shm=parse_shm(["mount tmpfs rw,nosuid,nodev,inode64", "df 137438953472 0",
+                       "MemTotal:       131795188 kB"]),
+        fstab=[],
+        # what FreeDisk and KernelXids printed on the H200 host (rigbook status, @local)
+        disks=FreeDisk().process(
+            ["/ /dev/vda       270553174016 17355767808 68633169920      21% /"]),
+        klog=KernelXids().process(["##RIGBOOK_KLOG## dmesg"]),
+    )
+    status = build_rig_status("h200", rig, facts)
+    gpu = status.gpus[0]
+    assert (gpu.name, gpu.uuid, gpu.bus_id) == (
+        "NVIDIA H200", "GPU-26318cf3-2491-8ba9-5e54-60691789063b", "00000000:00:06.0")
+    assert (gpu.cap_desired_w, gpu.cap_unit_w, gpu.cap_live_w) == (700.0, None, 700.0)
+    assert gpu.persistence is True and gpu.memory_total_mib == 143771
+    assert status.driver.running == "580.159.04" and status.driver.loaded == "580.159.04"
+    assert status.driver.smi == H200_SMI
+    # what is not as a rigbook rig would be, each said once
+    assert drifts(status) == [
+        ("driver", None, "no driver installed; inventory: 580.159.04"),
+        ("power", None, "no nvidia-power-limit.service: caps are lost at the next reboot"),
+        ("tuning", None, "no /etc/sysctl.d/90-rigbook.conf"),
+        ("tuning", None, "fs.inotify.max_user_watches is 1030000 live, inventory 1048576"),
+        ("tuning", None, "fs.inotify.max_user_instances is 128 live, inventory 1024"),
+    ]
+    assert status.state == "drift" and status.exit_code == 1
+    assert status.kernel_log.source == "dmesg" and status.kernel_log.xids == []
+    assert [(d.mount, d.avail_bytes) for d in status.disks] == [("/", 68633169920)]
+    text = table_text(status)
+    assert "0 H200" in text and "700 / - / 700" in text and "/ 63.9 GiB (25%)" in text
+
+
+# --- drift ---------------------------------------------------------------------------------
+
+
+def test_cap_changed_by_hand_on_one_gpu():
+    gpus = (rtx3090(0, UUID0), rtx3090(1, UUID1, limit=300.0))
+    facts = replace(converged_dual(), probe=GpuProbe(smi=SMI, gpus=gpus))
+    status = build_rig_status("rig1", dual_3090(), facts)
+    assert status.state == "drift" and status.exit_code == 1
+    assert drifts(status) == [("power", UUID1, "GPU 1: live cap 300 W, inventory 290 W")]
+    assert [g.cap_live_w for g in status.gpus] == [290.0, 300.0]
+    text = table_text(status)
+    assert "290 / 290 / 300" in text and "DRIFT" in text
+    assert "x GPU 1: live cap 300 W, inventory 290 W" in text
+
+
+def test_unit_out_of_date_disabled_or_missing():
+    rig = dual_3090()
+    stale = unit_fact(dual_3090(power_cap_watts=300), (rtx3090(0, UUID0), rtx3090(1, UUID1)),
+                      enabled="disabled")
+    status = build_rig_status("rig1", rig, replace(converged_dual(), unit=stale))
+    assert drifts(status) == [
+        ("power", None, "nvidia-power-limit.service is disabled, not enabled"),
+        ("power", UUID0, "GPU 0: unit caps 300 W, inventory 290 W"),
+        ("power", UUID1, "GPU 1: unit caps 300 W, inventory 290 W"),
+    ]
+    missing = build_rig_status("rig1", rig, replace(converged_dual(), unit=None))
+    assert drifts(missing) == [
+        ("power", None, "no nvidia-power-limit.service: caps are lost at the next reboot")]
+
+
+def test_cap_outside_the_cards_range_and_per_gpu_caps():
+    rig = dual_3090(power_caps={UUID1: 250})
+    gpus = (rtx3090(0, UUID0), rtx3090(1, UUID1, limit=250.0))
+    status = build_rig_status("rig1", rig, replace(
+        converged_dual(rig, gpus), probe=GpuProbe(smi=SMI, gpus=gpus)))
+    assert status.state == "as-declared", status.findings
+    assert status.gpus[1].cap_source == f"power_caps[{UUID1}]"
+    too_high = dual_3090(power_cap_watts=500)
+    status = build_rig_status("rig1", too_high, converged_dual())
+    assert ("power", UUID0, "GPU 0: power_cap_watts asks 500 W, outside the card's range "
+            "100-400 W") in drifts(status)
+
+
+def test_persistence_off_and_driver_not_held():
+    gpus = (rtx3090(0, UUID0, persistence=False), rtx3090(1, UUID1))
+    facts = replace(converged_dual(), probe=GpuProbe(smi=SMI, gpus=gpus),
+                    holds={"nvidia-open", "nvidia-smi"})
+    status = build_rig_status("rig1", dual_3090(), facts)
+    assert drifts(status) == [
+        ("driver", None,
+         "not held: libnvidia-ml1, nvidia-kernel-open-dkms, nvidia-persistenced"),
+        ("persistence", UUID0, "GPU 0: persistence mode is off"),
+    ]
+    assert "NOT held" in table_text(status)
+    # persistence is not asked for: off is as declared
+    relaxed = build_rig_status("rig1", dual_3090(driver_persistence=False),
+                               replace(converged_dual(), probe=GpuProbe(smi=SMI, gpus=gpus)))
+    assert relaxed.state == "as-declared"
+
+
+def test_driver_version_and_pending_reboot():
+    newer = {name: "580.159.04-1" for name in SIM_PACKAGES}
+    facts = replace(converged_dual(), installed=dpkg(newer, set(newer)))
+    status = build_rig_status("rig1", dual_3090(), facts)
+    assert drifts(status) == [
+        ("driver", None, "installed 580.159.04, inventory: 580.95.05"),
+        ("driver", None, "reboot pending: driver 580.159.04 is installed but the loaded module "
+                         "is 580.95.05"),
+    ]
+    assert "reboot pending" in table_text(status)
+
+
+def test_gpu_count_and_class_as_declared():
+    rig = Rig(platform="debian", gpu_class="rtx4090", gpu_count=2, driver_version="580.95.05",
+              power_profile="stock", shm_size="2G",
+              stale_files=("/etc/sysctl.d/99-vllm-swap.conf",))
+    gpu = rtx3090(0, UUID0, limit=350.0)
+    facts = replace(converged_dual(), probe=GpuProbe(smi=SMI, gpus=(gpu,)))
+    areas = [(area, gpu, reason) for area, gpu, reason in drifts(build_rig_status("r", rig, facts))
+             if area == "gpu"]
+    assert areas == [
+        ("gpu", None, "gpu_count 2 declared, nvidia-smi lists 1"),
+        ("gpu", UUID0, "gpu_class rtx4090 declared, card is NVIDIA GeForce RTX 3090"),
+    ]
+
+
+def test_host_tuning_drift():
+    rig = dual_3090()
+    facts = replace(
+        converged_dual(),
+        sysctl_file=[line.replace("1048576", "524288") for line in sysctl_file(rig)],
+        sysctl_live=live_sysctls(rig, read_only=False, fs__inotify__max_user_instances="128"),
+        shm=parse_shm(["mount tmpfs rw,nosuid,nodev,size=65536k,inode64", "df 67108864 0",
+                       "MemTotal:       24596720 kB"]),
+        fstab=["tmpfs /dev/shm tmpfs defaults,size=1G 0 0"],
+        stale_present=["/etc/sysctl.d/99-vllm-swap.conf"],
+    )
+    assert drifts(build_rig_status("rig1", rig, facts)) == [
+        ("tuning", None, "/etc/sysctl.d/90-rigbook.conf: fs.inotify.max_user_watches = 524288, "
+                         "inventory 1048576"),
+        ("tuning", None, "fs.inotify.max_user_instances is 128 live, inventory 1024"),
+        ("tuning", None, "/etc/fstab: /dev/shm line is ['tmpfs /dev/shm tmpfs defaults,size=1G "
+                         "0 0'], inventory: tmpfs /dev/shm tmpfs defaults,size=2G 0 0"),
+        ("tuning", None, "/dev/shm is 0.1 GiB, inventory 2G (2.0 GiB)"),
+        ("tuning", None, "leftover /etc/sysctl.d/99-vllm-swap.conf is present"),
+    ]
+
+
+def test_a_fact_that_could_not_be_read_is_not_as_declared():
+    facts = replace(converged_dual(), unread={"unit": "Command timed out after 120s"})
+    status = build_rig_status("rig1", dual_3090(), facts)
+    assert drifts(status) == [
+        ("facts", None, "could not read power-limit unit: Command timed out after 120s")]
+    assert status.power_unit is None and status.gpus[0].cap_unit_w is None
+
+
+def test_low_disk_is_a_warning():
+    facts = replace(converged_dual(), disks=FreeDisk().process([
+        "/ overlay 63000000000 60000000000 3000000000 96% /",
+        "/opt/rigbook overlay 63000000000 60000000000 3000000000 96% /",
+    ]))
+    status = build_rig_status("rig1", dual_3090(), facts)
+    assert status.state == "as-declared"
+    assert [d.paths for d in status.disks] == [["/", "/opt/rigbook"]]
+    assert ("disk", None, "/: 2.8 GiB free of 58.7 GiB") in drifts(status, "warn")
+
+
+# --- GPU gone ------------------------------------------------------------------------------
+
+
+def test_nvidia_smi_failing_is_gpu_gone():
+    mismatch = NvidiaGpus().process(smi_output(
+        SMI, ["Failed to initialize NVML: Driver/library version mismatch",
+              "NVML library version: 580.159"], rc=18))
+    status = build_rig_status("rig1", dual_3090(), replace(converged_dual(), probe=mismatch))
+    assert status.state == "gpu-gone" and status.exit_code == 2
+    assert drifts(status, "gone") == [
+        ("gpu", None, "/usr/bin/nvidia-smi fails: Failed to initialize NVML: Driver/library "
+                      "version mismatch\nNVML library version: 580.159")]
+    assert status.gpus == [] and "GPU GONE" in table_text(status)
+
+
+def test_no_nvidia_smi_is_drift():
+    status = build_rig_status("rig1", dual_3090(), replace(converged_dual(), probe=None))
+    assert ("gpu", None, "no nvidia-smi (no driver installed?)") in drifts(status)
+    assert status.exit_code == 1
+
+
+def test_xid_79_since_boot_names_the_gpu():
+    klog = parse_kernel_log([
+        "##RIGBOOK_KLOG## dmesg",
+        "[ 8812.004000] NVRM: Xid (PCI:0000:02:00): 79, pid=4242, name=python3, GPU has fallen "
+        "off the bus.",
+        "[ 8812.009000] NVRM: Xid (PCI:0000:02:00): 154, GPU recovery action changed from 0x0 "
+        "(None) to 0x2 (Node Reboot Required)",
+    ])
+    status = build_rig_status("rig1", dual_3090(), replace(converged_dual(), klog=klog))
+    assert status.state == "gpu-gone" and status.exit_code == 2
+    assert drifts(status, "gone") == [
+        ("faults", UUID1, "GPU 1: Xid 79 fallen off the bus since boot, last at 8812.004000"),
+        ("faults", UUID1, "GPU 1: Xid 154 recovery: Node Reboot Required since boot, last at "
+                          "8812.009000"),
+    ]
+    assert [(x.code, x.gpu_index, x.this_boot) for x in status.kernel_log.xids] == [
+        (79, 1, True), (154, 1, True)]
+    assert "Xid 79 fallen off the bus" in table_text(status)
+
+
+def test_xid_of_a_card_nvidia_smi_no_longer_lists():
+    klog = parse_kernel_log([
+        "##RIGBOOK_KLOG## dmesg",
+        "[ 77.000001] NVRM: Xid (PCI:0000:03:00): 79, pid=0, GPU has fallen off the bus.",
+    ])
+    status = build_rig_status("rig1", dual_3090(), replace(converged_dual(), klog=klog))
+    assert drifts(status, "gone") == [
+        ("faults", None, "PCI 0000:03:00: Xid 79 fallen off the bus since boot, last at "
+                         "77.000001")]
+    assert "no GPU listed: Xid 79" in table_text(status)
+
+
+def test_earlier_boots_and_app_faults_are_not_gone():
+    journal = [
+        "##RIGBOOK_KLOG## journalctl",
+        "Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 31, pid=4242, name=python3, "
+        "Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ "
+        "0x7f1c_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
+        "##RIGBOOK_KLOG_ALL_BOOTS##",
+        "Nov 27 08:00:01 rig1 kernel: NVRM: Xid (PCI:0000:02:00): 79, pid=0, GPU has fallen off "
+        "the bus.",
+        "Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 31, pid=4242, name=python3, "
+        "Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ "
+        "0x7f1c_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
+    ]
+    status = build_rig_status("rig1", dual_3090(), replace(converged_dual(),
+                                                          klog=parse_kernel_log(journal)))
+    assert status.state == "as-declared" and status.exit_code == 0
+    assert [(x.code, x.gpu_index, x.this_boot) for x in status.kernel_log.xids] == [
+        (31, 0, True), (79, 1, False)]
+    assert ("faults", UUID0, "GPU 0: Xid 31 MMU fault since boot, last at Nov 29 10:11:12") in (
+        drifts(status, "warn"))
+    text = table_text(status)
+    assert "Xid 31 MMU fault" in text and "1 in earlier boots" in text
+
+
+def test_unreadable_kernel_log_is_a_warning():
+    klog = parse_kernel_log(["##RIGBOOK_KLOG## none",
+                             "dmesg: read kernel buffer failed: Operation not permitted"])
+    status = build_rig_status("rig1", dual_3090(), replace(converged_dual(), klog=klog))
+    assert status.state == "as-declared"
+    assert ("faults", None, "kernel log not readable (dmesg: read kernel buffer failed: "
+            "Operation not permitted): GPU faults unknown") in drifts(status, "warn")
+
+
+def test_unreachable_rig_and_fleet_exit_code():
+    down = unreachable_status("rig2", dual_3090(), "Could not connect (Connection refused)")
+    assert down.state == "unreachable" and down.exit_code == 2
+    assert drifts(down, "gone") == [
+        ("connection", None, "could not be reached: Could not connect (Connection refused)")]
+    fine = build_rig_status("rig1", dual_3090(), converged_dual())
+    assert fleet_exit_code([fine]) == 0
+    assert fleet_exit_code([fine, down]) == 2
+    text = table_text(fine, down)
+    assert "UNREACHABLE" in text and "as declared" in text
+
+
+# --- WSL2 ----------------------------------------------------------------------------------
+
+
+def wsl_rig(**data) -> Rig:
+    return Rig(platform="wsl2", gpu_class="rtx3090", gpu_count=1, **data)
+
+
+def wsl_facts(rig: Rig, limit: float = 350.0, tdr: dict | None = None) -> RigFacts:
+    gpu = replace(rtx3090(0, UUID0, limit=limit), driver_version="581.57")
+    return RigFacts(
+        probe=GpuProbe(smi="/usr/lib/wsl/lib/nvidia-smi", gpus=(gpu,)),
+        installed=dpkg({"python3": "3.11.2-1+b1"}, set()),
+        wsl=WslSignals("5.15.153.1-microsoft-standard-WSL2", interop=True, run_wsl=True),
+        sysctl_file=sysctl_file(rig),
+        sysctl_live=live_sysctls(rig, read_only=False),
+        shm=parse_shm(["mount tmpfs rw,nosuid,nodev", "df 16777216000 0",
+                       "MemTotal:       32768000 kB"]),
+        fstab=[],
+        registry=RegProbe(tdr if tdr is not None else {"TdrDelay": 60, "TdrDdiDelay": 60}),
+        profiles=[WindowsProfile("/mnt/c/Users/rig", "[wsl2]\nmemory=32GB\n")],
+        klog=parse_kernel_log(["##RIGBOOK_KLOG## dmesg"]),
+    )
+
+
+def test_wsl2_as_declared_caps_are_reported_not_drift():
+    rig = wsl_rig()
+    status = build_rig_status("rig3", rig, wsl_facts(rig))
+    assert status.state == "as-declared", status.findings
+    assert status.driver.declared == "Windows driver" and status.driver.running == "581.57"
+    assert status.wsl.tdr == {"TdrDelay": 60, "TdrDdiDelay": 60}
+    assert [f.reason for f in status.findings] == [
+        f"GPU 0: live cap 350 W, inventory 290 W; set it on Windows (Administrator): "
+        f"nvidia-smi -i {UUID0} -pl 290"]
+    assert status.power_unit is None
+    text = table_text(status)
+    assert "290 / n/a / 350" in text and "TdrDelay 60" in text
+
+
+def test_wsl2_tdr_drift_and_linux_driver_inside():
+    rig = wsl_rig(power_profile="stock")
+    facts = replace(wsl_facts(rig, tdr={"TdrDelay": 2, "TdrDdiDelay": None}),
+                    installed=dpkg({"nvidia-utils-580": "580.95.05-0ubuntu1"}, set()))
+    assert drifts(build_rig_status("rig3", rig, facts)) == [
+        ("driver", None, "Linux NVIDIA driver 580.95.05 installed in WSL2; it shadows the "
+                         "Windows driver"),
+        ("wsl", None, "TdrDelay is 2, inventory 60"),
+        ("wsl", None, "TdrDdiDelay is None, inventory 60"),
+    ]
+
+
+def test_wsl2_low_memory_is_a_warning_and_platform_mismatch_is_drift():
+    rig = wsl_rig(power_profile="stock")
+    facts = replace(wsl_facts(rig), profiles=[WindowsProfile("/mnt/c/Users/rig",
+                                                            "[wsl2]\nmemory=16GB\n")])
+    status = build_rig_status("rig3", rig, facts)
+    assert status.state == "as-declared"
+    assert ("wsl", None, "C:\\Users\\rig\\.wslconfig: [wsl2] memory=16GB (16.0 GiB) is below "
+            "wsl_min_memory_gib=24: model loading needs at least 24 GiB") in drifts(status, "warn")
+    declared_debian = build_rig_status("rig1", dual_3090(), replace(
+        converged_dual(), wsl=WslSignals("6.1.0", interop=False, run_wsl=True)))
+    assert [area for area, _, _ in drifts(declared_debian)] == ["platform"]
+
+
+# --- serving, JSON -------------------------------------------------------------------------
+
+
+def test_serving_is_declared_only():
+    rig = dual_3090(
+        venvs=[{"name": "vllm-033", "engine": "vllm", "packages": ["vllm==0.33.0"]}],
+        models=[{"repo": "Qwen/Qwen3-32B-AWQ", "revision": "a" * 40}],
+        recipe="qwen3-32b-awq",
+    )
+    status = build_rig_status("rig1", rig, converged_dual(rig))
+    assert status.serving.model_dump() == {
+        "venvs": ["vllm-033"], "models": [f"Qwen/Qwen3-32B-AWQ@{'a' * 12}"],
+        "recipe": "qwen3-32b-awq", "state": "not managed yet",
+    }
+    assert status.state == "as-declared"
+    text = table_text(status)
+    assert "venvs: vllm-033" in text and "not managed yet" in text
+
+
+def test_json_round_trip_and_the_model_refuses_what_does_not_add_up():
+    rigs = [build_rig_status("rig1", dual_3090(), converged_dual()),
+            unreachable_status("rig2", dual_3090(), "Could not connect (timed out)")]
+    fleet = FleetStatus(inventory="inventory/sandbox.py", rigs=rigs, exit_code=2)
+    data = json.loads(fleet.model_dump_json())
+    assert FleetStatus.model_validate(data) == fleet
+    assert data["rigs"][1]["error"] == "Could not connect (timed out)"
+    with pytest.raises(ValidationError, match="exit_code 0 does not follow"):
+        FleetStatus.model_validate({**data, "exit_code": 0})
+    with pytest.raises(ValidationError, match="state as-declared does not follow"):
+        RigStatus.model_validate({**data["rigs"][1], "state": "as-declared"})
+    with pytest.raises(ValidationError, match="extra"):
+        FleetStatus.model_validate({**data, "surprise": 1})
+
+
+# --- rigbook's own facts and parsers -------------------------------------------------------
+
+
+def test_power_unit_fact_reads_what_power_writes():
+    gpus = (rtx3090(0, UUID0), rtx3090(1, UUID1))
+    unit = unit_fact(dual_3090(), gpus)
+    assert unit.enabled == "enabled"
+    assert unit_caps(unit.exec_starts) == ({UUID0: 290.0, UUID1: 290.0}, [])
+    assert unit_caps(["ExecStart=/bin/true", f"ExecStart=-{SMI} -i {UUID0} -pl 350.5"]) == (
+        {UUID0: 350.5}, ["ExecStart=/bin/true"])
+    # the command, run here: this machine has no unit, so the fact's default (None) applies
+    out = subprocess.run(["sh", "-c", PowerUnitFile().command()], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == "" and PowerUnitFile.default() is None
+
+
+def test_sysctl_conf_parser_reads_the_tuning_template():
+    rig = dual_3090(sysctl_extra={"vm.max_map_count": 1048576})
+    assert parse_sysctl_conf(sysctl_file(rig)) == {
+        "fs.inotify.max_user_watches": "1048576",
+        "fs.inotify.max_user_instances": "1024",
+        "vm.max_map_count": "1048576",
+    }
+
+
+def run_fact(fact, **kwargs) -> list[str]:
+    command = fact.command(**kwargs)
+    text = command.get_raw_value() if hasattr(command, "get_raw_value") else command
+    out = subprocess.run(["sh", "-c", text], capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def test_free_disk_and_present_paths_run_here(tmp_path):
+    disks = FreeDisk().process(run_fact(FreeDisk(), paths=("/", str(tmp_path / "absent"))))
+    assert [d.path for d in disks] == ["/"]
+    assert disks[0].mount == "/" and 0 < disks[0].avail_bytes <= disks[0].size_bytes
+    (tmp_path / "left over.conf").write_text("vm.swappiness = 10\n")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    paths = (str(tmp_path / "left over.conf"), str(tmp_path / "dangling"), str(tmp_path / "no"))
+    assert PresentPaths().process(run_fact(PresentPaths(), paths=paths)) == list(paths[:2])
+
+
+def fake_tools(tmp_path: Path, journal_this_boot: list[str] | None, journal_all: list[str],
+               dmesg: list[str] | None) -> dict:
+    """Stand-in journalctl and dmesg in a PATH of their own: None = the tool is absent/fails."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if journal_this_boot is not None:
+        script = bin_dir / "journalctl"
+        this_boot = "\n".join(journal_this_boot)
+        every = "\n".join(journal_all)
+        first = journal_this_boot[0] if journal_this_boot else ""
+        script.write_text(
+            "#!/bin/sh\n"
+            'case " $* " in\n'
+            f"  *' -b 0 -n 1 '*) printf '%s\\n' \"{first}\" | grep . ;;\n"
+            f"  *' -b 0 '*) cat <<'EOF'\n{this_boot}\nEOF\n;;\n"
+            f"  *' -b all '*) cat <<'EOF'\n{every}\nEOF\n;;\n"
+            "esac\n"
+        )
+        script.chmod(0o755)
+    script = bin_dir / "dmesg"
+    if dmesg is None:
+        script.write_text("#!/bin/sh\necho 'dmesg: read kernel buffer failed: Operation not "
+                          "permitted' >&2\nexit 1\n")
+    else:
+        script.write_text("#!/bin/sh\ncat <<'EOF'\n" + "\n".join(dmesg) + "\nEOF\n")
+    script.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def kernel_log_here(env: dict):
+    out = subprocess.run(["sh", "-c", KernelXids().command()], capture_output=True, text=True,
+                         env=env, check=True)
+    return KernelXids().process(out.stdout.splitlines())
+
+
+XID_79 = ("Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has fallen "
+          "off the bus.")
+XID_13_OLD = ("Nov 27 08:00:01 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 13, pid=2345, "
+              "name=python3, Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range "
+              "Address")
+
+
+def test_kernel_log_from_the_journal(tmp_path):
+    boot = ["Nov 29 10:00:00 rig1 kernel: Linux version 6.1.0-27-amd64", XID_79, XID_79]
+    every = ["Nov 27 07:59:00 rig1 kernel: Linux version 6.1.0-27-amd64", XID_13_OLD, *boot]
+    log = kernel_log_here(fake_tools(tmp_path, boot, every, dmesg=["[1.0] unused"]))
+    assert log.source == "journalctl" and log.error is None
+    assert [x.code for x in log.this_boot] == [79, 79]
+    assert [(x.code, x.when) for x in log.earlier] == [(13, "Nov 27 08:00:01")]
+
+
+def test_kernel_log_falls_back_to_dmesg(tmp_path):
+    dmesg = ["[    0.000000] Linux version 6.1.0-27-amd64",
+             "[ 8812.004000] NVRM: Xid (PCI:0000:02:00): 79, pid=4242, name=python3, GPU has "
+             "fallen off the bus."]
+    # a journal with no kernel messages (a container's) counts as none
+    log = kernel_log_here(fake_tools(tmp_path, [], [], dmesg=dmesg))
+    assert log.source == "dmesg"
+    assert [(x.code, x.pci, x.when) for x in log.this_boot] == [(79, "0000:02:00", "8812.004000")]
+    assert log.earlier == ()
+
+
+def test_kernel_log_unreadable(tmp_path):
+    log = kernel_log_here(fake_tools(tmp_path, None, [], dmesg=None))
+    assert log.source is None
+    assert log.error == "dmesg: read kernel buffer failed: Operation not permitted"
+
+
+# --- gathering -----------------------------------------------------------------------------
+
+
+def test_fact_plan_follows_the_host_data():
+    plain = [name for name, _, _ in fact_plan(Rig(platform="debian", gpu_class="rtx3090",
+                                                 gpu_count=1))]
+    assert "registry" not in plain and "stale_present" not in plain
+    wsl = {name: kwargs for name, _, kwargs in fact_plan(wsl_rig(wsl_tdr_disable=True))}
+    assert wsl["registry"]["names"] == ("TdrDelay", "TdrDdiDelay", "TdrLevel")
+    assert "stale_present" in [name for name, _, _ in fact_plan(dual_3090())]
+
+
+def test_limit_names_hosts_groups_and_globs():
+    inventory = Inventory(
+        ([("rig1", {}), ("rig2", {}), ("box", {})], {}),
+        duals=(["rig1"], {}),
+    )
+    assert [h.name for h in limit_hosts(inventory, None)] == ["rig1", "rig2", "box"]
+    assert [h.name for h in limit_hosts(inventory, ["duals", "b*"])] == ["rig1", "box"]
+    with pytest.raises(RigbookError, match="--limit rig9: no such rig or group"):
+        limit_hosts(inventory, ["rig9"])
+
+
+LOCAL_INVENTORY = '''
+rigs = [
+    ("@local", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1}),
+    ("closed", {"ssh_hostname": "127.0.0.1", "ssh_port": 1, "platform": "debian",
+                "gpu_class": "rtx3090", "gpu_count": 1}),
+]
+'''
+
+
+def test_gather_reaches_one_rig_and_reports_the_other_unreachable(tmp_path):
+    """Through pyinfra's API: @local is read, a closed loopback port is one clear line."""
+    inventory = tmp_path / "inv.py"
+    inventory.write_text(LOCAL_INVENTORY)
+    script = ("import sys; from roles.status import status; "
+              f"sys.exit(status({str(inventory)!r}, None, True))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    fleet = FleetStatus.model_validate_json(done.stdout)
+    local, closed = fleet.rigs
+    assert local.name == "@local" and local.state != "unreachable"
+    assert local.driver is not None and local.kernel_log is not None  # facts were read
+    assert not [f for f in local.findings if f.area == "facts"], local.findings
+    assert closed.state == "unreachable" and "port 1" in closed.error
+    assert "closed: could not be reached: Could not connect" in done.stderr
+    limited = subprocess.run(
+        [sys.executable, "-c", script.replace("None", "['@local']")], cwd=ROOT,
+        capture_output=True, text=True, timeout=120)
+    assert [rig.name for rig in FleetStatus.model_validate_json(limited.stdout).rigs] == [
+        "@local"]
+
+
+def test_bad_inventory_is_refused_before_any_connection(tmp_path):
+    with pytest.raises(RigbookError, match="no inventory file"):
+        status(str(tmp_path / "missing.py"), None, True)
+    inventory = tmp_path / "bad.py"
+    inventory.write_text(LOCAL_INVENTORY.replace('"gpu_count": 1}),', '"gpu_count": 0}),', 1))
+    with pytest.raises(RigbookError, match="@local: gpu_count"):
+        status(str(inventory), None, True)
