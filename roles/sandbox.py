@@ -56,6 +56,8 @@ SSH_WAIT_S = 60
 STOP_WAIT_S = 20
 REBOOT_EXIT = 133
 REPO_MOUNT = "/srv/rigbook-sim-repo"
+# Rigs have no route out: Python packages reach them from this machine's wheelhouse, read-only.
+WHEELS_MOUNT = "/srv/rigbook-wheels"
 SIM_DIR = Path(__file__).resolve().parent.parent / "sandbox" / "simulated"
 TOOLS = (
     "debootstrap",
@@ -119,6 +121,13 @@ class Rig:
 def cache_dir() -> Path:
     """Where the rootfs tarball is kept across runs (RIGBOOK_CACHE_DIR)."""
     return Path(os.environ.get("RIGBOOK_CACHE_DIR", "/var/cache/rigbook"))
+
+
+def wheelhouse() -> Path:
+    """Wheels (and sdists) the rigs may install from, mounted at WHEELS_MOUNT (pip --find-links)."""
+    path = cache_dir() / "wheels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def state_dir() -> Path:
@@ -463,6 +472,7 @@ def _start(rig: Rig, root: Path, repo: Path) -> None:
         rig.name,
         "--console=read-only",
         f"--bind-ro={repo}:{REPO_MOUNT}",
+        f"--bind-ro={wheelhouse()}:{WHEELS_MOUNT}",
     ]
     # nspawn's read-only /proc/sys stays: a writable one leaks fs.inotify.* to this machine.
     env = {k: v for k, v in os.environ.items() if k != "SYSTEMD_NSPAWN_API_VFS_WRITABLE"}
