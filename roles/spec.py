@@ -40,6 +40,13 @@ VRAM_GIB = {"rtx3090": 24, "rtx3090ti": 24, "rtx4090": 24, "rtx5090": 32, "a6000
 _PYINFRA_KEY = re.compile(r"^(_|ssh_|winrm_|docker_|local_|chroot_|podman_|vagrant_)")
 
 _SIZE = re.compile(r"^[1-9][0-9]*[KMG]$|^[1-9][0-9]?%$")
+#: A sysctl key: dotted path under /proc/sys (a slash stands for a dot inside one part).
+_SYSCTL_KEY = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_/:-]+)+$")
+#: sysctl keys with their own host-data field, so sysctl_extra may not set them.
+_SYSCTL_OWN = {
+    "fs.inotify.max_user_watches": "sysctl_inotify_max_user_watches",
+    "fs.inotify.max_user_instances": "sysctl_inotify_max_user_instances",
+}
 
 
 class _Model(BaseModel):
@@ -83,12 +90,15 @@ class Rig(_Model):
     driver_version: str | None = Field(
         None,
         pattern=r"^\d{3}\.\d{2,3}(\.\d{2})?$",
-        description="Exact driver version to install (e.g. 580.95.05); none = newest of the branch.",
+        description=(
+            "Exact driver version to install (e.g. 580.95.05); none = newest of the branch."
+        ),
     )
     driver_open: bool = Field(True, description="Open kernel modules (the default from 560 on).")
     driver_server: bool = Field(False, description="Ubuntu only: the -server driver packages.")
     driver_repo_uri: str | None = Field(
-        None, description="Debian only: apt repository of the driver; none = NVIDIA's CUDA repository."
+        None,
+        description="Debian only: apt repository of the driver; none = NVIDIA's CUDA repository.",
     )
     driver_repo_trusted: bool = Field(
         False, description="Trust driver_repo_uri without a signing key (local test repositories)."
@@ -99,7 +109,9 @@ class Rig(_Model):
     driver_modprobe_options: dict[str, str] = Field(
         {}, description="nvidia module options, e.g. {'NVreg_DynamicPowerManagement': '0x00'}."
     )
-    allow_reboot: bool = Field(False, description="A deploy may reboot the rig when a change needs it.")
+    allow_reboot: bool = Field(
+        False, description="A deploy may reboot the rig when a change needs it."
+    )
 
     # -- power --------------------------------------------------------------------------------
     power_profile: PowerProfile = Field(
@@ -115,7 +127,9 @@ class Rig(_Model):
 
     # -- host tuning --------------------------------------------------------------------------
     sysctl_inotify_max_user_watches: int = Field(
-        1048576, ge=8192, description="fs.inotify.max_user_watches (an engine died of ENOSPC at 65536)."
+        1048576,
+        ge=8192,
+        description="fs.inotify.max_user_watches (an engine died of ENOSPC at 65536).",
     )
     sysctl_inotify_max_user_instances: int = Field(
         1024, ge=128, description="fs.inotify.max_user_instances."
@@ -148,12 +162,35 @@ class Rig(_Model):
             raise ValueError(f"unknown driver branch {value}; allowed: {DRIVER_BRANCHES}")
         return value
 
+    @field_validator("driver_modprobe_options")
+    @classmethod
+    def _modprobe_options(cls, options: dict[str, str]) -> dict[str, str]:
+        for key, value in options.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                raise ValueError(f"{key!r} is not a module parameter name")
+            if not re.match(r"^[^\s\"'#]+$", value):
+                raise ValueError(f"{key}={value!r}: a value has no spaces, quotes or #")
+        return options
+
     @field_validator("shm_size")
     @classmethod
     def _size(cls, value: str | None) -> str | None:
         if value is not None and not _SIZE.match(value):
             raise ValueError(f"{value!r} is not a tmpfs size; use e.g. 64G, 512M or 50%")
         return value
+
+    @field_validator("sysctl_extra")
+    @classmethod
+    def _sysctl_keys(cls, extra: dict[str, int | str]) -> dict[str, int | str]:
+        for key, value in extra.items():
+            if not _SYSCTL_KEY.match(key):
+                raise ValueError(f"{key!r} is not a sysctl key; use e.g. vm.max_map_count")
+            if key in _SYSCTL_OWN:
+                raise ValueError(f"{key} has its own key: set {_SYSCTL_OWN[key]} instead")
+            text = str(value)
+            if not text.strip() or "\n" in text or "#" in text:
+                raise ValueError(f"{key}: {value!r} is not a sysctl value (one line, no '#')")
+        return extra
 
     @field_validator("stale_files")
     @classmethod

@@ -1,0 +1,773 @@
+"""The NVIDIA driver: the version the inventory names, installed, held, moved only on purpose.
+
+An unattended driver upgrade under running engines breaks every cu13 venv, and recovering
+means a rebuild, not a restart. So rigbook owns the driver:
+
+- `driver(rig)` (deploys/rig.py) installs the pinned driver from the platform's source, holds
+  every driver package, blacklists them in unattended-upgrades, keeps persistence mode on,
+  writes module options and reboots only when allowed. It never moves an installed driver: a
+  different installed version fails that rig and names the deploy that moves it.
+- `driver_bump(rig)` (deploys/driver.py) is that deploy: unhold, install the target, hold
+  again, reboot when allowed, and check that nvidia-smi reports the target.
+- WSL2 gets no Linux driver at all; the role checks the Windows driver's nvidia-smi instead.
+
+The platform branch is chosen once (`plan_driver`), from the host data cross-checked with the
+distribution the rig reports. Versions are pinned by their upstream part with an apt version
+glob (`nvidia-open=580.95.05-*`: apt resolves it against its own candidate list and fails when
+nothing matches, so Ubuntu's 580.95.05-0ubuntu0.24.04.1 and the NVIDIA repository's
+580.95.05-1 need no lookup table) plus an apt preferences pin with the same glob, so that the
+dependencies apt pulls in resolve to the same version instead of the newest one.
+docs/driver.md describes the whole role; docs/runbooks/driver-bump.md the bump.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyinfra import host, logger, state
+from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
+from pyinfra.api.exceptions import FactProcessError
+from pyinfra.connectors.util import clear_askpass_cache, remove_any_sudo_askpass_file
+from pyinfra.facts.apt import noninteractive_apt
+from pyinfra.facts.server import Arch, LinuxDistribution
+from pyinfra.operations import apt, files, systemd
+from pyinfra.operations.util import any_changed
+
+from roles.apt import AptVersions, DpkgInstalled, apt_hold, upstream_version
+from roles.errors import RigbookError
+from roles.facts import LoadedNvidiaModule, NvidiaGpus
+from roles.spec import Rig
+from roles.tuning import FILES, notice, refuse, warn_once
+from roles.wsl import Wsl, WslSignals, check_platform
+
+TEMPLATES = FILES / "driver"
+
+#: What rigbook treats as the driver: holds, the unattended-upgrades blacklist and the apt pin
+#: all use these. Python regular expressions applied with re.match (anchored at the start), as
+#: unattended-upgrades applies its Package-Blacklist; plain prefixes, so `prefix*` is the same
+#: set as an apt glob. Broad on purpose: libnvidia-container and the like move with the driver.
+DRIVER_PACKAGE_PATTERNS = (
+    "nvidia-",
+    "libnvidia-",
+    "cuda-drivers",
+    "libcuda1",
+    "libnvcuvid",
+    "libnvoptix",
+    "libegl-nvidia",
+    "libgles-nvidia",
+    "libglx-nvidia",
+    "libgl1-nvidia",
+    "firmware-nvidia-",
+    "xserver-xorg-video-nvidia",
+    "linux-modules-nvidia-",
+    "linux-objects-nvidia-",
+    "linux-signatures-nvidia-",
+)
+
+#: The same set as apt package globs, for the preferences pin.
+DRIVER_PACKAGE_GLOBS = tuple(f"{pattern}*" for pattern in DRIVER_PACKAGE_PATTERNS)
+
+#: Packages whose version is the driver's version (Ubuntu's per-branch names, the NVIDIA
+#: repository's Debian-style split names): what "the installed driver" means.
+_VERSION_CARRIERS = re.compile(
+    r"^(libnvidia-compute-\d+(-server)?|nvidia-utils-\d+(-server)?|nvidia-smi|libnvidia-ml1"
+    r"|libcuda1|nvidia-kernel(-open)?-dkms|nvidia-open|cuda-drivers(-\d+)?)$"
+)
+
+#: Packages that are a Linux driver (kernel module, libcuda, nvidia-smi): none belongs in WSL2,
+#: where they shadow the Windows driver's /usr/lib/wsl/lib. CUDA toolkits and the container
+#: toolkit are not among them.
+_LINUX_DRIVER = re.compile(
+    r"^(nvidia-(driver|utils|dkms|kernel|headless|compute-utils|open$|smi$)"
+    r"|libnvidia-(compute|ml)|libcuda1|cuda-drivers|linux-(modules|objects|signatures)-nvidia-)"
+)
+
+#: Ubuntu releases and the branches their archive carries (facts.md section 1: 580 on jammy
+#: and noble, 595 on noble-updates; 595 on jammy is unconfirmed).
+UBUNTU_BRANCHES = {"24.04": (580, 595), "22.04": (580,)}
+
+#: NVIDIA's CUDA repository for Debian 12 (the only release whose path facts.md confirms).
+CUDA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/"
+CUDA_KEYRING_DEB = CUDA_REPO + "cuda-keyring_1.1-1_all.deb"
+CUDA_KEYRING = "/usr/share/keyrings/cuda-archive-keyring.gpg"
+#: The one-line source cuda-keyring may drop beside ours; removed so apt sees the repo once.
+CUDA_KEYRING_LIST = "/etc/apt/sources.list.d/cuda-debian12-x86_64.list"
+
+SOURCES = "/etc/apt/sources.list.d/rigbook-nvidia.sources"
+PREFERENCES = "/etc/apt/preferences.d/rigbook-nvidia.pref"
+BLACKLIST = "/etc/apt/apt.conf.d/51rigbook-nvidia-blacklist"
+PERSISTENCED = "nvidia-persistenced.service"
+PERSISTENCED_DROPIN = "/etc/systemd/system/nvidia-persistenced.service.d/override.conf"
+MODPROBE_CONF = "/etc/modprobe.d/rigbook-nvidia.conf"
+#: Reasons for a pending reboot that the packages cannot show (module options); /run is a
+#: tmpfs, so the file is gone once the rig has rebooted.
+REBOOT_MARKER = "/run/rigbook/driver-reboot-required"
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+#: Seconds to wait before looking for the rebooted rig, between looks, and at most.
+REBOOT_WAIT_S = (10, 2, 600)
+
+WSL_SMI = "/usr/lib/wsl/lib/nvidia-smi"
+PROC_VERSION = "/proc/driver/nvidia/version"
+#: Simulation hook, read only when PROC_VERSION is absent: the sandbox's stand-in driver (which
+#: cannot create /proc files) writes the version it "loaded" at boot here. No real rig has it.
+SIM_LOADED_VERSION = "/run/rigbook-sim/loaded-version"
+_SIM_TAG = "##RIGBOOK_SIMULATED_MODULE##"
+_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
+
+
+# --- facts ---------------------------------------------------------------------------------
+
+
+class LoadedDriverVersion(FactBase[str | None]):
+    """
+    The version of the loaded nvidia kernel module; None when none is loaded.
+
+    Reads /proc/driver/nvidia/version (parsed by roles.facts.LoadedNvidiaModule)::
+
+        NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (...)
+
+    Simulation hook: only when that file is absent, the sandbox's stand-in version file
+    (SIM_LOADED_VERSION, one line such as ``580.95.05``) answers instead.
+    """
+
+    def command(self) -> str:
+        return (
+            f"if [ -r {PROC_VERSION} ]; then cat {PROC_VERSION}; "
+            f"elif [ -r {SIM_LOADED_VERSION} ]; then "
+            f'echo "{_SIM_TAG} $(cat {SIM_LOADED_VERSION})"; '
+            "fi"
+        )
+
+    def process(self, output: list[str]) -> str | None:
+        if output and output[0].startswith(_SIM_TAG):
+            version = output[0][len(_SIM_TAG):].strip()
+            if not version:
+                return None
+            if not _VERSION.match(version):
+                raise FactProcessError(f"{SIM_LOADED_VERSION}: not a version: {version!r}")
+            return version
+        return LoadedNvidiaModule().process(output)
+
+
+class BootId(FactBase[str]):
+    """This boot's random id (``cat /proc/sys/kernel/random/boot_id``): new at every boot,
+    including a container's (systemd-nspawn mounts a fresh one)."""
+
+    def command(self) -> str:
+        return f"cat {BOOT_ID}"
+
+    def process(self, output: list[str]) -> str:
+        return output[0].strip()
+
+
+class RebootMarker(FactBase[list[str]]):
+    """Reasons written to REBOOT_MARKER by changes that need a reboot (one per line)."""
+
+    def command(self) -> str:
+        return f"cat {REBOOT_MARKER} 2>/dev/null || true"
+
+    @staticmethod
+    def default() -> list[str]:
+        return []
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line.strip() for line in output if line.strip()]
+
+
+# --- what the packages say -----------------------------------------------------------------
+
+
+def is_driver_package(name: str) -> bool:
+    """True for a package rigbook holds and blacklists (unattended-upgrades' re.match rule)."""
+    return any(re.match(pattern, name) for pattern in DRIVER_PACKAGE_PATTERNS)
+
+
+def driver_packages(installed: dict[str, str]) -> list[str]:
+    """The installed packages that belong to the driver, sorted."""
+    return sorted(name for name in installed if is_driver_package(name))
+
+
+def driver_versions(installed: dict[str, str]) -> set[str]:
+    """Upstream versions of the installed driver (more than one: a half-moved driver)."""
+    return {
+        upstream_version(version)
+        for name, version in installed.items()
+        if _VERSION_CARRIERS.match(name)
+    }
+
+
+def wanted(rig: Rig) -> str:
+    """What the inventory asks for, in words: '580.95.05' or 'branch 580'."""
+    return rig.driver_version or f"branch {rig.driver_branch}"
+
+
+def version_matches(rig: Rig, upstream: str) -> bool:
+    """True when an installed upstream version is what the inventory asks for."""
+    if rig.driver_version:
+        return upstream == rig.driver_version
+    return upstream.split(".", 1)[0] == str(rig.driver_branch)
+
+
+def reboot_reasons(installed: set[str], loaded: str | None, marker: list[str]) -> list[str]:
+    """Why the rig must reboot before the installed driver runs; empty when it need not."""
+    reasons = list(marker)
+    if not installed:
+        return reasons
+    have = ", ".join(sorted(installed))
+    if loaded is None:
+        reasons.append(f"driver {have} is installed but no nvidia module is loaded")
+    elif installed != {loaded}:
+        reasons.append(f"driver {have} is installed but the loaded module is {loaded}")
+    return reasons
+
+
+def pending_reboot() -> list[str]:
+    """reboot_reasons() for the current host, from its facts at this moment of the run."""
+    return reboot_reasons(
+        driver_versions(host.get_fact(DpkgInstalled)),
+        host.get_fact(LoadedDriverVersion),
+        host.get_fact(RebootMarker),
+    )
+
+
+# --- the platform branch, chosen once ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AptSource:
+    """The deb822 source of the driver (Debian): a flat repository, signed or trusted."""
+
+    uri: str
+    trusted: bool
+    keyring: str = CUDA_KEYRING
+
+
+@dataclass(frozen=True)
+class DriverPlan:
+    """What one rig's platform branch chose: packages, their version glob, their source."""
+
+    platform: str
+    packages: tuple[str, ...] = ()
+    version: str = ""
+    source: AptSource | None = None
+
+
+def version_glob(rig: Rig) -> str:
+    """The apt version glob of the driver: '580.95.05-*' (exact upstream) or '580.*' (branch)."""
+    return f"{rig.driver_version}-*" if rig.driver_version else f"{rig.driver_branch}.*"
+
+
+def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -> DriverPlan:
+    """Choose the platform branch once; RigbookError when the rig and the host disagree.
+
+    `distro` is pyinfra's LinuxDistribution fact, `wsl` roles.wsl.Wsl, `arch` Arch (uname -m).
+    """
+    check_platform(name, rig.platform, wsl)
+    if rig.platform == "wsl2":
+        return DriverPlan(platform="wsl2")
+    reported = distro.get("name") or "an unknown distribution"
+    release = (distro.get("release_meta") or {}).get("VERSION_ID", "")
+    expected = {"ubuntu": "Ubuntu", "debian": "Debian"}[rig.platform]
+    if reported != expected:
+        raise RigbookError(
+            f"{name}: platform: declared {rig.platform}, but the host reports {reported} {release}"
+        )
+    if rig.platform == "ubuntu":
+        branches = UBUNTU_BRANCHES.get(release)
+        if branches is None:
+            raise RigbookError(
+                f"{name}: platform: Ubuntu {release} is not supported; "
+                f"supported: {', '.join(sorted(UBUNTU_BRANCHES))}"
+            )
+        if rig.driver_branch not in branches:
+            raise RigbookError(
+                f"{name}: driver_branch: {rig.driver_branch} is not in Ubuntu {release}'s "
+                f"archive; allowed there: {', '.join(map(str, branches))}"
+            )
+        infix = "-server" if rig.driver_server else ""
+        flavour = "-open" if rig.driver_open else ""
+        packages = (
+            f"nvidia-driver-{rig.driver_branch}{infix}{flavour}",
+            f"nvidia-utils-{rig.driver_branch}{infix}",
+        )
+        return DriverPlan("ubuntu", packages, version_glob(rig))
+    # debian
+    if rig.driver_repo_uri is None:
+        if distro.get("major") != 12 or arch != "x86_64":
+            raise RigbookError(
+                f"{name}: platform: NVIDIA's CUDA repository is set up for Debian 12 x86_64 "
+                f"only, the host reports {reported} {release} {arch}; set driver_repo_uri "
+                "to a repository for it"
+            )
+        source = AptSource(CUDA_REPO, trusted=False)
+    else:
+        source = AptSource(rig.driver_repo_uri, trusted=rig.driver_repo_trusted)
+    meta = "nvidia-open" if rig.driver_open else "cuda-drivers"
+    return DriverPlan("debian", (meta, "nvidia-persistenced"), version_glob(rig), source)
+
+
+def refusal(rig: Rig, installed: set[str]) -> str | None:
+    """Why the converge must leave this rig's driver alone, or None: it never moves a driver."""
+    if all(version_matches(rig, version) for version in installed):
+        return None
+    return (
+        f"installed {', '.join(sorted(installed))}, inventory pins {wanted(rig)}: "
+        "run deploys/driver.py"
+    )
+
+
+def bump_refusal(target: str, running: str | None, installed: set[str]) -> str | None:
+    """Why the bump has nothing to do, or None. A target that is installed but not running
+    (a bump without reboot) or running but not installed (packages moved since) is not done."""
+    if running == target and installed == {target}:
+        return f"driver {target} is already running: nothing to bump"
+    return None
+
+
+def _plan(rig: Rig) -> DriverPlan:
+    return plan_driver(
+        rig,
+        host.name,
+        host.get_fact(LinuxDistribution),
+        host.get_fact(Wsl),
+        host.get_fact(Arch),
+    )
+
+
+# --- operations ----------------------------------------------------------------------------
+
+
+@operation(is_idempotent=False)
+def fail(message: str):
+    """
+    Fail this rig with a message, before anything after it changes; the other rigs go on.
+
+    + message: what is wrong and what to run instead
+    """
+    yield refuse(message)
+
+
+@operation()
+def report(message: str):
+    """
+    Say what the operator must do next (a warning, once); changes nothing.
+
+    + message: the text
+    """
+    warn_once(message)
+    yield from ()
+
+
+@operation(is_idempotent=False)
+def next_steps(message: str):
+    """
+    Say what the operator must run next, once the rig got here (a warning when it runs).
+
+    + message: the text
+    """
+    yield notice(message)
+
+
+@operation()
+def install_driver(packages: list[str] | tuple[str, ...], version: str):
+    """
+    Install the driver packages that are missing, each pinned to an apt version glob.
+
+    + packages: the branch's packages (e.g. nvidia-open, nvidia-persistenced)
+    + version: apt version glob, '580.95.05-*' or '580.*'
+
+    Installed packages are left as they are: the converge never moves a driver.
+    """
+    installed = host.get_fact(DpkgInstalled)
+    missing = [name for name in packages if name not in installed]
+    if not missing:
+        have = ", ".join(f"{name} {installed[name]}" for name in packages)
+        host.noop(f"installed: {have}")
+        return
+    yield StringCommand(
+        noninteractive_apt("install"), *(QuoteString(f"{name}={version}") for name in missing)
+    )
+
+
+@operation()
+def hold_driver(held: bool = True):
+    """
+    Hold (or release) every installed driver package, as they are at this moment of the run.
+
+    + held: True to hold, False to release
+    """
+    names = driver_packages(host.get_fact(DpkgInstalled))
+    if not names:
+        host.noop("no driver packages are installed")
+        return
+    yield from apt_hold._inner(packages=names, held=held)
+
+
+@operation()
+def move_driver(packages: list[str] | tuple[str, ...], target: str):
+    """
+    Move the installed driver to `target` (the bump): release, install, hold again.
+
+    + packages: the branch's packages, installed when missing
+    + target: upstream driver version, e.g. 580.159.04
+
+    Moves every installed driver package that carries the old driver's version and that apt
+    offers at the target (apt-cache madison), so nothing is left half-moved; a package named
+    after the old version (Ubuntu's nvidia-firmware-580-580.95.05) stays, held. The packages
+    are held again whether apt succeeded or not: a failed bump keeps its hold.
+    """
+    installed = host.get_fact(DpkgInstalled)
+    old = driver_versions(installed) - {target}
+    candidates = [
+        name
+        for name, version in installed.items()
+        if is_driver_package(name) and upstream_version(version) in old
+    ]
+    available = host.get_fact(AptVersions, packages=sorted(set(candidates) | set(packages)))
+
+    def offered(name: str) -> bool:
+        return any(upstream_version(version) == target for version in available.get(name, ()))
+
+    if not offered(packages[0]):
+        have = ", ".join(available.get(packages[0], ())) or "none"
+        yield refuse(
+            f"{packages[0]} {target} is not offered by the configured apt sources "
+            f"(offered: {have})"
+        )
+        return
+    moving = sorted(name for name in candidates if offered(name))
+    missing = [name for name in packages if name not in installed]
+    if not moving and not missing:
+        host.noop(f"driver {target} is installed")
+        return
+    glob = f"{target}-*"
+    wanted_names = moving + missing
+    release = StringCommand("apt-mark unhold", *map(QuoteString, moving)) if moving else "true"
+    hold_again = StringCommand("apt-mark hold", *map(QuoteString, moving)) if moving else "true"
+    yield StringCommand(
+        release,
+        "&&",
+        noninteractive_apt("install --allow-downgrades"),
+        *(QuoteString(f"{name}={glob}") for name in wanted_names),
+        "; rc=$?;",
+        hold_again,
+        "; exit $rc",
+    )
+
+
+@operation()
+def cuda_keyring():
+    """
+    Install NVIDIA's cuda-keyring package (the repository's signing key) unless it is installed.
+    """
+    if "cuda-keyring" in host.get_fact(DpkgInstalled):
+        host.noop("cuda-keyring is installed")
+        return
+    yield from apt.deb._inner(src=CUDA_KEYRING_DEB)
+
+
+@operation()
+def modprobe_options(options: dict[str, str]):
+    """
+    Write the nvidia module options (MODPROBE_CONF); remove the file when there are none.
+
+    + options: module parameters, e.g. {"NVreg_DynamicPowerManagement": "0x00"}
+
+    A change takes effect when the module loads again, so it also records a pending reboot.
+    """
+    if options:
+        commands = files.template._inner(
+            src=str(TEMPLATES / "modprobe.conf.j2"), dest=MODPROBE_CONF, mode="644",
+            cfg=ModprobeConf(dict(options)),
+        )
+    else:
+        commands = files.file._inner(path=MODPROBE_CONF, present=False)
+    changed = False
+    for command in commands:
+        changed = True
+        yield command
+    if changed:
+        reason = f"nvidia module options changed ({MODPROBE_CONF})"
+        yield StringCommand(
+            f"mkdir -p {Path(REBOOT_MARKER).parent} && echo", QuoteString(reason),
+            ">>", REBOOT_MARKER,
+        )
+
+
+@dataclass(frozen=True)
+class ModprobeConf:
+    """What modprobe.conf.j2 renders."""
+
+    options: dict[str, str]
+
+
+@operation()
+def reboot_for_driver(allow_reboot: bool = False):
+    """
+    Reboot when the installed driver is not the one running, only if allowed.
+
+    + allow_reboot: host data allow_reboot; when False a pending reboot is reported instead
+
+    Pending means: the packages' driver version differs from the loaded module's, or a change
+    recorded in REBOOT_MARKER (module options) waits for the module to load again. After the
+    reboot the same check must pass, or the rig fails: a module that does not load is not
+    fixed by rebooting again.
+    """
+    reasons = pending_reboot()
+    if not reasons:
+        host.noop("no reboot pending: the running driver is the installed one")
+        return
+    if not allow_reboot:
+        warn_once(f"reboot needed ({'; '.join(reasons)}); allow_reboot is false: reboot the rig")
+        return
+    yield from _reboot_and_wait()
+    # The generator resumes only once the reboot commands ran (and pyinfra reconnected).
+    if state.is_executing:
+        still = pending_reboot()
+        if still:
+            yield refuse(f"still after the reboot: {'; '.join(still)}")
+
+
+def _reboot_and_wait():
+    """pyinfra's server.reboot, except that it knows the rig is back by a new boot id.
+
+    server.reboot waits for /proc/uptime to drop; a container's uptime is its host's, so on
+    the sandbox rigs it would wait out its timeout. The boot id changes at every boot, on real
+    rigs and containers alike.
+    """
+    before = host.get_fact(BootId)
+    yield FunctionCommand(_forget_askpass, (), {})
+    yield StringCommand("( sleep 1 && reboot ) </dev/null >/dev/null 2>&1 &")
+    yield FunctionCommand(wait_for_boot, (before, *REBOOT_WAIT_S), {})
+
+
+def _forget_askpass(state, host) -> bool:
+    remove_any_sudo_askpass_file(host)  # as server.reboot does: a reboot may lose it
+    return True
+
+
+def wait_for_boot(state, host, before: str, delay: float, interval: float, limit: float) -> bool:
+    """Reconnect until the rig answers with a boot id other than `before`; False after `limit`."""
+    time.sleep(delay)
+    clear_askpass_cache(host)
+    host.disconnect()
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        host.connect(show_errors=False)
+        if host.connected:
+            try:
+                ok, output = host.run_shell_command(StringCommand("cat", BOOT_ID))
+            except Exception:  # the connection died under us: the rig is going down
+                ok, output = False, None
+            if ok and output.stdout_lines and output.stdout_lines[0].strip() != before:
+                return True
+            host.disconnect()
+        time.sleep(interval)
+    host.log_styled(f"did not come back from the reboot within {limit:g} s", fg="red",
+                    log_func=logger.error)
+    return False
+
+
+@operation()
+def verify_driver(version: str):
+    """
+    Fail loudly unless nvidia-smi reports `version`.
+
+    + version: upstream driver version, e.g. 580.159.04
+    """
+    probe = host.get_fact(NvidiaGpus)
+    if probe is not None and probe.ok and probe.driver_version == version:
+        host.noop(f"nvidia-smi ({probe.smi}) reports driver {version} on {len(probe.gpus)} GPU(s)")
+        return
+    if probe is None:
+        seen = "there is no nvidia-smi"
+    elif probe.ok:
+        seen = f"nvidia-smi reports {probe.driver_version}"
+    else:
+        seen = f"nvidia-smi fails: {probe.error}"
+    reasons = pending_reboot()
+    after = f"; reboot needed: {'; '.join(reasons)}" if reasons else ""
+    yield refuse(f"driver {version} is not running: {seen}{after}")
+
+
+@operation()
+def check_wsl():
+    """
+    WSL2: the Windows driver serves the GPUs; check its nvidia-smi and that no Linux driver
+    shadows it. Installs nothing (NVIDIA: never install a Linux driver inside WSL2).
+    """
+    linux = sorted(name for name in host.get_fact(DpkgInstalled) if _LINUX_DRIVER.match(name))
+    if linux:
+        yield refuse(
+            f"Linux NVIDIA driver packages are installed in WSL2 ({', '.join(linux)}); they "
+            f"shadow the Windows driver's {WSL_SMI} and libcuda. Remove them: "
+            f"apt-get purge {' '.join(linux)}"
+        )
+        return
+    probe = host.get_fact(NvidiaGpus)
+    if probe is None or probe.smi != WSL_SMI:
+        found = "no nvidia-smi" if probe is None else f"only {probe.smi}"
+        yield refuse(
+            f"WSL2: {WSL_SMI} does not answer ({found}): install or update the NVIDIA "
+            "driver on Windows"
+        )
+    elif not probe.ok:
+        yield refuse(f"WSL2: {WSL_SMI} fails: {probe.error}")
+    else:
+        host.noop(
+            f"WSL2: the Windows driver {probe.driver_version} serves {len(probe.gpus)} GPU(s) "
+            f"({WSL_SMI}); no Linux driver is installed, by design"
+        )
+
+
+# --- deploys -------------------------------------------------------------------------------
+
+
+def _apt_source(plan: DriverPlan):
+    """Debian: the driver's repository (and its key); apt-get update only when it changed."""
+    if plan.source is None:
+        return
+    changes = []
+    if not plan.source.trusted:
+        changes.append(cuda_keyring(name="NVIDIA repository key (cuda-keyring)"))
+        changes.append(files.file(
+            name="No second copy of the NVIDIA source", path=CUDA_KEYRING_LIST, present=False,
+        ))
+    changes.append(files.template(
+        name="NVIDIA driver apt source", src=str(TEMPLATES / "nvidia.sources.j2"), dest=SOURCES,
+        mode="644", cfg=plan.source,
+    ))
+    apt.update(name="apt-get update (driver source changed)", _if=any_changed(*changes))
+
+
+@dataclass(frozen=True)
+class PinConf:
+    """What preferences.j2 renders."""
+
+    version: str
+    pinned_by: str
+    globs: tuple[str, ...]
+
+
+def _pin(rig: Rig, plan: DriverPlan):
+    files.template(
+        name=f"Pin the driver packages to {plan.version}", src=str(TEMPLATES / "preferences.j2"),
+        dest=PREFERENCES, mode="644",
+        cfg=PinConf(plan.version, "driver_version" if rig.driver_version else "driver_branch",
+                 DRIVER_PACKAGE_GLOBS),
+    )
+
+
+@dataclass(frozen=True)
+class BlacklistConf:
+    """What blacklist.j2 renders."""
+
+    patterns: tuple[str, ...]
+
+
+def _hold():
+    hold_driver(name="Hold the driver packages (apt-mark hold)")
+    files.template(
+        name="Blacklist the driver in unattended-upgrades", src=str(TEMPLATES / "blacklist.j2"),
+        dest=BLACKLIST, mode="644", cfg=BlacklistConf(DRIVER_PACKAGE_PATTERNS),
+    )
+
+
+def _persistence(rig: Rig):
+    """Persistence mode through the daemon (Ubuntu ships it off); started unless a reboot waits."""
+    if rig.driver_persistence:
+        dropin = files.put(
+            name="Persistence mode on (nvidia-persistenced drop-in)",
+            src=str(TEMPLATES / "persistenced-override.conf"), dest=PERSISTENCED_DROPIN, mode="644",
+        )
+    else:
+        dropin = files.file(
+            name="Persistence mode as the package ships it (no drop-in)",
+            path=PERSISTENCED_DROPIN, present=False,
+        )
+    systemd.daemon_reload(name="systemctl daemon-reload (drop-in changed)", _if=dropin.did_change)
+    systemd.service(
+        name="nvidia-persistenced started",
+        service=PERSISTENCED,
+        running=True,
+        restarted=dropin.will_change,
+        _if=lambda: not pending_reboot(),
+    )
+
+
+@deploy("NVIDIA driver")
+def driver(rig: Rig):
+    """Converge the driver: install what is missing, hold, blacklist, persistence, reboot."""
+    try:
+        plan = _plan(rig)
+    except RigbookError as error:
+        fail(name="Driver platform check", message=str(error))
+        return
+    if plan.platform == "wsl2":
+        check_wsl(name="WSL2: the Windows driver serves the GPUs")
+        return
+    why = refusal(rig, driver_versions(host.get_fact(DpkgInstalled)))
+    if why:
+        fail(name="Keep the installed driver", message=why)
+        return
+    _apt_source(plan)
+    _pin(rig, plan)
+    install_driver(
+        name=f"Install the driver ({', '.join(plan.packages)} {plan.version})",
+        packages=plan.packages, version=plan.version,
+    )
+    _hold()
+    modprobe_options(
+        name="nvidia module options", options=dict(rig.driver_modprobe_options),
+    )
+    reboot_for_driver(name="Reboot into the installed driver", allow_reboot=rig.allow_reboot)
+    _persistence(rig)
+
+
+@deploy("NVIDIA driver bump")
+def driver_bump(rig: Rig):
+    """Move the driver to rig.driver_version: the deliberate counterpart of driver()."""
+    target = rig.driver_version
+    try:
+        if target is None:
+            raise RigbookError(
+                f"{host.name}: driver_version: the bump needs a target; set it in the inventory "
+                "or pass --data driver_version=580.159.04"
+            )
+        plan = _plan(rig)
+    except RigbookError as error:
+        fail(name="Driver bump input check", message=str(error))
+        return
+    if plan.platform == "wsl2":
+        report(
+            name="WSL2: nothing to bump",
+            message="WSL2 runs the Windows driver: update it on Windows, then rebuild the venvs",
+        )
+        return
+    probe = host.get_fact(NvidiaGpus)
+    running = (probe.driver_version if probe is not None and probe.ok else None) or host.get_fact(
+        LoadedDriverVersion
+    )
+    why = bump_refusal(target, running, driver_versions(host.get_fact(DpkgInstalled)))
+    if why:
+        fail(name="Refuse: the target is running", message=why)
+        return
+    _apt_source(plan)
+    _pin(rig, plan)
+    apt.update(name="apt-get update (to see the target)")
+    move_driver(name=f"Move the driver to {target}", packages=plan.packages, target=target)
+    _hold()
+    reboot_for_driver(name="Reboot into the new driver", allow_reboot=rig.allow_reboot)
+    verify_driver(name=f"nvidia-smi reports {target}", version=target)
+    _persistence(rig)
+    next_steps(
+        name="Next: rebuild the venvs",
+        message=(
+            f"driver {target} runs; the serving venvs were built against the old driver: "
+            "rebuild them and restart serving (pyinfra INVENTORY deploys/venvs.py)"
+        ),
+    )

@@ -1,0 +1,760 @@
+"""roles.driver and roles.apt: package selection, holds, blacklist, pin, persistence, reboot.
+
+Parsers are fed real captured output (the H200 host's apt-mark showhold, dpkg-query and
+/proc/driver/nvidia/version, this Debian machine's os-release, apt's own madison output).
+Operations run with facts the test gives and the commands they yield are checked; the apt pin,
+the deb822 source and the version globs are checked against a real apt on a throwaway root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from pyinfra.api import Config, FunctionCommand, Inventory, State
+from pyinfra.api.util import get_template
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra.facts.server import LinuxDistribution
+
+from roles import driver as drv
+from roles.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
+from roles.errors import RigbookError
+from roles.gpus import GpuProbe, parse_query_csv
+from roles.spec import Rig
+from roles.wsl import WslSignals
+from tests.test_tuning import Calls, FakeHost, shell
+
+FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-h200"
+TEMPLATES = drv.TEMPLATES
+
+#: `dpkg --print-architecture; dpkg-query -W -f='${db:Status-Abbrev}\t${Package}\t...'` on the
+#: H200 host (Ubuntu 24.04), an excerpt of its 439 package lines: held (hi) CUDA libraries, an
+#: arch-all package, an epoch, and cuda-compat, whose version looks like a driver's.
+H200_DPKG = """amd64
+ii \tadduser\tall\t3.137ubuntu1
+ii \tapt\tamd64\t2.8.3
+ii \tautomake\tall\t1:1.16.5-1.3ubuntu1
+ii \tcuda-compat-13-0\tamd64\t580.95.05-0ubuntu1
+ii \tlibc6\tamd64\t2.39-0ubuntu8.9
+hi \tlibcublas-13-0\tamd64\t13.1.0.3-1
+hi \tlibcudnn9-cuda-13\tamd64\t9.14.0.64-1
+hi \tlibnccl-dev\tamd64\t2.28.3-1+cuda13.0
+hi \tlibnccl2\tamd64\t2.28.3-1+cuda13.0""".splitlines()
+
+#: The sandbox's dual-3090 rig after the first converge (package names of NVIDIA's Debian repo).
+SIM_INSTALLED = {
+    "libnvidia-ml1": "580.95.05-1",
+    "nvidia-kernel-open-dkms": "580.95.05-1",
+    "nvidia-open": "580.95.05-1",
+    "nvidia-persistenced": "580.95.05-1",
+    "nvidia-smi": "580.95.05-1",
+    "python3": "3.11.2-1+b1",
+}
+
+#: An Ubuntu 24.04 rig with the open 580 driver (names from facts.md section 1).
+UBUNTU_INSTALLED = {
+    "libnvidia-compute-580": "580.95.05-0ubuntu0.24.04.1",
+    "nvidia-driver-580-open": "580.95.05-0ubuntu0.24.04.1",
+    "nvidia-dkms-580-open": "580.95.05-0ubuntu0.24.04.1",
+    "nvidia-firmware-580-580.95.05": "580.95.05-0ubuntu0.24.04.1",
+    "nvidia-utils-580": "580.95.05-0ubuntu0.24.04.1",
+    "nvidia-settings": "510.47.03-0ubuntu4",
+    "libnccl2": "2.28.3-1+cuda13.0",
+}
+
+#: `apt-cache madison nvidia-open nvidia-smi` against the sandbox's repository layout.
+MADISON = [
+    "nvidia-open | 580.159.04-1 | file:/srv/rigbook-sim-repo  Packages",
+    "nvidia-open | 580.95.05-1 | file:/srv/rigbook-sim-repo  Packages",
+    "nvidia-smi | 580.159.04-1 | file:/srv/rigbook-sim-repo  Packages",
+    "nvidia-smi | 580.95.05-1 | file:/srv/rigbook-sim-repo  Packages",
+]
+
+MISMATCH = (
+    "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 580.159"
+)
+
+
+# --- operations run with given facts (the fake host of tests/test_tuning.py) ----------------
+
+
+def run_op(op, facts: dict, executing: bool = False, **kwargs):
+    """An operation's commands and the fake host it ran on (executing: as pyinfra runs it)."""
+    fake = FakeHost(facts)
+    state = State(Inventory((["rig1"], {})), Config())
+    state.is_executing = executing
+    with ctx_state.use(state), ctx_host.use(fake):
+        commands = list(op._inner(**kwargs))
+    return commands, fake
+
+
+def refusals(commands, fake: FakeHost) -> list[str]:
+    """Run the FunctionCommands as pyinfra would; the messages of those that failed the host."""
+    for command in commands:
+        if isinstance(command, FunctionCommand):
+            assert command.function(None, fake, *command.args, **command.kwargs) is False
+    return fake.logged
+
+
+def rig(**data) -> Rig:
+    base = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2}
+    return Rig(**{**base, **data})
+
+
+def os_release(text: str) -> dict:
+    """pyinfra's LinuxDistribution fact on an os-release file's text."""
+    return LinuxDistribution().process(["/etc/os-release", *text.splitlines(), "---"])
+
+
+def h200_os_release() -> str:
+    lines = (FIXTURES / "host.txt").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("PRETTY_NAME="))
+    end = next(i for i, line in enumerate(lines[start:], start) if line.startswith("LOGO="))
+    return "\n".join(lines[start : end + 1])
+
+
+#: Real /etc/os-release of a Debian 12 machine (the one these tests were written on).
+DEBIAN_12 = """PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"
+NAME="Debian GNU/Linux"
+VERSION_ID="12"
+VERSION="12 (bookworm)"
+VERSION_CODENAME=bookworm
+ID=debian
+HOME_URL="https://www.debian.org/"
+SUPPORT_URL="https://www.debian.org/support"
+BUG_REPORT_URL="https://bugs.debian.org/"
+"""
+
+NOT_WSL = WslSignals("6.1.0-28-amd64", interop=False, run_wsl=False)
+IN_WSL = WslSignals("5.15.153.1-microsoft-standard-WSL2", interop=True, run_wsl=True)
+
+
+def ubuntu(version_id: str = "24.04") -> dict:
+    return os_release(h200_os_release().replace('VERSION_ID="24.04"', f'VERSION_ID="{version_id}"'))
+
+
+# --- parsers on real output -----------------------------------------------------------------
+
+
+def test_apt_holds_parses_the_real_showhold():
+    lines = (FIXTURES / "apt-mark-showhold.txt").read_text().splitlines()
+    assert AptHolds().process(lines) == {
+        "libcublas-13-0", "libcublas-dev-13-0", "libcudnn9-cuda-13", "libnccl-dev", "libnccl2",
+    }
+    assert AptHolds().process([]) == set() == AptHolds.default()
+
+
+def test_dpkg_installed_parses_the_real_output():
+    installed = DpkgInstalled().process(H200_DPKG)
+    assert installed["libnccl2"] == "2.28.3-1+cuda13.0"  # held (hi) is installed
+    assert installed["adduser"] == "3.137ubuntu1"  # Architecture: all keeps the plain name
+    assert installed["automake"] == "1:1.16.5-1.3ubuntu1"
+    assert len(installed) == 9
+
+
+def test_dpkg_installed_counts_only_installed_and_names_foreign_arches():
+    # Constructed rows for the states the capture lacks: removed with config left (rc),
+    # unpacked but not configured (iU), and a foreign-architecture copy.
+    lines = [
+        "amd64",
+        "rc \tnvidia-kernel-open-dkms\tamd64\t580.95.05-1",
+        "iU \tnvidia-smi\tamd64\t580.159.04-1",
+        "ii \tlibnvidia-compute-580\ti386\t580.95.05-0ubuntu0.24.04.1",
+        "ii \tlibnvidia-compute-580\tamd64\t580.95.05-0ubuntu0.24.04.1",
+    ]
+    assert DpkgInstalled().process(lines) == {
+        "libnvidia-compute-580": "580.95.05-0ubuntu0.24.04.1",
+        "libnvidia-compute-580:i386": "580.95.05-0ubuntu0.24.04.1",
+    }
+    with pytest.raises(Exception, match="not a dpkg-query status line"):
+        DpkgInstalled().process(["amd64", "ii  apt 2.6.1"])
+
+
+def test_dpkg_installed_command_runs_here():
+    if shutil.which("dpkg-query") is None:
+        pytest.skip("no dpkg here")
+    out = subprocess.run(["sh", "-c", DpkgInstalled().command()], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    installed = DpkgInstalled().process(out)
+    assert re.match(r"^\d", installed["dpkg"])
+
+
+@pytest.mark.parametrize(("version", "upstream"), [
+    ("580.95.05-0ubuntu0.24.04.1", "580.95.05"),
+    ("580.95.05-1", "580.95.05"),
+    ("580.159.04-1", "580.159.04"),
+    ("1:1.16.5-1.3ubuntu1", "1.16.5"),
+    ("595.84", "595.84"),
+])
+def test_upstream_version(version, upstream):
+    assert upstream_version(version) == upstream
+
+
+def test_apt_versions_parses_madison():
+    assert AptVersions().process(MADISON) == {
+        "nvidia-open": ["580.159.04-1", "580.95.05-1"],
+        "nvidia-smi": ["580.159.04-1", "580.95.05-1"],
+    }
+    assert AptVersions().command(["nvidia-open"]).get_raw_value() == "apt-cache madison nvidia-open"
+    with pytest.raises(Exception, match="madison"):
+        AptVersions().process(["N: Unable to locate package x"])
+
+
+def test_loaded_driver_version_real_module_and_simulation_hook():
+    proc = (FIXTURES / "proc-driver-version.txt").read_text().splitlines()
+    assert drv.LoadedDriverVersion().process(proc) == "580.159.04"
+    tag = drv._SIM_TAG
+    assert drv.LoadedDriverVersion().process([f"{tag} 580.95.05"]) == "580.95.05"
+    assert drv.LoadedDriverVersion().process([f"{tag} "]) is None
+    with pytest.raises(Exception, match="not a version"):
+        drv.LoadedDriverVersion().process([f"{tag} garbage"])
+    # The real file always wins: the simulation file is read only when it is absent.
+    command = drv.LoadedDriverVersion().command()
+    assert command.index(drv.PROC_VERSION) < command.index(drv.SIM_LOADED_VERSION)
+
+
+def test_loaded_driver_version_command_on_a_machine_without_a_module():
+    if os.path.exists(drv.PROC_VERSION) or os.path.exists(drv.SIM_LOADED_VERSION):
+        pytest.skip("this machine has a (simulated) nvidia module")
+    out = subprocess.run(["sh", "-c", drv.LoadedDriverVersion().command()],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout == ""  # pyinfra returns the default, None: no module loaded
+
+
+# --- package selection per platform ---------------------------------------------------------
+
+
+def test_ubuntu_packages_per_branch_flavour_and_server():
+    distro = ubuntu()
+    plan = drv.plan_driver(rig(platform="ubuntu", driver_version="580.95.05"), "rig1", distro,
+                           NOT_WSL, "x86_64")
+    assert plan.packages == ("nvidia-driver-580-open", "nvidia-utils-580")
+    assert plan.version == "580.95.05-*"  # matches 580.95.05-0ubuntu0.24.04.1
+    assert plan.source is None  # the distribution's own archive
+    server = drv.plan_driver(rig(platform="ubuntu", driver_server=True), "rig1", distro,
+                             NOT_WSL, "x86_64")
+    assert server.packages == ("nvidia-driver-580-server-open", "nvidia-utils-580-server")
+    assert server.version == "580.*"
+    closed = drv.plan_driver(rig(platform="ubuntu", driver_open=False, driver_branch=595),
+                             "rig1", distro, NOT_WSL, "x86_64")
+    assert closed.packages == ("nvidia-driver-595", "nvidia-utils-595")
+
+
+def test_debian_packages_and_sources():
+    distro = os_release(DEBIAN_12)
+    sim = rig(driver_version="580.95.05", driver_repo_uri="file:/srv/rigbook-sim-repo",
+              driver_repo_trusted=True)
+    plan = drv.plan_driver(sim, "rig1", distro, NOT_WSL, "x86_64")
+    assert plan.packages == ("nvidia-open", "nvidia-persistenced")
+    assert plan.version == "580.95.05-*"
+    assert plan.source == drv.AptSource("file:/srv/rigbook-sim-repo", trusted=True)
+    nvidia = drv.plan_driver(rig(driver_open=False), "rig1", distro, NOT_WSL, "x86_64")
+    assert nvidia.packages[0] == "cuda-drivers"
+    assert nvidia.source == drv.AptSource(drv.CUDA_REPO, trusted=False)
+
+
+def test_wsl2_gets_no_packages():
+    plan = drv.plan_driver(rig(platform="wsl2"), "rig3", os_release(DEBIAN_12), IN_WSL, "x86_64")
+    assert plan == drv.DriverPlan(platform="wsl2")
+
+
+@pytest.mark.parametrize(("data", "distro", "wsl", "arch", "message"), [
+    ({"platform": "ubuntu"}, "debian", NOT_WSL, "x86_64",
+     "declared ubuntu, but the host reports Debian 12"),
+    ({}, "ubuntu", NOT_WSL, "x86_64", "declared debian, but the host reports Ubuntu 24.04"),
+    ({}, "debian", IN_WSL, "x86_64", "declared debian but this host is WSL2"),
+    ({"platform": "wsl2"}, "debian", NOT_WSL, "x86_64", "declared wsl2 but this host is not WSL2"),
+    ({"platform": "ubuntu", "driver_branch": 595}, "jammy", NOT_WSL, "x86_64",
+     "driver_branch: 595 is not in Ubuntu 22.04's archive; allowed there: 580"),
+    ({"platform": "ubuntu"}, "focal", NOT_WSL, "x86_64", "Ubuntu 20.04 is not supported"),
+    ({}, "debian", NOT_WSL, "aarch64", "Debian 12 x86_64 only"),
+])
+def test_platform_mismatches_are_errors_naming_both(data, distro, wsl, arch, message):
+    distros = {"debian": os_release(DEBIAN_12), "ubuntu": ubuntu(), "jammy": ubuntu("22.04"),
+               "focal": ubuntu("20.04")}
+    with pytest.raises(RigbookError) as error:
+        drv.plan_driver(rig(**data), "rig7", distros[distro], wsl, arch)
+    assert str(error.value).startswith("rig7: ")
+    assert message in str(error.value)
+
+
+def test_spec_refuses_unknown_branches_and_bad_module_options():
+    with pytest.raises(ValidationError, match="unknown driver branch 590"):
+        rig(driver_branch=590)
+    with pytest.raises(ValidationError, match="no spaces"):
+        rig(driver_modprobe_options={"NVreg_X": "1 2"})
+    with pytest.raises(ValidationError, match="not a module parameter name"):
+        rig(driver_modprobe_options={"NVreg-X": "1"})
+
+
+# --- which packages are the driver, which version is installed ------------------------------
+
+
+def test_driver_packages_follow_unattended_upgrades_re_match():
+    assert drv.driver_packages(UBUNTU_INSTALLED) == [
+        "libnvidia-compute-580", "nvidia-dkms-580-open", "nvidia-driver-580-open",
+        "nvidia-firmware-580-580.95.05", "nvidia-settings", "nvidia-utils-580",
+    ]
+    assert drv.driver_packages(SIM_INSTALLED) == sorted(set(SIM_INSTALLED) - {"python3"})
+    # The H200 host's CUDA libraries (and cuda-compat, whose version looks like a driver's)
+    # are not the driver.
+    assert drv.driver_packages(DpkgInstalled().process(H200_DPKG)) == []
+    assert not drv.is_driver_package("xnvidia-foo")  # anchored at the start
+
+
+def test_driver_versions_and_refusal():
+    assert drv.driver_versions(UBUNTU_INSTALLED) == {"580.95.05"}  # not nvidia-settings' 510
+    assert drv.driver_versions(SIM_INSTALLED) == {"580.95.05"}
+    assert drv.driver_versions(DpkgInstalled().process(H200_DPKG)) == set()
+    pinned = rig(driver_version="580.95.05")
+    assert drv.refusal(pinned, {"580.95.05"}) is None
+    assert drv.refusal(pinned, set()) is None  # nothing installed yet: install it
+    assert drv.refusal(rig(), {"580.159.04"}) is None  # branch only: any 580 is fine
+    assert drv.refusal(pinned, {"580.159.04"}) == (
+        "installed 580.159.04, inventory pins 580.95.05: run deploys/driver.py"
+    )
+    assert drv.refusal(rig(driver_branch=595), {"580.95.05"}) == (
+        "installed 580.95.05, inventory pins branch 595: run deploys/driver.py"
+    )
+
+
+def test_bump_refuses_only_a_target_that_is_installed_and_running():
+    assert drv.bump_refusal("580.159.04", "580.159.04", {"580.159.04"}) == (
+        "driver 580.159.04 is already running: nothing to bump"
+    )
+    assert drv.bump_refusal("580.159.04", "580.95.05", {"580.159.04"}) is None  # reboot it
+    assert drv.bump_refusal("580.95.05", "580.95.05", {"580.159.04"}) is None  # move back
+    assert drv.bump_refusal("580.159.04", None, set()) is None  # nothing installed yet
+
+
+# --- holds ----------------------------------------------------------------------------------
+
+
+def test_apt_hold_marks_only_what_is_not_held():
+    holds = AptHolds().process((FIXTURES / "apt-mark-showhold.txt").read_text().splitlines())
+    commands, _ = run_op(apt_hold, {"AptHolds": holds},
+                         packages=["libnccl2", "nvidia-smi", "nvidia-open"])
+    assert shell(commands) == ["apt-mark hold nvidia-open nvidia-smi"]
+    commands, fake = run_op(apt_hold, {"AptHolds": holds}, packages=["libnccl2", "libnccl-dev"])
+    assert commands == []
+    assert fake.noops == ["libnccl-dev, libnccl2: already held"]
+    commands, _ = run_op(apt_hold, {"AptHolds": holds}, packages=["libnccl2", "nvidia-smi"],
+                         held=False)
+    assert shell(commands) == ["apt-mark unhold libnccl2"]
+
+
+def test_hold_driver_holds_every_installed_driver_package_once():
+    facts = {"DpkgInstalled": SIM_INSTALLED, "AptHolds": {"nvidia-open", "libnccl2"}}
+    commands, _ = run_op(drv.hold_driver, facts)
+    assert shell(commands) == [
+        "apt-mark hold libnvidia-ml1 nvidia-kernel-open-dkms nvidia-persistenced nvidia-smi"
+    ]
+    facts["AptHolds"] = set(SIM_INSTALLED) - {"python3"}
+    commands, fake = run_op(drv.hold_driver, facts)
+    assert commands == [] and "already held" in fake.noops[0]
+    commands, fake = run_op(drv.hold_driver, {"DpkgInstalled": DpkgInstalled().process(H200_DPKG)})
+    assert commands == [] and fake.noops == ["no driver packages are installed"]
+
+
+def render(name: str, cfg) -> str:
+    """A template as files.template renders it (pyinfra's get_template)."""
+    return get_template(str(TEMPLATES / name)).render(cfg=cfg)
+
+
+def test_blacklist_content():
+    text = render("blacklist.j2", drv.BlacklistConf(drv.DRIVER_PACKAGE_PATTERNS))
+    entries = re.findall(r'^    "([^"]*)";$', text, re.M)
+    assert tuple(entries) == drv.DRIVER_PACKAGE_PATTERNS
+    assert entries[:3] == ["nvidia-", "libnvidia-", "cuda-drivers"]
+    assert "Unattended-Upgrade::Package-Blacklist {\n" in text and text.endswith("};\n")
+    # unattended-upgrades' own rule: re.match, anchored at the start.
+    blocked = [name for name in ("nvidia-open", "libnvidia-ml1", "cuda-drivers-580", "libnccl2",
+                                 "cuda-compat-13-0", "libcudart13")
+               if any(re.match(entry, name) for entry in entries)]
+    assert blocked == ["nvidia-open", "libnvidia-ml1", "cuda-drivers-580"]
+
+
+def test_blacklist_parses_with_apt_config(tmp_path):
+    if shutil.which("apt-config") is None:
+        pytest.skip("no apt-config here")
+    conf = tmp_path / "51rigbook-nvidia-blacklist"
+    conf.write_text(render("blacklist.j2", drv.BlacklistConf(drv.DRIVER_PACKAGE_PATTERNS)))
+    main = tmp_path / "apt.conf"
+    main.write_text(f'#include "{conf}";\n')
+    out = subprocess.run(["apt-config", "dump"], env={**os.environ, "APT_CONFIG": str(main)},
+                         capture_output=True, text=True, check=True).stdout
+    listed = re.findall(r'^Unattended-Upgrade::Package-Blacklist:: "(.*)";$', out, re.M)
+    assert tuple(listed) == drv.DRIVER_PACKAGE_PATTERNS
+
+
+# --- persistence, module options ------------------------------------------------------------
+
+
+def test_persistenced_dropin_keeps_the_command_without_no_persistence_mode():
+    lines = [line for line in (TEMPLATES / "persistenced-override.conf").read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert lines == [
+        "[Service]",
+        "ExecStart=",
+        "ExecStart=/usr/bin/nvidia-persistenced --user nvidia-persistenced --verbose",
+    ]
+    # Against the unit the sandbox (and Ubuntu) ships: the same command minus the flag.
+    unit = Path(__file__).parent.parent / "sandbox/simulated/units/nvidia-persistenced.service"
+    if unit.exists():
+        shipped = re.search(r"^ExecStart=(.*)$", unit.read_text(), re.M).group(1)
+        assert shipped.replace(" --no-persistence-mode", "") == lines[2].removeprefix("ExecStart=")
+
+
+def test_modprobe_options_content_and_reboot_marker():
+    text = render("modprobe.conf.j2", drv.ModprobeConf({"NVreg_b": "1", "NVreg_A": "0x00"}))
+    assert text.splitlines()[-1] == "options nvidia NVreg_A=0x00 NVreg_b=1"
+    commands, _ = run_op(drv.modprobe_options, {"File": None, "Directory": None},
+                         options={"NVreg_DynamicPowerManagement": "0x00"})
+    assert any("echo 'nvidia module options changed" in c and drv.REBOOT_MARKER in c
+               for c in shell(commands))
+    # No options and no file: nothing to do, no reboot.
+    commands, _ = run_op(drv.modprobe_options, {"File": None, "Link": None, "Directory": None},
+                         options={})
+    assert commands == []
+    # No options but the file is there: removed, and the module must load again.
+    present = {"mode": 644, "size": 10, "user": "root", "group": "root"}
+    commands, _ = run_op(drv.modprobe_options, {"File": present, "Link": None}, options={})
+    assert shell(commands)[0] == f"rm -f {drv.MODPROBE_CONF}"
+    assert drv.REBOOT_MARKER in shell(commands)[1]
+
+
+# --- apt sources and the version pin --------------------------------------------------------
+
+
+def test_sources_content():
+    trusted = render("nvidia.sources.j2", drv.AptSource("file:/srv/rigbook-sim-repo", True))
+    fields = dict(line.split(": ", 1) for line in trusted.splitlines() if not line.startswith("#"))
+    assert fields == {"Types": "deb", "URIs": "file:/srv/rigbook-sim-repo", "Suites": "/",
+                      "Trusted": "yes"}
+    signed = render("nvidia.sources.j2", drv.AptSource(drv.CUDA_REPO, False))
+    fields = dict(line.split(": ", 1) for line in signed.splitlines() if not line.startswith("#"))
+    assert fields == {"Types": "deb", "URIs": drv.CUDA_REPO, "Suites": "/",
+                      "Signed-By": drv.CUDA_KEYRING}
+
+
+def _deb(root: Path, name: str, version: str, depends: str = "") -> None:
+    build = root / "build" / f"{name}_{version}"
+    (build / "DEBIAN").mkdir(parents=True)
+    control = (f"Package: {name}\nVersion: {version}\nArchitecture: all\n"
+               "Maintainer: rigbook tests <root@localhost>\nDescription: test package\n")
+    depends_line = f"Depends: {depends}\n" if depends else ""
+    (build / "DEBIAN" / "control").write_text(control + depends_line)
+    subprocess.run(["dpkg-deb", "-b", str(build), str(root / "repo" / f"{name}_{version}_all.deb")],
+                   check=True, capture_output=True)
+
+
+@pytest.fixture
+def apt_root(tmp_path):
+    """A throwaway apt (own lists, status and sources) over a flat repository of two versions."""
+    for tool in ("dpkg-deb", "dpkg-scanpackages", "apt-get"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"no {tool} here")
+    (tmp_path / "repo").mkdir()
+    for version in ("580.95.05-1", "580.159.04-1"):
+        # Like NVIDIA's metapackage: an exact dependency and an unversioned one.
+        _deb(tmp_path, "nvidia-open", version,
+             f"nvidia-smi (= {version}), nvidia-kernel-open-dkms")
+        _deb(tmp_path, "nvidia-smi", version)
+        _deb(tmp_path, "nvidia-kernel-open-dkms", version)
+    packages = subprocess.run(["dpkg-scanpackages", "-m", "."], cwd=tmp_path / "repo",
+                              capture_output=True, text=True, check=True).stdout
+    (tmp_path / "repo" / "Packages").write_text(packages)
+    etc = tmp_path / "etc"
+    for sub in ("sources.list.d", "preferences.d", "apt.conf.d"):
+        (etc / sub).mkdir(parents=True)
+    for sub in ("state/lists/partial", "cache/archives/partial"):
+        (tmp_path / sub).mkdir(parents=True)
+    (tmp_path / "status").write_text("")
+    (etc / "sources.list.d" / "rigbook-nvidia.sources").write_text(
+        render("nvidia.sources.j2", drv.AptSource(f"file:{tmp_path}/repo", True))
+    )
+    conf = tmp_path / "apt.conf"
+    conf.write_text(
+        f'Dir::State "{tmp_path}/state"; Dir::State::status "{tmp_path}/status";\n'
+        f'Dir::Cache "{tmp_path}/cache"; Dir::Etc "{etc}"; Dir::Etc::sourcelist "/dev/null";\n'
+        'Dir::Etc::sourceparts "sources.list.d"; Debug::NoLocking "true";\n'
+    )
+    env = {**os.environ, "APT_CONFIG": str(conf), "LC_ALL": "C"}
+
+    def apt(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(args), env=env, capture_output=True, text=True)
+
+    assert apt("apt-get", "update").returncode == 0
+    return etc, apt
+
+
+def _inst(output: str) -> dict[str, str]:
+    return dict(re.findall(r"^Inst (\S+) \((\S+)", output, re.M))
+
+
+def test_version_glob_and_pin_resolve_dependencies_to_the_pinned_version(apt_root):
+    etc, apt = apt_root
+    pinned = rig(driver_version="580.95.05")
+    plan_version = drv.version_glob(pinned)
+    # The source template is a valid flat source: apt sees both versions.
+    assert "580.95.05-1" in apt("apt-cache", "madison", "nvidia-open").stdout
+    # Without the pin apt takes the newest version for every dependency: an older driver does
+    # not even resolve.
+    unpinned = apt("apt-get", "install", "-s", f"nvidia-open={plan_version}")
+    assert unpinned.returncode != 0
+    assert "Depends: nvidia-smi (= 580.95.05-1) but 580.159.04-1 is to be installed" in (
+        unpinned.stdout
+    )
+    # With the pin every driver package resolves to the inventory's version.
+    (etc / "preferences.d" / "rigbook-nvidia.pref").write_text(render(
+        "preferences.j2", drv.PinConf(plan_version, "driver_version", drv.DRIVER_PACKAGE_GLOBS)
+    ))
+    pinned_run = apt("apt-get", "install", "-s", f"nvidia-open={plan_version}",
+                     f"nvidia-persistenced={plan_version}")
+    assert pinned_run.returncode != 0  # a package the source lacks fails loudly, no guess
+    pinned_run = apt("apt-get", "install", "-s", f"nvidia-open={plan_version}")
+    assert pinned_run.returncode == 0, pinned_run.stdout + pinned_run.stderr
+    assert _inst(pinned_run.stdout) == {
+        "nvidia-kernel-open-dkms": "580.95.05-1", "nvidia-smi": "580.95.05-1",
+        "nvidia-open": "580.95.05-1",
+    }
+    # A version the source does not have is an error, not the newest version.
+    missing = apt("apt-get", "install", "-s", "nvidia-open=580.99.01-*")
+    assert missing.returncode != 0 and "580.99.01-*" in missing.stdout + missing.stderr
+
+
+# --- install, move ----------------------------------------------------------------------------
+
+
+def test_install_driver_installs_only_the_missing_packages_pinned():
+    commands, _ = run_op(drv.install_driver, {"DpkgInstalled": {"python3": "3.11.2-1+b1"}},
+                         packages=("nvidia-open", "nvidia-persistenced"), version="580.95.05-*")
+    assert shell(commands) == [
+        "DEBIAN_FRONTEND=noninteractive apt-get -y -o Dpkg::Options::=\"--force-confdef\" "
+        "-o Dpkg::Options::=\"--force-confold\" install "
+        "'nvidia-open=580.95.05-*' 'nvidia-persistenced=580.95.05-*'"
+    ]
+    commands, fake = run_op(drv.install_driver, {"DpkgInstalled": SIM_INSTALLED},
+                            packages=("nvidia-open", "nvidia-persistenced"), version="580.95.05-*")
+    assert commands == []
+    assert fake.noops == ["installed: nvidia-open 580.95.05-1, nvidia-persistenced 580.95.05-1"]
+
+
+def move(installed: dict, madison: list[str] = MADISON, target: str = "580.159.04"):
+    def versions(packages):
+        offered = AptVersions().process(madison)
+        return {name: offered[name] for name in packages if name in offered}
+
+    facts = {"DpkgInstalled": installed, "AptVersions": versions}
+    return run_op(drv.move_driver, facts, packages=("nvidia-open", "nvidia-persistenced"),
+                  target=target)
+
+
+def test_move_driver_moves_what_the_source_offers_and_holds_again():
+    madison = MADISON + [
+        f"{name} | {version} | file:/srv/rigbook-sim-repo  Packages"
+        for name in ("libnvidia-ml1", "nvidia-kernel-open-dkms", "nvidia-persistenced")
+        for version in ("580.159.04-1", "580.95.05-1")
+    ]
+    commands, _ = move(SIM_INSTALLED, madison)
+    names = "libnvidia-ml1 nvidia-kernel-open-dkms nvidia-open nvidia-persistenced nvidia-smi"
+    (command,) = shell(commands)
+    assert command.startswith(f"apt-mark unhold {names} && DEBIAN_FRONTEND=noninteractive")
+    assert "install --allow-downgrades 'libnvidia-ml1=580.159.04-*' " in command
+    assert "'nvidia-smi=580.159.04-*'" in command
+    assert command.endswith(f"; rc=$?; apt-mark hold {names} ; exit $rc")
+
+
+def test_move_driver_keeps_packages_named_after_the_old_version():
+    installed = dict(UBUNTU_INSTALLED)
+    madison = [f"{name} | {version} | x Packages"
+               for name in ("nvidia-driver-580-open", "nvidia-utils-580", "libnvidia-compute-580",
+                            "nvidia-dkms-580-open")
+               for version in ("580.159.04-0ubuntu0.24.04.1", "580.95.05-0ubuntu0.24.04.1")]
+    facts = {"DpkgInstalled": installed,
+             "AptVersions": lambda packages: AptVersions().process(madison)}
+    commands, _ = run_op(drv.move_driver, facts,
+                         packages=("nvidia-driver-580-open", "nvidia-utils-580"),
+                         target="580.159.04")
+    (command,) = shell(commands)
+    assert "nvidia-firmware-580-580.95.05" not in command  # not offered at the target: stays
+    assert "nvidia-settings" not in command  # not the driver's version
+    assert "'nvidia-dkms-580-open=580.159.04-*'" in command
+
+
+def test_move_driver_refuses_a_target_the_source_lacks_and_noops_when_there():
+    commands, fake = move(SIM_INSTALLED, target="580.200.01")
+    assert refusals(commands, fake) == [
+        "nvidia-open 580.200.01 is not offered by the configured apt sources "
+        "(offered: 580.159.04-1, 580.95.05-1)"
+    ]
+    there = {name: "580.159.04-1" for name in SIM_INSTALLED}
+    commands, fake = move(there)
+    assert commands == [] and fake.noops == ["driver 580.159.04 is installed"]
+
+
+def test_move_driver_command_holds_again_when_apt_fails(tmp_path):
+    """Run the bump's shell with stand-in apt-mark/apt-get: a failed install keeps the hold."""
+    log = tmp_path / "log"
+    for tool, status in (("apt-mark", 0), ("apt-get", 100)):
+        script = tmp_path / tool
+        script.write_text(f'#!/bin/sh\necho "{tool} $*" >> {log}\nexit {status}\n')
+        script.chmod(0o755)
+    commands, _ = move({"nvidia-open": "580.95.05-1", "nvidia-smi": "580.95.05-1"})
+    (command,) = shell(commands)
+    env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    run = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+    assert run.returncode == 100
+    calls = log.read_text().splitlines()
+    assert calls[0] == "apt-mark unhold nvidia-open nvidia-smi"
+    assert calls[1].startswith("apt-get -y") and calls[1].endswith(
+        "install --allow-downgrades nvidia-open=580.159.04-* nvidia-smi=580.159.04-* "
+        "nvidia-persistenced=580.159.04-*"
+    )
+    assert calls[2] == "apt-mark hold nvidia-open nvidia-smi"
+
+
+# --- reboot, verify, WSL2 -------------------------------------------------------------------
+
+
+def test_reboot_reasons():
+    assert drv.reboot_reasons(set(), None, []) == []
+    assert drv.reboot_reasons({"580.95.05"}, "580.95.05", []) == []
+    assert drv.reboot_reasons({"580.159.04"}, "580.95.05", []) == [
+        "driver 580.159.04 is installed but the loaded module is 580.95.05"
+    ]
+    assert drv.reboot_reasons({"580.95.05"}, None, ["nvidia module options changed (x)"]) == [
+        "nvidia module options changed (x)",
+        "driver 580.95.05 is installed but no nvidia module is loaded",
+    ]
+
+
+BOOT = "8d2c3e5e-54ac-4a43-a0c6-0c3f1d0c2c11"
+
+
+def reboot_facts(loaded, marker=()) -> dict:
+    return {"DpkgInstalled": SIM_INSTALLED, "LoadedDriverVersion": loaded,
+            "RebootMarker": list(marker), "BootId": BOOT}
+
+
+def test_reboot_only_when_pending_and_allowed(caplog):
+    commands, fake = run_op(drv.reboot_for_driver, reboot_facts("580.95.05"), allow_reboot=True)
+    assert commands == []
+    assert fake.noops == ["no reboot pending: the running driver is the installed one"]
+
+    with caplog.at_level(logging.WARNING):
+        commands, _ = run_op(drv.reboot_for_driver, reboot_facts("580.159.04"))
+    assert commands == []
+    assert ("[rig1] reboot needed (driver 580.95.05 is installed but the loaded module is "
+            "580.159.04); allow_reboot is false: reboot the rig") in caplog.text
+
+    commands, _ = run_op(drv.reboot_for_driver, reboot_facts(None, ["x changed"]),
+                         allow_reboot=True)
+    assert shell(commands) == ["( sleep 1 && reboot ) </dev/null >/dev/null 2>&1 &"]
+    wait = commands[-1]
+    assert wait.function is drv.wait_for_boot and wait.args == (BOOT, *drv.REBOOT_WAIT_S)
+
+
+class Rebooting:
+    """A rig seen over SSH while it reboots: down, then up with the old id, then a new one."""
+
+    def __init__(self, answers: list):
+        self.answers = answers
+        self.connected = False
+        self.logged: list[str] = []
+        self.connector_data: dict = {}  # no sudo password: nothing to forget
+
+    def connect(self, show_errors=True):
+        self.connected = self.answers[0] is not None
+        if not self.connected:
+            self.answers.pop(0)
+
+    def disconnect(self):
+        self.connected = False
+
+    def run_shell_command(self, command):
+        assert command.get_raw_value() == f"cat {drv.BOOT_ID}"
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return True, type("Output", (), {"stdout_lines": [answer]})()
+
+    def log_styled(self, message, **_):
+        self.logged.append(message)
+
+
+def test_wait_for_boot_waits_for_a_new_boot_id():
+    rig1 = Rebooting([BOOT, OSError("connection reset"), None, None, "a-new-boot-id"])
+    assert drv.wait_for_boot(None, rig1, BOOT, 0, 0, 5) is True
+    assert rig1.answers == [] and rig1.connected
+    stuck = Rebooting([BOOT] * 1000)
+    assert drv.wait_for_boot(None, stuck, BOOT, 0, 0.01, 0.05) is False
+    assert stuck.logged == ["did not come back from the reboot within 0.05 s"]
+
+
+def test_reboot_that_did_not_help_fails_the_rig():
+    facts = reboot_facts(Calls(["580.159.04", "580.159.04"]))
+    commands, fake = run_op(drv.reboot_for_driver, facts, executing=True, allow_reboot=True)
+    assert refusals(commands[-1:], fake) == [
+        "still after the reboot: driver 580.95.05 is installed but the loaded module is 580.159.04"
+    ]
+    facts = reboot_facts(Calls(["580.159.04", "580.95.05"]))
+    commands, _ = run_op(drv.reboot_for_driver, facts, executing=True, allow_reboot=True)
+    assert not isinstance(commands[-1], FunctionCommand) or "still" not in str(commands[-1].args)
+
+
+def h200_probe() -> GpuProbe:
+    text = (FIXTURES / "query-full-nounits.csv").read_text()
+    return GpuProbe(smi="/usr/local/nvidia/bin/nvidia-smi", gpus=tuple(parse_query_csv(text)))
+
+
+def test_verify_driver_passes_only_on_the_target():
+    commands, fake = run_op(drv.verify_driver, {"NvidiaGpus": h200_probe()}, version="580.159.04")
+    assert commands == []
+    assert fake.noops == [
+        "nvidia-smi (/usr/local/nvidia/bin/nvidia-smi) reports driver 580.159.04 on 1 GPU(s)"
+    ]
+    facts = {"NvidiaGpus": h200_probe(), "DpkgInstalled": {}, "LoadedDriverVersion": "580.159.04",
+             "RebootMarker": []}
+    commands, fake = run_op(drv.verify_driver, facts, version="580.95.05")
+    assert refusals(commands, fake) == [
+        "driver 580.95.05 is not running: nvidia-smi reports 580.159.04"
+    ]
+    broken = GpuProbe(smi="/usr/bin/nvidia-smi", error=MISMATCH, exit_code=18)
+    facts = {"NvidiaGpus": broken, **reboot_facts("580.95.05")}
+    facts["DpkgInstalled"] = {name: "580.159.04-1" for name in SIM_INSTALLED}
+    commands, fake = run_op(drv.verify_driver, facts, version="580.159.04")
+    assert refusals(commands, fake) == [
+        f"driver 580.159.04 is not running: nvidia-smi fails: {MISMATCH}; reboot needed: "
+        "driver 580.159.04 is installed but the loaded module is 580.95.05"
+    ]
+
+
+def test_wsl2_checks_the_windows_driver_and_refuses_a_linux_one():
+    wsl_probe = GpuProbe(smi=drv.WSL_SMI, gpus=h200_probe().gpus)
+    commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": {"python3": "3.11"},
+                                            "NvidiaGpus": wsl_probe})
+    assert commands == []
+    assert fake.noops == [
+        f"WSL2: the Windows driver 580.159.04 serves 1 GPU(s) ({drv.WSL_SMI}); "
+        "no Linux driver is installed, by design"
+    ]
+    shadowed = {"nvidia-utils-580": "580.95.05-0ubuntu0.24.04.1",
+                "libnvidia-compute-580": "580.95.05-0ubuntu0.24.04.1",
+                "nvidia-container-toolkit": "1.17.8-1", "cuda-toolkit-13-0": "13.0.2-1"}
+    commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": shadowed, "NvidiaGpus": wsl_probe})
+    (message,) = refusals(commands, fake)
+    assert message.startswith("Linux NVIDIA driver packages are installed in WSL2 "
+                              "(libnvidia-compute-580, nvidia-utils-580)")
+    assert message.endswith("apt-get purge libnvidia-compute-580 nvidia-utils-580")
+    commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": {}, "NvidiaGpus": None})
+    assert "does not answer (no nvidia-smi)" in refusals(commands, fake)[0]
+    broken = GpuProbe(smi=drv.WSL_SMI, error="No devices were found", exit_code=6)
+    commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": {}, "NvidiaGpus": broken})
+    assert refusals(commands, fake) == [f"WSL2: {drv.WSL_SMI} fails: No devices were found"]
