@@ -46,7 +46,8 @@ def _table(model: type[BaseModel]) -> list[str]:
 def _sweet_spots() -> list[str]:
     lines = ["| card | profile | air | water | aio |", "| --- | --- | --- | --- | --- |"]
     for (card, profile), caps in SWEET_SPOTS.items():
-        lines.append(f"| {card} | {profile} | {caps['air']} W | {caps['water']} W | {caps['aio']} W |")
+        watts = " | ".join(f"{caps[cooling]} W" for cooling in ("air", "water", "aio"))
+        lines.append(f"| {card} | {profile} | {watts} |")
     return lines
 
 
@@ -57,9 +58,10 @@ def host_data_markdown() -> str:
         "## Rig keys\n",
         *_table(Rig),
         "\n## Power profiles\n",
-        "`power_profile` picks a cap per card and cooling when `power_cap_watts` is unset. These are",
-        "the sweet spots of the 10 W sweeps in the project's seed notes; a card without an entry",
-        "needs `power_cap_watts` or `power_profile: stock` (the card's own default limit).\n",
+        "`power_profile` picks a cap per card and cooling when `power_cap_watts` is unset.",
+        "These are the sweet spots of the 10 W sweeps in the project's seed notes;",
+        "a card without an entry needs `power_cap_watts` or `power_profile: stock`",
+        "(the card's own default limit).\n",
         *_sweet_spots(),
         "\n## `venvs` entries\n",
         *_table(VenvSpec),

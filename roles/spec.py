@@ -56,8 +56,12 @@ class _Model(BaseModel):
 class VenvSpec(_Model):
     """One serving venv (built by the venvs role)."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Stable name: /opt/rigbook/venvs/<name>.")
-    engine: Literal["vllm", "sglang", "llama-cpp-python"] = Field(description="The engine it serves.")
+    name: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Stable name: /opt/rigbook/venvs/<name>."
+    )
+    engine: Literal["vllm", "sglang", "llama-cpp-python"] = Field(
+        description="The engine it serves."
+    )
     python: str = Field("3.12", pattern=r"^3\.1[1-4]$", description="Python version for the venv.")
     packages: tuple[str, ...] = Field(description="Pinned requirements, e.g. 'vllm==0.33.0'.")
     torch_backend: Literal["cu130"] = Field("cu130", description="CUDA build of torch.")

@@ -67,8 +67,8 @@ def test_pyinfra_keys_pass_and_per_gpu_caps_override():
 
 
 def test_cli_override_data_types_values_like_pyinfra():
-    argv = ["pyinfra", "inv.py", "d.py", "--data", "power_cap_watts=290", "--data=allow_reboot=true"]
-    assert cli_override_data(argv) == {"power_cap_watts": 290, "allow_reboot": True}
+    argv = ["pyinfra", "inv.py", "d.py", "--data", "power_cap_watts=290", "--data=allow_reboot=1"]
+    assert cli_override_data(argv) == {"power_cap_watts": 290, "allow_reboot": 1}
 
 
 def test_host_data_docs_are_generated_from_the_models():
