@@ -36,11 +36,12 @@ from pyinfra.facts.server import Arch, LinuxDistribution
 from pyinfra.operations import apt, files, systemd
 from pyinfra.operations.util import any_changed
 
+from roles import FILES
 from roles.apt import AptVersions, DpkgInstalled, apt_hold, upstream_version
 from roles.errors import RigbookError
 from roles.facts import LoadedNvidiaModule, NvidiaGpus
+from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig
-from roles.tuning import FILES, notice, refuse, warn_once
 from roles.wsl import Wsl, WslSignals, check_platform
 
 TEMPLATES = FILES / "driver"

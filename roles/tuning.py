@@ -23,18 +23,18 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from pyinfra import host, logger
-from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operation
+from pyinfra import host
+from pyinfra.api import FactBase, StringCommand, deploy, operation
 from pyinfra.api.command import QuoteString
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.operations import files
 
+from roles import FILES
 from roles.errors import RigbookError
+from roles.messages import refuse, warn_once
 from roles.spec import Rig
 
-FILES = Path(__file__).resolve().parent.parent / "files"
 SYSCTL_TEMPLATE = FILES / "tuning" / "90-rigbook.conf.j2"
 SYSCTL_CONF = "/etc/sysctl.d/90-rigbook.conf"
 FSTAB = "/etc/fstab"
@@ -46,49 +46,6 @@ READ_ONLY_NOTE = "the file is in place; the values apply at the next boot of a h
 
 _SIZE = re.compile(r"^([1-9][0-9]*)([KMG%])$")
 _UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
-
-
-# --- messages: refusals, warnings and notices ------------------------------------------------
-
-_warned: set[tuple[str, str]] = set()
-
-
-def warn_once(message: str) -> None:
-    """logger.warning naming the host, once per run.
-
-    An operation body runs at prepare time (when pyinfra diffs) and again at execution; with -y
-    it runs only at execution. Warning from the body and remembering what was said prints the
-    warning exactly once in every mode, --dry included.
-    """
-    key = (host.name, message)
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(f"{host.print_prefix}{message}")
-
-
-def _log_warning(state, host, message: str) -> bool:
-    logger.warning(f"{host.print_prefix}{message}")
-    return True
-
-
-def _log_refusal(state, host, message: str) -> bool:
-    host.log_styled(message, fg="red", log_func=logger.error)
-    return False
-
-
-def notice(message: str) -> FunctionCommand:
-    """A command that prints a warning when it executes (so only when the operation ran)."""
-    return FunctionCommand(_log_warning, (message,), {})
-
-
-def refuse(message: str) -> FunctionCommand:
-    """A command that fails its host with `message` when it executes.
-
-    pyinfra aborts the whole run when a deploy raises while it prepares, so a RigbookError that
-    concerns one host is turned into this failing step instead: that host stops here, before
-    the operations after it change anything, and the other hosts go on.
-    """
-    return FunctionCommand(_log_refusal, (message,), {})
 
 
 # --- sysctl ---------------------------------------------------------------------------------

@@ -33,9 +33,11 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.api.util import get_template
 from pyinfra.operations import files
 
+from roles import FILES
 from roles.errors import RigbookError
+from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig
-from roles.tuning import FILES, Shm, notice, refuse, warn_once
+from roles.tuning import Shm
 
 REG_EXE = "/mnt/c/Windows/System32/reg.exe"
 GRAPHICS_DRIVERS = r"HKLM\System\CurrentControlSet\Control\GraphicsDrivers"

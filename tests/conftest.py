@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from roles import messages
+
 ROOT = Path(__file__).resolve().parent.parent
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 SANDBOX_INVENTORY = "inventory/sandbox.py"
@@ -91,6 +93,14 @@ def rig_ssh(rig: dict, command: str, check: bool = True) -> subprocess.Completed
          f"root@{rig['address']}", command],
         capture_output=True, text=True, check=check, timeout=300,
     )
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    """Each test sees warnings said afresh (roles warn once per host and run)."""
+    messages._warned.clear()
+    yield
+    messages._warned.clear()
 
 
 @pytest.fixture(scope="session")

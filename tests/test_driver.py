@@ -28,7 +28,7 @@ from roles.errors import RigbookError
 from roles.gpus import GpuProbe, parse_query_csv
 from roles.spec import Rig
 from roles.wsl import WslSignals
-from tests.test_tuning import Calls, FakeHost, shell
+from tests.opkit import Calls, FakeHost, shell
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-h200"
 TEMPLATES = drv.TEMPLATES

@@ -11,11 +11,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand
-from pyinfra.context import ctx_host, ctx_state
 from rich.console import Console
 
 from roles.errors import RigbookError
@@ -32,6 +30,7 @@ from roles.power import (
     render_unit,
 )
 from roles.spec import Rig
+from tests.opkit import FakeHost, run_op
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
@@ -210,38 +209,8 @@ def test_docs_show_the_unit_and_the_refusal_as_the_code_writes_them():
 # --- operations against facts --------------------------------------------------------------
 
 
-class FakeHost:
-    """What pyinfra's operations ask of a host: facts from a dict, noops and logs recorded."""
-
-    name = "rig1"
-    current_op_global_arguments = None
-
-    def __init__(self, facts: dict):
-        self.facts = facts
-        self.noops: list[str] = []
-        self.logs: list[str] = []
-
-    def get_fact(self, cls, *args, **kwargs):
-        value = self.facts[cls.__name__]
-        return value(**kwargs) if callable(value) else value
-
-    def noop(self, description: str) -> None:
-        self.noops.append(description)
-
-    def log_styled(self, message: str, **kwargs) -> None:
-        self.logs.append(message)
-
-    def get_temp_filename(self, *args, **kwargs) -> str:
-        return "/tmp/rigbook-test-upload"
-
-
-def run_op(op, rig: Rig, facts: dict, executing: bool = False) -> tuple[list, FakeHost]:
-    host = FakeHost(facts)
-    state = SimpleNamespace(
-        is_executing=executing, config=SimpleNamespace(DIFF=False), cwd=str(ROOT), inventory=None,
-    )
-    with ctx_state.use(state), ctx_host.use(host):
-        return list(op._inner(rig)), host
+def power_op(op, rig: Rig, facts: dict, executing: bool = False) -> tuple[list, FakeHost]:
+    return run_op(op, facts, rig, executing=executing)
 
 
 def describe(command) -> str:
@@ -279,7 +248,7 @@ def probe_of(gpus, smi: str = SMI) -> GpuProbe:
 
 
 def test_unit_op_writes_reloads_and_enables_a_new_unit():
-    commands, _ = run_op(power_unit, dual_3090(), unit_facts(probe_of(DUAL)))
+    commands, _ = power_op(power_unit, dual_3090(), unit_facts(probe_of(DUAL)))
     assert [describe(c) for c in commands] == [
         f"upload {UNIT_PATH}", f"chmod 644 {UNIT_PATH}",
         "systemctl daemon-reload", f"systemctl enable {UNIT_NAME}",
@@ -290,7 +259,7 @@ def test_unit_op_writes_reloads_and_enables_a_new_unit():
 
 def test_unit_op_changes_nothing_and_skips_daemon_reload_when_the_unit_matches():
     text = render_unit(SMI, desired_caps(dual_3090(), "rig1", DUAL))
-    commands, host = run_op(power_unit, dual_3090(), unit_facts(probe_of(DUAL), text, True))
+    commands, host = power_op(power_unit, dual_3090(), unit_facts(probe_of(DUAL), text, True))
     assert commands == []
     assert host.noops[-1] == (
         f"{UNIT_NAME} is already enabled and caps GPU 0 at 290 W, GPU 1 at 290 W"
@@ -299,7 +268,7 @@ def test_unit_op_changes_nothing_and_skips_daemon_reload_when_the_unit_matches()
 
 def test_unit_op_rewrites_and_reloads_on_a_cap_change_without_reenabling():
     old = render_unit(SMI, desired_caps(dual_3090(), "rig1", DUAL))
-    commands, _ = run_op(power_unit, dual_3090(power_cap_watts=300),
+    commands, _ = power_op(power_unit, dual_3090(power_cap_watts=300),
                          unit_facts(probe_of(DUAL), old, True))
     assert [describe(c) for c in commands] == [
         f"upload {UNIT_PATH}", f"chmod 644 {UNIT_PATH}", "systemctl daemon-reload",
@@ -308,18 +277,19 @@ def test_unit_op_rewrites_and_reloads_on_a_cap_change_without_reenabling():
 
 
 def test_unit_op_refuses_500_w_before_writing_anything():
-    commands, host = run_op(power_unit, dual_3090(power_cap_watts=500), unit_facts(probe_of(DUAL)))
+    facts = unit_facts(probe_of(DUAL))
+    commands, host = power_op(power_unit, dual_3090(power_cap_watts=500), facts)
     assert [describe(c) for c in commands] == ["call _refuse"]
     message = commands[0].args[0]
     assert "asks 500 W, outside the card's allowed range 100-400 W" in message
-    assert host.logs == [message]  # said at plan time too, so --dry shows it
+    assert host.logged == [message]  # said at plan time too, so --dry shows it
 
 
 def test_refusal_fails_the_rig_and_records_unchanged_rows():
-    commands, _ = run_op(power_unit, dual_3090(power_cap_watts=500), unit_facts(probe_of(DUAL)))
+    commands, _ = power_op(power_unit, dual_3090(power_cap_watts=500), unit_facts(probe_of(DUAL)))
     host = FakeHost({})
     assert commands[0].function(None, host, *commands[0].args) is False
-    assert "outside the card's allowed range" in host.logs[0]
+    assert "outside the card's allowed range" in host.logged[0]
 
 
 @pytest.mark.parametrize("probe, why", [
@@ -330,7 +300,7 @@ def test_refusal_fails_the_rig_and_records_unchanged_rows():
 ])
 def test_no_gpus_yet_is_a_noop_that_says_so(probe, why):
     for op in (power_unit, live_power_caps):
-        commands, host = run_op(op, dual_3090(), unit_facts(probe))
+        commands, host = power_op(op, dual_3090(), unit_facts(probe))
         assert commands == []
         assert host.noops == [
             f"no GPUs visible yet ({why}): power cap not applied; run again after the reboot"
@@ -339,7 +309,7 @@ def test_no_gpus_yet_is_a_noop_that_says_so(probe, why):
 
 def test_live_op_sets_only_the_gpus_that_differ_then_reads_back():
     gpus = (rtx3090(0, UUID0, 290.0), rtx3090(1, UUID1, 350.0))
-    commands, _ = run_op(live_power_caps, dual_3090(), unit_facts(probe_of(gpus)))
+    commands, _ = power_op(live_power_caps, dual_3090(), unit_facts(probe_of(gpus)))
     assert [describe(c) for c in commands] == [
         f"{SMI} -i {UUID1} -pl 290", "call _read_back",
     ]
@@ -347,32 +317,32 @@ def test_live_op_sets_only_the_gpus_that_differ_then_reads_back():
 
 def test_live_op_is_a_noop_when_the_caps_are_in_place():
     gpus = (rtx3090(0, UUID0, 290.0), rtx3090(1, UUID1, 290.2))
-    commands, host = run_op(live_power_caps, dual_3090(), unit_facts(probe_of(gpus)))
+    commands, host = power_op(live_power_caps, dual_3090(), unit_facts(probe_of(gpus)))
     assert commands == []
     assert host.noops == ["power caps are already GPU 0 290 W, GPU 1 290 W"]
 
 
 def test_live_op_refuses_before_setting_anything():
     rig = dual_3090(power_cap_watts=500)
-    commands, _ = run_op(live_power_caps, rig, unit_facts(probe_of(DUAL)))
+    commands, _ = power_op(live_power_caps, rig, unit_facts(probe_of(DUAL)))
     assert [describe(c) for c in commands] == ["call _refuse"]
 
 
 def test_read_back_fails_loudly_when_a_card_did_not_take_its_cap():
-    commands, _ = run_op(live_power_caps, dual_3090(), unit_facts(probe_of(DUAL)))
+    commands, _ = power_op(live_power_caps, dual_3090(), unit_facts(probe_of(DUAL)))
     read_back = commands[-1]
     took = FakeHost({"NvidiaGpus": probe_of((rtx3090(0, UUID0, 290), rtx3090(1, UUID1, 290)))})
     assert read_back.function(None, took, *read_back.args) is True
     stuck = FakeHost({"NvidiaGpus": probe_of((rtx3090(0, UUID0, 290), rtx3090(1, UUID1, 350)))})
     assert read_back.function(None, stuck, *read_back.args) is False
-    assert f"GPU 1 ({UUID1}): asked 290 W, the card's power.limit reads 350 W" in stuck.logs[0]
+    assert f"GPU 1 ({UUID1}): asked 290 W, the card's power.limit reads 350 W" in stuck.logged[0]
 
 
 def test_read_back_records_the_real_old_and_new_values():
     from roles.power import _ROWS, recorded_rows
 
     _ROWS.clear()
-    commands, _ = run_op(live_power_caps, dual_3090(power_cap_watts=300),
+    commands, _ = power_op(live_power_caps, dual_3090(power_cap_watts=300),
                          unit_facts(probe_of((rtx3090(0, UUID0, 290), rtx3090(1, UUID1, 300)))))
     host = FakeHost({"NvidiaGpus": probe_of((rtx3090(0, UUID0, 300), rtx3090(1, UUID1, 300)))})
     assert commands[-1].function(None, host, *commands[-1].args) is True
@@ -386,22 +356,22 @@ def test_read_back_records_the_real_old_and_new_values():
 def test_h200_fact_output_plans_a_cap_by_uuid_and_a_noop_at_stock():
     probe = probe_of(parse_query_csv(H200_FACT_CSV.read_text()), smi=H200_SMI)
     (gpu,) = probe.gpus
-    commands, _ = run_op(live_power_caps, h200_rig(power_cap_watts=500), unit_facts(probe))
+    commands, _ = power_op(live_power_caps, h200_rig(power_cap_watts=500), unit_facts(probe))
     assert [describe(c) for c in commands] == [
         f"{H200_SMI} -i {gpu.uuid} -pl 500", "call _read_back",
     ]
-    commands, host = run_op(live_power_caps, h200_rig(power_profile="stock"), unit_facts(probe))
+    commands, host = power_op(live_power_caps, h200_rig(power_profile="stock"), unit_facts(probe))
     assert commands == [] and host.noops == ["power caps are already GPU 0 700 W"]
-    commands, _ = run_op(power_unit, h200_rig(power_cap_watts=500), unit_facts(probe))
+    commands, _ = power_op(power_unit, h200_rig(power_cap_watts=500), unit_facts(probe))
     assert f"ExecStart={H200_SMI} -i {gpu.uuid} -pl 500\n" in commands[0].src.getvalue()
 
 
 def test_wsl2_writes_no_unit_and_changes_no_cap_but_reports_them():
     rig = Rig(platform="wsl2", gpu_class="rtx3090", gpu_count=1, power_profile="prefill")
     probe = probe_of([rtx3090(0, UUID0)], smi="/usr/lib/wsl/lib/nvidia-smi")
-    commands, host = run_op(power_unit, rig, unit_facts(probe))
+    commands, host = power_op(power_unit, rig, unit_facts(probe))
     assert commands == [] and "set the cap on the Windows host" in host.noops[0]
-    commands, host = run_op(live_power_caps, rig, unit_facts(probe))
+    commands, host = power_op(live_power_caps, rig, unit_facts(probe))
     assert commands == []
     (report,) = host.noops
     assert "caps are set on the Windows host" in report

@@ -13,12 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from pyinfra.api import Config, FunctionCommand, Inventory, State, StringCommand
-from pyinfra.context import ctx_host, ctx_state
+from pyinfra.api import FunctionCommand
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files
 
-from roles import tuning
 from roles.errors import RigbookError
 from roles.spec import Rig
 from roles.tuning import (
@@ -44,6 +42,7 @@ from roles.tuning import (
     sysctl_values,
     tuning_preflight,
 )
+from tests.opkit import execute, local_fact, run_op, shell
 
 GIB = 1024**3
 WATCHES = "fs.inotify.max_user_watches"
@@ -51,76 +50,6 @@ INSTANCES = "fs.inotify.max_user_instances"
 
 
 # --- a small harness: real facts here, fake facts for operations ------------------------------
-
-
-def local_fact(fact_cls, **kwargs):
-    """Run a fact's command on this machine and process its stdout, as pyinfra would."""
-    fact = fact_cls()
-    command = fact.command(**kwargs)
-    text = command.get_raw_value() if isinstance(command, StringCommand) else command
-    proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True, check=True)
-    lines = proc.stdout.splitlines()
-    return fact.process(lines) if lines else fact.default()
-
-
-class Calls(list):
-    """Successive answers of one fact, for operations that read it again after a step.
-
-    A fake fact may also be a function of the fact's arguments (e.g. path=...).
-    """
-
-
-class FakeHost:
-    """The few parts of pyinfra's Host an operation body touches."""
-
-    def __init__(self, facts: dict, name: str = "rig1"):
-        self.name = name
-        self.print_prefix = f"[{name}] "
-        self.facts = facts
-        self.asked: list[tuple[str, dict]] = []
-        self.noops: list[str] = []
-        self.logged: list[str] = []
-        self.current_op_global_arguments: dict = {}
-
-    def get_fact(self, cls, **kwargs):
-        self.asked.append((cls.__name__, kwargs))
-        value = self.facts[cls.__name__]
-        if isinstance(value, Calls):
-            return value.pop(0)
-        return value(**kwargs) if callable(value) else value
-
-    def get_temp_filename(self, key: str, temp_directory=None) -> str:
-        return f"/tmp/pyinfra-{abs(hash(key))}"
-
-    def noop(self, text: str) -> None:
-        self.noops.append(text)
-
-    def log_styled(self, message: str, **_) -> None:
-        self.logged.append(message)
-
-
-def run_op(op, facts: dict, *args, name: str = "rig1", **kwargs):
-    """An operation's commands and the fake host it ran on."""
-    fake = FakeHost(facts, name)
-    with ctx_state.use(State(Inventory(([name], {})), Config())), ctx_host.use(fake):
-        commands = list(op._inner(*args, **kwargs))
-    return commands, fake
-
-
-def shell(commands) -> list[str]:
-    return [c.get_raw_value() for c in commands if isinstance(c, StringCommand)]
-
-
-def execute(command: FunctionCommand, fake: FakeHost) -> bool:
-    """What a FunctionCommand does when pyinfra executes it."""
-    return command.function(None, fake, *command.args, **command.kwargs)
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings():
-    tuning._warned.clear()
-    yield
-    tuning._warned.clear()
 
 
 def rig(**data) -> Rig:

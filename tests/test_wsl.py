@@ -46,9 +46,7 @@ from roles.wsl import (
     wsl_platform,
     wslconfig_memory,
 )
-from tests.test_tuning import Calls, execute, fresh_warnings, local_fact, run_op, shell
-
-__all__ = ["fresh_warnings"]  # the autouse fixture, shared with test_tuning
+from tests.opkit import Calls, execute, local_fact, run_op, shell
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM_REG = ROOT / "sandbox" / "simulated" / "reg.exe"
