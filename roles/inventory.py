@@ -41,8 +41,11 @@ def cli_override_data(argv: list[str]) -> dict:
     return data
 
 
-def load_rigs(inventory_file: str, override_data: dict | None = None) -> dict[str, Rig]:
-    """Every host of an inventory file, validated; RigbookError lists all bad hosts at once."""
+def load_inventory(inventory_file: str, override_data: dict | None = None):
+    """(pyinfra Inventory, validated Rig per host) of an inventory file, loaded as the CLI does.
+
+    RigbookError lists every bad host at once.
+    """
     with ctx_state.use(ctx_state.get() or State()):  # pyinfra's loader needs a state to exec in
         inventory = make_inventory_from_files(
             str(Path(inventory_file).resolve()), override_data=override_data or {}, cwd=os.getcwd()
@@ -55,7 +58,12 @@ def load_rigs(inventory_file: str, override_data: dict | None = None) -> dict[st
             errors.append(str(exc))
     if errors:
         raise RigbookError("invalid host data, nothing was changed:\n" + "\n".join(errors))
-    return rigs
+    return inventory, rigs
+
+
+def load_rigs(inventory_file: str, override_data: dict | None = None) -> dict[str, Rig]:
+    """Every host of an inventory file, validated."""
+    return load_inventory(inventory_file, override_data)[1]
 
 
 def check_inventory(inventory_file: str) -> None:

@@ -97,7 +97,7 @@ class GpuCap:
 # --- cap policy ----------------------------------------------------------------------------
 
 
-def _asked(rig: Rig, gpu: Gpu) -> tuple[float | None, str]:
+def asked_cap(rig: Rig, gpu: Gpu) -> tuple[float | None, str]:
     """(watts, which key asked) for one GPU; None watts means the card's default (stock).
 
     power_caps (by index or UUID) > power_cap_watts > power_profile (Rig.default_cap()).
@@ -147,7 +147,7 @@ def desired_caps(rig: Rig, rig_name: str, gpus: Iterable[Gpu]) -> tuple[GpuCap, 
     for gpu in gpus:
         label = f"GPU {gpu.index} ({gpu.uuid})"
         try:
-            asked, source = _asked(rig, gpu)
+            asked, source = asked_cap(rig, gpu)
         except ValueError as e:
             problems.append(f"{label}: {e}")
             continue

@@ -43,7 +43,6 @@ from pyinfra.api.exceptions import ConnectError, FactProcessError, NoGroupError
 from pyinfra.api.facts import get_fact
 from pyinfra.context import ctx_state
 from pyinfra.facts.files import FileContents
-from pyinfra_cli.inventory import make_inventory_from_files
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
@@ -62,8 +61,8 @@ from roles.driver import (
 from roles.errors import RigbookError
 from roles.facts import NvidiaGpus
 from roles.gpus import Gpu, GpuProbe
-from roles.inventory import load_rigs
-from roles.power import TOLERANCE_W, UNIT_NAME, UNIT_PATH, _asked, watts
+from roles.inventory import load_inventory
+from roles.power import TOLERANCE_W, UNIT_NAME, UNIT_PATH, asked_cap, watts
 from roles.spec import Rig
 from roles.tuning import (
     FSTAB,
@@ -673,7 +672,7 @@ def _gpu_status(
     if rig.platform != "wsl2" and rig.driver_persistence and gpu.persistence is False:
         found.add("drift", "persistence", f"{label}: persistence mode is off", gpu.uuid)
     try:
-        desired, source = _asked(rig, gpu)
+        desired, source = asked_cap(rig, gpu)
     except ValueError as e:
         found.add("drift", "power", f"{label}: {e}", gpu.uuid)
         desired, source = None, None
@@ -1175,11 +1174,7 @@ def gather(
     """Read every (limited) rig of an inventory in parallel and build the fleet's status."""
     if not Path(inventory_file).is_file():  # pyinfra would read a missing file as host names
         raise RigbookError(f"no inventory file {inventory_file}")
-    rigs = load_rigs(inventory_file)  # every host validated first: nothing is contacted else
-    with ctx_state.use(State()):  # the same load as roles.inventory.load_rigs
-        inventory = make_inventory_from_files(
-            str(Path(inventory_file).resolve()), override_data={}, cwd=str(Path.cwd())
-        )
+    inventory, rigs = load_inventory(inventory_file)  # all validated before anything is contacted
     hosts = _limit(inventory, limit)
     state = State(inventory, Config(PARALLEL=max(len(hosts), 1)), initial_limit=hosts)
     log = _HostLog(host.name for host in hosts)
