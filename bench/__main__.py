@@ -13,6 +13,7 @@ thresholds: nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 INVENTORY = "inventory/sandbox.py"
+LOCK = Path("/run/lock/rigbook-sandbox.lock")
 
 
 def _timed(argv: list[str], env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
@@ -128,12 +130,15 @@ def main() -> None:
         "pyinfra": version("pyinfra"),
         "sizes": [],
     }
-    try:
-        for size in sizes:
-            report["sizes"].append(measure(size, args.repeat))
-            print(json.dumps(report["sizes"][-1]), flush=True)
-    finally:
-        subprocess.run([sys.executable, "-m", "roles.cli", "sandbox", "down"], cwd=ROOT)
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as the tests: one user of the rigs
+        try:
+            for size in sizes:
+                report["sizes"].append(measure(size, args.repeat))
+                print(json.dumps(report["sizes"][-1]), flush=True)
+        finally:
+            subprocess.run([sys.executable, "-m", "roles.cli", "sandbox", "down"], cwd=ROOT)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "results.md").write_text(markdown(report))
