@@ -1,0 +1,753 @@
+"""Models in the Hugging Face cache: pinned, preflighted, complete, offline-ready.
+
+Engines serve from the rig's HF cache with HF_HUB_OFFLINE=1, so a missing or half-downloaded
+repo is a failed boot, not a silent download. For every ModelSpec of a rig (a repo pinned to a
+40-hex commit, with optional allow/ignore patterns) rigbook makes the cache hold exactly that
+snapshot:
+
+- `ModelCache` reads what the cache holds on the rig itself, from the layout alone (no network):
+  `models--ORG--NAME/{refs,snapshots/<commit>/...,blobs}`, each snapshot file's size through its
+  symlink, `.incomplete` leftovers, and the manifest rigbook wrote when it last completed a pull
+  (`models--ORG--NAME/rigbook/<commit>.json`: every expected file with its size and sha256).
+- A snapshot is complete when that manifest exists for the same patterns and every file in it
+  is present with its size: the check is local and runs on every deploy, so a complete cache
+  costs no network call and no change.
+- Otherwise files/models/pull.py runs on the rig with the tools venv's huggingface_hub: it reads
+  the file list (sizes, LFS sha256) of the pinned commit, refuses with the numbers when the
+  missing bytes plus models_disk_margin_gib do not fit on the cache's filesystem, downloads only
+  what is missing, checks sizes and hashes, and writes the manifest only when the snapshot is
+  complete. A partial snapshot fails the rig with the files that are missing or wrong.
+- A token (the operator's HF_TOKEN or models_token_file) reaches the rig as a root-only 0600
+  file that huggingface_hub reads through HF_TOKEN_PATH; it is never in a command, an argument,
+  a diff or a log line (see `hf_token`).
+- Cached repos that models does not list are reported with their sizes, and removed with
+  models_prune: true.
+- Fleet pulls: models_endpoint sends every hub call to a mirror (HF_ENDPOINT); a rig with
+  models_mirror_port runs rigbook's own (files/models/mirror.py) over its complete snapshots.
+
+docs/models.md has the cache layout, offline serving, tokens, fleet pulls and pruning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import ipaddress
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
+
+from pyinfra import host, logger, state
+from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
+from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS
+from pyinfra.api.command import FileUploadCommand
+from pyinfra.api.exceptions import FactProcessError
+from pyinfra.facts.files import File
+from pyinfra.operations import files, systemd
+
+from roles import FILES
+from roles.errors import RigbookError
+from roles.messages import notice, refuse, warn_once
+from roles.spec import ModelSpec, Rig
+from roles.tools import TOOLS_PYTHON, tools_venv
+
+#: Where pull.py lives on the rig (run by the tools venv's python).
+MODELS_DIR = "/opt/rigbook/models"
+PULL_SCRIPT = f"{MODELS_DIR}/pull.py"
+PULL_SOURCE = FILES / "models" / "pull.py"
+#: rigbook's hub mirror (files/models/mirror.py) and its unit, where models_mirror_port is set.
+MIRROR_SCRIPT = f"{MODELS_DIR}/mirror.py"
+MIRROR_SOURCE = FILES / "models" / "mirror.py"
+MIRROR_UNIT = "rigbook-hf-mirror.service"
+MIRROR_UNIT_PATH = f"/etc/systemd/system/{MIRROR_UNIT}"
+MIRROR_TEMPLATE = FILES / "models" / f"{MIRROR_UNIT}.j2"
+#: The HF token on the rig: root-only, read by huggingface_hub through HF_TOKEN_PATH.
+SECRETS_DIR = "/etc/rigbook/secrets"
+TOKEN_PATH = f"{SECRETS_DIR}/hf-token"
+#: Manifests rigbook writes inside each repo folder of the cache: rigbook/<commit>.json.
+MANIFEST_DIR = "rigbook"
+REPO_PREFIX = "models--"
+GIB = 1024**3
+
+def repo_folder(repo: str) -> str:
+    """ORG/NAME -> models--ORG--NAME (huggingface_hub's folder name in the cache)."""
+    return REPO_PREFIX + repo.replace("/", "--")
+
+
+def snapshot_path(rig: Rig, spec: ModelSpec) -> str:
+    """The snapshot folder an engine can load directly (or pass repo + --revision offline)."""
+    return f"{rig.models_cache}/{repo_folder(spec.repo)}/snapshots/{spec.revision}"
+
+
+def human(size: int) -> str:
+    """Bytes as GiB (two decimals) or, below 1 GiB, MiB."""
+    if size >= GIB:
+        return f"{size / GIB:.2f} GiB"
+    return f"{size / 1024**2:.2f} MiB"
+
+
+def label(spec: ModelSpec) -> str:
+    return f"{spec.repo}@{spec.revision[:12]}"
+
+
+# --- the cache fact ---------------------------------------------------------------------------
+
+#: Runs on the rig with its python3 (argv[1] is the cache); prints one JSON object. Standard
+#: library only, read-only, no network.
+CACHE_SCRIPT = r"""
+import json, os, sys
+cache = sys.argv[1]
+out = {"cache": cache, "exists": os.path.isdir(cache), "repos": []}
+names = sorted(os.listdir(cache)) if out["exists"] else []
+for name in names:
+    top = os.path.join(cache, name)
+    if not name.startswith("models--") or not os.path.isdir(top):
+        continue
+    repo = {"folder": name, "refs": {}, "snapshots": {}, "manifests": {}, "incomplete": [],
+            "bytes": 0}
+    refs = os.path.join(top, "refs")
+    for root, _, found in os.walk(refs):
+        for ref in found:
+            path = os.path.join(root, ref)
+            try:
+                with open(path) as handle:
+                    repo["refs"][os.path.relpath(path, refs)] = handle.read().strip()
+            except OSError:
+                pass
+    blobs = os.path.join(top, "blobs")
+    for blob in sorted(os.listdir(blobs)) if os.path.isdir(blobs) else []:
+        try:
+            size = os.stat(os.path.join(blobs, blob)).st_size
+        except OSError:
+            continue
+        repo["bytes"] += size
+        if blob.endswith(".incomplete"):
+            repo["incomplete"].append([blob, size])
+    snapshots = os.path.join(top, "snapshots")
+    for commit in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []:
+        base = os.path.join(snapshots, commit)
+        if not os.path.isdir(base):
+            continue
+        sizes = {}
+        for root, _, found in os.walk(base):
+            for item in found:
+                path = os.path.join(root, item)
+                try:
+                    sizes[os.path.relpath(path, base)] = os.stat(path).st_size
+                except OSError:
+                    sizes[os.path.relpath(path, base)] = None
+        repo["snapshots"][commit] = sizes
+    manifests = os.path.join(top, "rigbook")
+    for item in sorted(os.listdir(manifests)) if os.path.isdir(manifests) else []:
+        if not item.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(manifests, item)) as handle:
+                data = json.load(handle)
+            data = {key: data[key] for key in ("files", "allow_patterns", "ignore_patterns")}
+        except (OSError, ValueError, KeyError, TypeError):
+            data = None
+        repo["manifests"][item[:-5]] = data
+    out["repos"].append(repo)
+print(json.dumps(out, sort_keys=True))
+"""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What rigbook recorded when it completed a pull: expected files and the patterns."""
+
+    files: Mapping[str, tuple[int, str | None]]  # path -> (size, sha256 of LFS files)
+    allow_patterns: tuple[str, ...]
+    ignore_patterns: tuple[str, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+
+@dataclass(frozen=True)
+class CachedRepo:
+    """One models--ORG--NAME folder of the cache."""
+
+    folder: str
+    bytes: int  # everything in blobs/, .incomplete leftovers included
+    refs: Mapping[str, str] = field(default_factory=dict)
+    snapshots: Mapping[str, Mapping[str, int | None]] = field(default_factory=dict)
+    manifests: Mapping[str, Manifest | None] = field(default_factory=dict)  # None: unreadable
+    incomplete: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def repo(self) -> str:
+        return self.folder.removeprefix(REPO_PREFIX).replace("--", "/")
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """The whole cache as ModelCache read it."""
+
+    cache: str
+    exists: bool
+    repos: Mapping[str, CachedRepo]  # by repo id
+
+
+class ModelCache(FactBase[CacheState]):
+    """
+    What a Hugging Face cache holds, read from its layout on the rig (no network).
+
+    Runs a short python3 script (``CACHE_SCRIPT``) that prints one JSON object, e.g. for a cache
+    with one complete snapshot::
+
+        {"cache": "/var/lib/rigbook/hf/hub", "exists": true, "repos": [{
+          "folder": "models--rigbook-test--tiny", "bytes": 262318, "refs": {},
+          "snapshots": {"3f2635f2...": {"config.json": 98, "model.safetensors": 262144}},
+          "manifests": {"3f2635f2...": {"files": {"config.json": {"size": 98, "sha256": null},
+              "model.safetensors": {"size": 262144, "sha256": "c87f7657..."}},
+              "allow_patterns": [], "ignore_patterns": []}},
+          "incomplete": []}]}
+    """
+
+    def command(self, cache: str) -> StringCommand:
+        return StringCommand("python3", "-c", QuoteString(CACHE_SCRIPT), QuoteString(cache))
+
+    def process(self, output: list[str]) -> CacheState:
+        return parse_cache("\n".join(output))
+
+
+def _manifest(data) -> Manifest | None:
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return None
+    try:
+        entries = {
+            str(path): (int(meta["size"]), meta.get("sha256"))
+            for path, meta in data["files"].items()
+        }
+    except (KeyError, TypeError, ValueError):
+        return None
+    return Manifest(
+        entries,
+        tuple(data.get("allow_patterns") or ()),
+        tuple(data.get("ignore_patterns") or ()),
+    )
+
+
+def parse_cache(text: str) -> CacheState:
+    """ModelCache's JSON into a CacheState (see the fact's docstring)."""
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        raise FactProcessError(f"the cache probe printed no JSON: {text[:200]!r}") from error
+    repos = {}
+    for entry in data.get("repos", ()):
+        repo = CachedRepo(
+            folder=entry["folder"],
+            bytes=int(entry.get("bytes", 0)),
+            refs=dict(entry.get("refs", {})),
+            snapshots={commit: dict(sizes) for commit, sizes in entry.get("snapshots", {}).items()},
+            manifests={commit: _manifest(m) for commit, m in entry.get("manifests", {}).items()},
+            incomplete=tuple((name, int(size)) for name, size in entry.get("incomplete", ())),
+        )
+        repos[repo.repo] = repo
+    return CacheState(data["cache"], bool(data["exists"]), repos)
+
+
+# --- completeness -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SnapshotStatus:
+    """Whether the cache holds a ModelSpec's snapshot completely, and if not, why."""
+
+    complete: bool
+    reason: str  # why not complete ("" when complete)
+    files: int = 0
+    bytes: int = 0
+    missing: tuple[str, ...] = ()
+    wrong_size: tuple[tuple[str, int, int], ...] = ()  # (path, have, want)
+
+
+def snapshot_status(cache: CacheState, spec: ModelSpec) -> SnapshotStatus:
+    """Decide from the cache alone (no network) whether `spec`'s snapshot is complete.
+
+    Complete: rigbook's manifest for the commit exists, was written for the same patterns, and
+    every file it lists is in snapshots/<commit>/ with its size; no `.incomplete` leftover of an
+    interrupted pull is lying in the repo's blobs. Hashes are not re-read here (they were
+    checked when the files were pulled).
+    """
+    repo = cache.repos.get(spec.repo)
+    if repo is None:
+        return SnapshotStatus(False, f"not in the cache {cache.cache}")
+    present = repo.snapshots.get(spec.revision, {})
+    if spec.revision not in repo.manifests:
+        if not present:
+            return SnapshotStatus(False, f"no snapshot of commit {spec.revision[:12]} yet")
+        return SnapshotStatus(
+            False,
+            f"{len(present)} file(s) in snapshots/{spec.revision[:12]} but no rigbook manifest: "
+            "never completed by a pull (interrupted, or pulled by other means)",
+        )
+    manifest = repo.manifests[spec.revision]
+    if manifest is None:
+        return SnapshotStatus(False, "its rigbook manifest is unreadable")
+    if (manifest.allow_patterns, manifest.ignore_patterns) != (
+        spec.allow_patterns, spec.ignore_patterns
+    ):
+        return SnapshotStatus(False, "allow/ignore patterns changed since the last pull")
+    missing = tuple(path for path in manifest.files if present.get(path) is None)
+    wrong = tuple(
+        (path, present[path], size)
+        for path, (size, _) in manifest.files.items()
+        if present.get(path) is not None and present[path] != size
+    )
+    counts = {"files": len(manifest.files), "bytes": manifest.bytes}
+    if missing or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if wrong:
+            parts.append("wrong size " + ", ".join(f"{p} ({h} of {w} bytes)" for p, h, w in wrong))
+        return SnapshotStatus(False, "partial: " + "; ".join(parts), missing=missing,
+                              wrong_size=wrong, **counts)
+    if repo.incomplete:
+        leftover = sum(size for _, size in repo.incomplete)
+        return SnapshotStatus(
+            False,
+            f"{len(repo.incomplete)} .incomplete leftover(s) ({human(leftover)}) of an "
+            "interrupted pull in blobs/",
+            **counts,
+        )
+    return SnapshotStatus(True, "", **counts)
+
+
+# --- the pull ---------------------------------------------------------------------------------
+
+
+def token_allowed(endpoint: str | None) -> bool:
+    """Whether a pull from `endpoint` may send the token: the hub, https, or loopback http.
+
+    A plain-http mirror on the LAN (rigbook's own asks for no token) would see it in clear.
+    """
+    if endpoint is None or endpoint.startswith("https://"):
+        return True
+    hostname = urlsplit(endpoint).hostname or ""
+    if hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
+
+
+def pull_command(spec: ModelSpec, rig: Rig) -> StringCommand:
+    """The command that runs pull.py for one model: no secret in it, only the token's path.
+
+    HF_TOKEN_PATH is /dev/null (no token) where ``token_allowed`` says the endpoint may not
+    have it.
+    """
+    token_path = TOKEN_PATH if token_allowed(rig.models_endpoint) else "/dev/null"
+    env = [
+        "HF_HUB_DISABLE_PROGRESS_BARS=1",
+        "HF_HUB_DISABLE_TELEMETRY=1",
+        f"HF_TOKEN_PATH={token_path}",
+    ]
+    args = [
+        f"--cache={rig.models_cache}",
+        f"--repo={spec.repo}",
+        f"--revision={spec.revision}",
+        f"--margin-bytes={int(rig.models_disk_margin_gib * GIB)}",
+    ]
+    if rig.models_endpoint:
+        # A mirror serves files over plain HTTP; Xet storage lives with the hub itself.
+        env.append("HF_HUB_DISABLE_XET=1")
+        args.append(f"--endpoint={rig.models_endpoint}")
+    args += [f"--allow={pattern}" for pattern in spec.allow_patterns]
+    args += [f"--ignore={pattern}" for pattern in spec.ignore_patterns]
+    return StringCommand(
+        "env", "-u", "HF_TOKEN", "-u", "HUGGING_FACE_HUB_TOKEN",
+        *env, TOOLS_PYTHON, PULL_SCRIPT, *(QuoteString(arg) for arg in args),
+    )
+
+
+def parse_pull_output(stdout: str) -> dict | None:
+    """The JSON object pull.py printed last, or None when there is none."""
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except ValueError:
+                return None
+            return result if isinstance(result, dict) and "status" in result else None
+    return None
+
+
+def pull_message(spec: ModelSpec, result: dict | None, stderr: str = "") -> str:
+    """One line that says what a pull did, for the operator (pyinfra prefixes the rig)."""
+    where = label(spec)
+    if result is None:
+        tail = " | ".join(stderr.strip().splitlines()[-5:]) or "no output"
+        return f"{where}: the pull script failed without a result: {tail}"
+    status = result["status"]
+    if status == "complete":
+        pulled = result.get("downloaded", [])
+        what = (
+            f"pulled {len(pulled)} file(s), {human(result.get('downloaded_bytes', 0))} "
+            f"in {result.get('seconds', 0):.1f} s"
+            if pulled else "nothing to download"
+        )
+        removed = result.get("removed_incomplete", [])
+        if removed:
+            what += (
+                f", removed {len(removed)} .incomplete leftover(s) "
+                f"({human(sum(item['size'] for item in removed))})"
+            )
+        return (
+            f"{where}: {what}; complete: {result.get('files', 0)} file(s), "
+            f"{human(result.get('total_bytes', 0))}"
+        )
+    if status == "refused":
+        return f"{where}: pull refused: {result.get('message', '?')}"
+    if status == "partial":
+        parts = []
+        if result.get("missing"):
+            parts.append("missing " + ", ".join(result["missing"]))
+        for item in result.get("wrong_size", []):
+            parts.append(f"{item['path']} is {item['size']} of {item['expected']} bytes")
+        for item in result.get("bad_sha256", []):
+            parts.append(f"{item['path']} has sha256 {item['sha256'][:12]}…, "
+                         f"expected {item['expected'][:12]}…")
+        errors = "; ".join(f"{path}: {text}" for path, text in result.get("errors", {}).items())
+        return (
+            f"{where}: PARTIAL snapshot, not complete: {'; '.join(parts)}"
+            + (f" (errors: {errors})" if errors else "")
+            + f". Pulled {len(result.get('downloaded', []))} file(s); run again to finish "
+            "(files already complete are kept, bad ones were removed)"
+        )
+    return f"{where}: pull failed: {result.get('message', status)}"
+
+
+class Secret:
+    """A token that must not be printed: its repr and str are masked, its bytes go to a file."""
+
+    def __init__(self, value: str):
+        self._value = value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self.sha256)
+
+    @property
+    def data(self) -> bytes:
+        return self._value.encode() + b"\n"
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    def reveal(self) -> str:
+        return self._value
+
+    def redact(self, text: str) -> str:
+        """`text` with the token replaced by ***."""
+        return text.replace(self._value, "***") if self._value else text
+
+
+def redact(text: str, secret: Secret | None) -> str:
+    return secret.redact(text) if secret is not None else text
+
+
+def _connector_arguments() -> dict:
+    """The operation's connector arguments (_sudo, _env...), for commands run from a function."""
+    given = host.current_op_global_arguments or {}
+    return {key: value for key, value in given.items() if key in CONNECTOR_ARGUMENT_KEYS}
+
+
+def _pull(state, host, spec: ModelSpec, why: str, command: StringCommand, arguments: dict,
+          secret: Secret | None) -> bool:
+    """FunctionCommand body: run pull.py, report one line, fail the rig unless complete."""
+    logger.info(f"{host.print_prefix}pulling {label(spec)} ({why}) ...")
+    _ok, output = host.run_shell_command(
+        command, print_output=state.print_output, print_input=state.print_input, **arguments
+    )
+    result = parse_pull_output(output.stdout)
+    message = redact(pull_message(spec, result, output.stderr), secret)
+    if result is not None and result["status"] == "complete":
+        logger.info(f"{host.print_prefix}{message}")
+        return True
+    host.log_styled(message, fg="red", log_func=logger.error)
+    return False
+
+
+@operation()
+def model_snapshot(spec: ModelSpec, rig: Rig, token: Secret | None = None) -> Iterator:
+    """
+    Make the rig's HF cache hold one pinned snapshot completely.
+
+    + spec: the model (repo, 40-hex revision, allow/ignore patterns)
+    + rig: the rig's validated host data (cache, endpoint, disk margin)
+    + token: the token placed by ``hf_token`` (only to mask it in messages; never sent)
+
+    Complete per ``snapshot_status`` (local, no network): no change. Otherwise runs
+    files/models/pull.py with the tools venv's python and fails the rig unless the pull ends
+    complete: a refusal says how many GiB are needed and free on which filesystem, a partial
+    pull lists the files missing or wrong.
+    """
+    status = snapshot_status(host.get_fact(ModelCache, cache=rig.models_cache), spec)
+    if status.complete:
+        host.noop(
+            f"{label(spec)} is complete in {rig.models_cache} "
+            f"({status.files} file(s), {human(status.bytes)})"
+        )
+        return
+    if not state.is_executing:
+        warn_once(f"{label(spec)}: {status.reason}: will pull")
+    yield FunctionCommand(
+        _pull, (spec, status.reason, pull_command(spec, rig), _connector_arguments(), token), {}
+    )
+
+
+# --- the token --------------------------------------------------------------------------------
+
+
+def operator_token(rig: Rig, environ: Mapping[str, str] = os.environ) -> Secret | None:
+    """The HF token on the operator's machine: models_token_file if set, else HF_TOKEN.
+
+    RigbookError when models_token_file cannot be read or does not hold one token.
+    """
+    if rig.models_token_file:
+        path = Path(rig.models_token_file).expanduser()
+        try:
+            text = path.read_text().strip()
+        except OSError as error:
+            raise RigbookError(
+                f"models_token_file: cannot read {path} on this machine ({error.strerror}); "
+                "allowed: a readable file holding one token"
+            ) from None
+        if not text or len(text.split()) != 1:
+            raise RigbookError(
+                f"models_token_file: {path} does not hold one token (it has "
+                f"{len(text.split())} words); allowed: one token on one line"
+            )
+        return Secret(text)
+    value = environ.get("HF_TOKEN", "").strip()
+    return Secret(value) if value else None
+
+
+@dataclass(frozen=True)
+class SecretFileState:
+    mode: str
+    owner: str
+    group: str
+    sha256: str
+
+
+class SecretFile(FactBase[SecretFileState | None]):
+    """
+    Mode, owner, group and sha256 of a file (None when absent); never its contents.
+
+    Output::
+
+        600 root root
+        9f2c5d0e...  (sha256, 64 hex)
+    """
+
+    def command(self, path: str) -> StringCommand:
+        quoted = QuoteString(path)
+        return StringCommand(
+            "if [ -f", quoted, "]; then stat -c '%a %U %G'", quoted, "&& sha256sum <", quoted,
+            "| cut -d' ' -f1; fi",
+        )
+
+    def process(self, output: list[str]) -> SecretFileState | None:
+        return parse_secret_file(output)
+
+
+def parse_secret_file(output: list[str]) -> SecretFileState | None:
+    lines = [line.strip() for line in output if line.strip()]
+    if not lines:
+        return None
+    if len(lines) != 2 or len(lines[0].split()) != 3 or len(lines[1]) != 64:
+        raise FactProcessError(f"unexpected secret-file probe output ({len(lines)} lines)")
+    mode, owner, group = lines[0].split()
+    return SecretFileState(mode, owner, group, lines[1])
+
+
+_SUDO_LIKE = ("_sudo", "_doas", "_dzdo", "_su_user")
+
+
+def secret_upload(secret: Secret, path: str) -> Iterator:
+    """Commands that write `secret` to `path` without it ever being readable by anyone else.
+
+    The bytes travel by SFTP (pyinfra's file upload, whose log names only the object) into a
+    file created 0600 beforehand (an SFTP write keeps an existing file's mode), then replace
+    `path` with one rename. Under sudo pyinfra first uploads as the login user to a temporary
+    file: that one is created 0600 by the login user first, for the same reason.
+    """
+    staging = f"{path}.new"
+    yield StringCommand("install", "-m", "600", "-o", "root", "-g", "root", "/dev/null",
+                        QuoteString(staging))
+    given = host.current_op_global_arguments or {}
+    if any(given.get(key) for key in _SUDO_LIKE):
+        temp = host.get_temp_filename(f"rigbook-secret-{path}")
+        yield StringCommand("install", "-m", "600", "/dev/null", QuoteString(temp),
+                            _sudo=False, _doas=False, _dzdo=False, _su_user=None)
+        yield FileUploadCommand(io.BytesIO(secret.data), staging, remote_temp_filename=temp)
+    else:
+        yield FileUploadCommand(io.BytesIO(secret.data), staging)
+    yield StringCommand("mv", "-f", QuoteString(staging), QuoteString(path))
+
+
+@operation()
+def hf_token(token: Secret, path: str = TOKEN_PATH) -> Iterator:
+    """
+    Place the HF token on the rig as a root-only file (0600 in a 0700 directory).
+
+    + token: the token (a ``Secret``: printed as ``***``)
+    + path: where it goes; pull.py is run with ``HF_TOKEN_PATH`` pointing here
+
+    Compared by sha256 (``SecretFile``), never by content, so ``--diff`` has nothing to show;
+    unlike ``files.put``, which prints a file-like source's lines with ``--diff``.
+    """
+    now = host.get_fact(SecretFile, path=path)
+    wanted = SecretFileState("600", "root", "root", token.sha256)
+    if now == wanted:
+        host.noop(f"{path} holds the token (0600 root)")
+        return
+    yield StringCommand("install", "-d", "-m", "700", "-o", "root", "-g", "root",
+                        QuoteString(str(PurePosixPath(path).parent)))
+    if now is None or now.sha256 != wanted.sha256:
+        yield from secret_upload(token, path)
+    else:
+        yield StringCommand("chown", "root:root", QuoteString(path))
+        yield StringCommand("chmod", "600", QuoteString(path))
+
+
+# --- pruning ----------------------------------------------------------------------------------
+
+
+def unreferenced(cache: CacheState, keep: Iterable[str]) -> list[CachedRepo]:
+    """Cached model repos that `keep` (the repos of the rig's models) does not name."""
+    wanted = set(keep)
+    return [cache.repos[repo] for repo in sorted(cache.repos) if repo not in wanted]
+
+
+def prune_listing(repos: Iterable[CachedRepo]) -> str:
+    repos = list(repos)
+    total = sum(repo.bytes for repo in repos)
+    listed = ", ".join(f"{repo.repo} ({human(repo.bytes)})" for repo in repos)
+    return f"{len(repos)} repo(s), {human(total)}: {listed}"
+
+
+@operation()
+def prune_models(cache: str, keep: tuple[str, ...], prune: bool = False) -> Iterator:
+    """
+    Report, and with ``prune`` remove, cached model repos that the rig's models do not list.
+
+    + cache: the HF cache (models_cache)
+    + keep: the repos to keep (ORG/NAME of every ModelSpec of the rig)
+    + prune: remove them (models_prune); otherwise only report them with their sizes
+
+    Only ``models--*`` folders are considered (datasets and spaces are left alone); a repo's
+    per-file locks under ``.locks`` go with it.
+    """
+    extra = unreferenced(host.get_fact(ModelCache, cache=cache), keep)
+    if not extra:
+        host.noop(f"no cached repo outside models in {cache}")
+        return
+    listing = prune_listing(extra)
+    if not prune:
+        warn_once(f"cached but not in models: {listing}; models_prune: true removes them")
+        host.noop(f"not pruning (models_prune is false): {listing}")
+        return
+    for repo in extra:
+        yield StringCommand(
+            "rm", "-rf", QuoteString(f"{cache}/{repo.folder}"),
+            QuoteString(f"{cache}/.locks/{repo.folder}"),
+        )
+    yield notice(f"pruned from {cache}: {listing}")
+
+
+# --- the role ---------------------------------------------------------------------------------
+
+
+def selected(rig: Rig) -> tuple[ModelSpec, ...]:
+    """The models this run pulls: all of them, or only models_only."""
+    if rig.models_only is None:
+        return rig.models
+    return tuple(spec for spec in rig.models if spec.repo == rig.models_only)
+
+
+@operation()
+def refused(message: str) -> Iterator:
+    """Fail this rig with `message` (bad input found while planning); nothing else runs on it."""
+    yield refuse(message)
+
+
+def hub_mirror(rig: Rig) -> None:
+    """Run rigbook's mirror on models_mirror_port, or make sure it is gone (deploy-level).
+
+    Whether the unit file exists is read while planning: nothing earlier in a run creates it.
+    """
+    if rig.models_mirror_port is None:
+        if host.get_fact(File, path=MIRROR_UNIT_PATH):
+            systemd.service(name=f"Stop {MIRROR_UNIT} (models_mirror_port is unset)",
+                            service=MIRROR_UNIT, running=False, enabled=False)
+            files.file(name=f"Remove {MIRROR_UNIT_PATH}", path=MIRROR_UNIT_PATH, present=False)
+            systemd.daemon_reload(name="Reload systemd")
+        return
+    files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
+    script = files.put(name=f"Install {MIRROR_SCRIPT}", src=str(MIRROR_SOURCE),
+                       dest=MIRROR_SCRIPT, mode="644")
+    unit = files.template(
+        name=f"Write {MIRROR_UNIT_PATH}", src=str(MIRROR_TEMPLATE), dest=MIRROR_UNIT_PATH,
+        mode="644", cache=rig.models_cache, port=rig.models_mirror_port, script=MIRROR_SCRIPT,
+    )
+    systemd.service(
+        name=f"Run {MIRROR_UNIT} on port {rig.models_mirror_port}", service=MIRROR_UNIT,
+        running=True, enabled=True, daemon_reload=unit.will_change,
+        restarted=unit.will_change or script.will_change,
+    )
+
+
+@deploy("Models in the Hugging Face cache")
+def models(rig: Rig) -> None:
+    """Pull every model (or models_only) completely, report or prune the rest, run the mirror.
+
+    The mirror (models_mirror_port) and the prune step are left out of a models_only run.
+    """
+    specs = selected(rig)
+    try:
+        token = operator_token(rig)
+    except RigbookError as error:
+        refused(name="Read the HF token on this machine", message=f"{host.name}: {error}")
+        return
+    if specs:
+        tools_venv(rig)
+        files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
+        files.put(name=f"Install {PULL_SCRIPT}", src=str(PULL_SOURCE), dest=PULL_SCRIPT,
+                  mode="644")
+        files.directory(name=f"Create the HF cache {rig.models_cache}", path=rig.models_cache,
+                        mode="755")
+        if token is not None:
+            hf_token(name=f"Place the HF token in {TOKEN_PATH} (root only)", token=token)
+        for spec in specs:
+            model_snapshot(name=f"Pull {label(spec)}", spec=spec, rig=rig, token=token)
+    if rig.models_only is None:
+        prune_models(
+            name="Cached repos not in models",
+            cache=rig.models_cache,
+            keep=tuple(spec.repo for spec in rig.models),
+            prune=rig.models_prune,
+        )
+        hub_mirror(rig)
+

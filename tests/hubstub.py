@@ -1,0 +1,215 @@
+"""A tiny stand-in for the Hugging Face hub, serving small model repos it generates.
+
+No hub is reachable from the tests. This serves, over loopback, the routes huggingface_hub 2.x
+calls for model_info / get_paths_info / list_repo_tree / hf_hub_download / snapshot_download
+(the handler of files/models/mirror.py, rigbook's mirror: the same code answers both), for
+repos made of deterministic bytes, so a test computes their commit and sha256 itself:
+
+- rigbook-test/tiny: README.md, config.json, tokenizer.json and a 256 KiB model.safetensors
+  that the hub stores in LFS (its tree entry carries the sha256);
+- rigbook-test/huge: its metadata says model.safetensors is 10 TB (disk preflight tests).
+
+Test knobs: --token-file (every route wants `Authorization: Bearer <that token>`; read from a
+file so that it is not in this process's argv either), --interrupt PATH (the first GET of PATH
+sends half its bytes and drops the connection, later GETs of it answer 503: a pull fails half
+way), --log FILE (one JSON line per request: method, path, Range, route, auth). It sends no Xet
+headers; clients set HF_HUB_DISABLE_XET=1. Standard library only: it is copied to a sandbox rig
+(with mirror.py beside it) and run there with the system python3.
+
+    python3 hubstub.py --port 18080 --log /run/rigbook-hubstub/requests.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _load_mirror():
+    """files/models/mirror.py: beside this file on a rig, under files/models in the repo."""
+    here = Path(__file__).resolve().parent
+    for path in (here / "mirror.py", here.parent / "files" / "models" / "mirror.py"):
+        if path.exists():
+            spec = importlib.util.spec_from_file_location("rigbook_mirror", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault("rigbook_mirror", module)
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError("mirror.py is neither beside hubstub.py nor in files/models")
+
+
+mirror = _load_mirror()
+
+#: Files the hub serves through LFS.
+LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
+TB = 10**12
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    path: str
+    data: bytes
+    claimed_size: int | None = None  # the metadata says this size (a stand-in for a huge file)
+
+    @property
+    def size(self) -> int:
+        return self.claimed_size if self.claimed_size is not None else len(self.data)
+
+    @property
+    def lfs(self) -> bool:
+        return self.path.endswith(LFS_SUFFIXES)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    def entry(self):
+        sha = self.sha256 if self.lfs else None
+        oid = mirror.git_blob_oid(mirror.lfs_pointer(sha, self.size) if sha else self.data)
+        if self.claimed_size is not None:
+            return mirror.Entry(self.path, self.size, sha, oid, None)
+        return mirror.Entry(self.path, self.size, sha, oid, lambda start: iter([self.data[start:]]))
+
+
+@dataclass(frozen=True)
+class Repo:
+    repo_id: str
+    files: tuple[RepoFile, ...]
+
+    @property
+    def commit(self) -> str:
+        digest = hashlib.sha1(self.repo_id.encode())
+        for item in self.files:
+            digest.update(f"{item.path}\0{item.size}\0{item.entry().etag}\0".encode())
+        return digest.hexdigest()
+
+    def file(self, path: str) -> RepoFile | None:
+        return next((item for item in self.files if item.path == path), None)
+
+
+def _weights(size: int, seed: str) -> bytes:
+    """Deterministic bytes that do not compress (so a half-sent file is really half)."""
+    out, counter = bytearray(), 0
+    while len(out) < size:
+        out += hashlib.sha256(f"{seed}:{counter}".encode()).digest()
+        counter += 1
+    return bytes(out[:size])
+
+
+def tiny_repo(repo_id: str = "rigbook-test/tiny", weights_bytes: int = 256 * 1024) -> Repo:
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "model_type": "llama"}
+    return Repo(repo_id, (
+        RepoFile("README.md", b"# tiny\nA generated test model.\n"),
+        RepoFile("config.json", (json.dumps(config, indent=2) + "\n").encode()),
+        RepoFile("model.safetensors", _weights(weights_bytes, repo_id)),
+        RepoFile("tokenizer.json", b'{"version": "1.0", "model": {"type": "BPE"}}\n'),
+    ))
+
+
+def huge_repo(repo_id: str = "rigbook-test/huge") -> Repo:
+    return Repo(repo_id, (
+        RepoFile("config.json", b'{"model_type": "llama"}\n'),
+        RepoFile("model.safetensors", b"", claimed_size=10 * TB),
+    ))
+
+
+class MemoryStore(mirror.Store):
+    """Generated repos, each with one commit (also reachable as `main`)."""
+
+    def __init__(self, repos):
+        self.repos = {repo.repo_id: repo for repo in repos}
+
+    def exists(self, repo_id: str) -> bool:
+        return repo_id in self.repos
+
+    def lookup(self, repo_id: str, revision: str):
+        repo = self.repos[repo_id]
+        if revision not in (repo.commit, "main"):
+            return None
+        return repo.commit, {item.path: item.entry() for item in repo.files}
+
+
+class Hub:
+    """What a stub server holds: repos, the token it wants, a fault, and the request log."""
+
+    def __init__(self, repos, token=None, interrupt=None, log_path=None):
+        self.store = MemoryStore(repos)
+        self.token = token
+        self.interrupt = interrupt
+        self.interrupted = False
+        self.log_path = log_path
+        self.lock = threading.Lock()
+        self.endpoint = None
+
+    def log(self, record: dict) -> None:
+        if self.log_path:
+            with self.lock, open(self.log_path, "a") as handle:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+class StubHandler(mirror.HubHandler):
+    hub: Hub
+
+    @property
+    def store(self):
+        return self.hub.store
+
+    @property
+    def token(self):
+        return self.hub.token
+
+    def record(self, route: str) -> None:
+        self.hub.log({"method": self.command, "path": self.path.split("?")[0],
+                      "range": self.headers.get("Range"), "auth": self.auth(), "route": route})
+
+    def route_resolve(self, commit, files, path):
+        if self.command == "GET" and path == self.hub.interrupt:
+            with self.hub.lock:
+                first, self.hub.interrupted = not self.hub.interrupted, True
+            if not first:
+                self.error(503, None, "unavailable (interrupted on purpose)",
+                           {"X-Repo-Commit": commit})
+                return
+        super().route_resolve(commit, files, path)
+
+    def send_body(self, entry, start):
+        if self.hub.interrupt == entry.path and self.command == "GET":
+            data = b"".join(entry.chunks(start))
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        super().send_body(entry, start)
+
+
+def serve(hub: Hub, host: str = "127.0.0.1", port: int = 0):
+    """A server for `hub` (not started: call serve_forever, e.g. in a thread)."""
+    return mirror.server(type("BoundStubHandler", (StubHandler,), {"hub": hub}), host, port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A tiny stand-in for the Hugging Face hub.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=18080)
+    parser.add_argument("--token-file", help="require this token (Authorization: Bearer)")
+    parser.add_argument("--interrupt", help="repo path whose first GET drops half way")
+    parser.add_argument("--log", help="append one JSON line per request here")
+    args = parser.parse_args(argv)
+    token = None
+    if args.token_file:
+        with open(args.token_file) as handle:
+            token = handle.read().strip()
+    hub = Hub((tiny_repo(), huge_repo()), token=token, interrupt=args.interrupt,
+              log_path=args.log)
+    serve(hub, args.host, args.port).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,739 @@
+"""The models role: cache fact on a real cache layout, completeness, preflight, prune, tokens.
+
+Caches are built in tmp_path exactly as huggingface_hub lays them out (blobs named by etag,
+snapshot files as relative symlinks into ../../blobs, refs/<name> holding a commit), and the
+fact's own script runs on them. pull.py's pure parts are tested by importing it; the whole
+script runs against tests/hubstub.py over loopback with a real huggingface_hub (the pinned one,
+installed from the wheelhouse into a throwaway venv).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FunctionCommand, StringCommand
+from pyinfra.api.command import FileUploadCommand
+
+from roles import FILES
+from roles.errors import RigbookError
+from roles.models import (
+    TOKEN_PATH,
+    CacheState,
+    ModelCache,
+    Secret,
+    SecretFile,
+    SecretFileState,
+    hf_token,
+    model_snapshot,
+    operator_token,
+    parse_cache,
+    parse_pull_output,
+    parse_secret_file,
+    prune_listing,
+    prune_models,
+    pull_command,
+    pull_message,
+    redact,
+    repo_folder,
+    selected,
+    snapshot_path,
+    snapshot_status,
+    unreferenced,
+)
+from roles.spec import ModelSpec, Rig, parse_rig
+from tests.hubstub import Hub, huge_repo, serve, tiny_repo
+from tests.opkit import local_fact, run_op, shell
+
+COMMIT = "a" * 40
+OTHER = "b" * 40
+TOKEN = "hf_FAKEfakeFAKEfakeFAKEfake0123456789"
+BASE = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1}
+
+
+def rig(**data) -> Rig:
+    return parse_rig("rig1", {**BASE, **data})
+
+
+def spec(repo: str = "org/model", revision: str = COMMIT, **data) -> ModelSpec:
+    return ModelSpec(repo=repo, revision=revision, **data)
+
+
+def git_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def make_repo(cache: Path, repo: str, commit: str, files: dict[str, bytes], *,
+              lfs: tuple[str, ...] = (), manifest: bool = True, refs: dict | None = None,
+              patterns: tuple[tuple, tuple] = ((), ())) -> Path:
+    """A repo folder as huggingface_hub writes it, plus rigbook's manifest (optional)."""
+    top = cache / repo_folder(repo)
+    snapshot = top / "snapshots" / commit
+    (top / "blobs").mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for path, data in files.items():
+        sha = hashlib.sha256(data).hexdigest()
+        etag = sha if path in lfs else git_oid(data)
+        (top / "blobs" / etag).write_bytes(data)
+        link = snapshot / path
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(top / "blobs" / etag, link.parent))
+        entries[path] = {"size": len(data), "sha256": sha if path in lfs else None}
+    for name, value in (refs or {}).items():
+        (top / "refs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / "refs" / name).write_text(value)
+    if manifest:
+        (top / "rigbook").mkdir(exist_ok=True)
+        (top / "rigbook" / f"{commit}.json").write_text(json.dumps({
+            "rigbook_manifest": 1, "repo": repo, "revision": commit, "files": entries,
+            "allow_patterns": list(patterns[0]), "ignore_patterns": list(patterns[1]),
+        }))
+    return top
+
+
+def read_cache(cache: Path) -> CacheState:
+    return local_fact(ModelCache, cache=str(cache))
+
+
+FILES_A = {"config.json": b'{"model_type": "llama"}\n', "model.safetensors": b"\x01" * 4096,
+           "sub/tokenizer.json": b"{}\n"}
+
+
+# --- the cache fact ---------------------------------------------------------------------------
+
+
+def test_cache_fact_reads_the_real_layout(tmp_path):
+    cache = tmp_path / "hub"
+    top = make_repo(cache, "org/model", COMMIT, FILES_A, lfs=("model.safetensors",),
+                    refs={"main": COMMIT, "refs/pr/1": OTHER})
+    (top / "blobs" / f"{'c' * 64}.0123abcd.incomplete").write_bytes(b"\0" * 100)
+    make_repo(cache, "org/old", OTHER, {"config.json": b"{}"}, manifest=False)
+    (cache / "datasets--org--data").mkdir()  # not a model: not reported
+    (cache / ".locks").mkdir()
+
+    state = read_cache(cache)
+    assert state.exists and state.cache == str(cache)
+    assert sorted(state.repos) == ["org/model", "org/old"]
+    repo = state.repos["org/model"]
+    assert repo.folder == "models--org--model"
+    assert repo.refs == {"main": COMMIT, "refs/pr/1": OTHER}
+    assert repo.snapshots[COMMIT] == {
+        "config.json": 24, "model.safetensors": 4096, "sub/tokenizer.json": 3}
+    assert repo.incomplete == ((f"{'c' * 64}.0123abcd.incomplete", 100),)
+    assert repo.bytes == 24 + 4096 + 3 + 100
+    manifest = repo.manifests[COMMIT]
+    assert manifest.files["model.safetensors"] == (
+        4096, hashlib.sha256(b"\x01" * 4096).hexdigest())
+    assert manifest.files["config.json"] == (24, None)
+    assert state.repos["org/old"].manifests == {}
+
+
+def test_cache_fact_on_a_missing_cache_and_a_broken_link(tmp_path):
+    assert read_cache(tmp_path / "nope") == CacheState(str(tmp_path / "nope"), False, {})
+    top = make_repo(tmp_path, "org/model", COMMIT, FILES_A)
+    (top / "blobs" / git_oid(FILES_A["config.json"])).unlink()
+    (top / "rigbook" / f"{COMMIT}.json").write_text("{not json")
+    repo = read_cache(tmp_path).repos["org/model"]
+    assert repo.snapshots[COMMIT]["config.json"] is None
+    assert repo.manifests == {COMMIT: None}
+
+
+def test_parse_cache_refuses_non_json():
+    from pyinfra.api.exceptions import FactProcessError
+
+    with pytest.raises(FactProcessError, match="no JSON"):
+        parse_cache("python3: command not found")
+
+
+# --- completeness -----------------------------------------------------------------------------
+
+
+def status_of(tmp_path, model=None, **changes):
+    return snapshot_status(read_cache(tmp_path), model or spec())
+
+
+def test_complete_snapshot(tmp_path):
+    make_repo(tmp_path, "org/model", COMMIT, FILES_A, lfs=("model.safetensors",))
+    status = status_of(tmp_path)
+    assert status.complete and status.reason == ""
+    assert (status.files, status.bytes) == (3, 24 + 4096 + 3)
+
+
+def test_not_in_cache_and_no_snapshot(tmp_path):
+    assert "not in the cache" in status_of(tmp_path).reason
+    make_repo(tmp_path, "org/model", OTHER, FILES_A)
+    status = status_of(tmp_path)
+    assert not status.complete and "no snapshot of commit aaaaaaaaaaaa" in status.reason
+
+
+def test_files_without_manifest_are_partial_never_done(tmp_path):
+    make_repo(tmp_path, "org/model", COMMIT, FILES_A, manifest=False)
+    status = status_of(tmp_path)
+    assert not status.complete
+    assert "3 file(s)" in status.reason and "never completed by a pull" in status.reason
+
+
+def test_missing_and_short_files_are_named(tmp_path):
+    top = make_repo(tmp_path, "org/model", COMMIT, FILES_A, lfs=("model.safetensors",))
+    (top / "snapshots" / COMMIT / "sub" / "tokenizer.json").unlink()
+    blob = (top / "snapshots" / COMMIT / "model.safetensors").resolve()
+    blob.write_bytes(b"\x01" * 1000)  # cut short
+    status = status_of(tmp_path)
+    assert not status.complete
+    assert status.missing == ("sub/tokenizer.json",)
+    assert status.wrong_size == (("model.safetensors", 1000, 4096),)
+    assert status.reason == (
+        "partial: missing sub/tokenizer.json; wrong size model.safetensors (1000 of 4096 bytes)")
+
+
+def test_changed_patterns_and_leftovers_need_a_pull(tmp_path):
+    top = make_repo(tmp_path, "org/model", COMMIT, FILES_A, patterns=(("*.json",), ()))
+    assert "patterns changed" in status_of(tmp_path).reason
+    assert status_of(tmp_path, spec(allow_patterns=("*.json",))).complete
+    (top / "blobs" / "abc.12345678.incomplete").write_bytes(b"\0" * 2048)
+    status = status_of(tmp_path, spec(allow_patterns=("*.json",)))
+    assert not status.complete and "1 .incomplete leftover(s) (0.00 MiB)" in status.reason
+
+
+def test_model_snapshot_is_a_noop_when_complete_and_pulls_otherwise(tmp_path):
+    make_repo(tmp_path, "org/model", COMMIT, FILES_A)
+    cfg = rig(models=[{"repo": "org/model", "revision": COMMIT}], models_cache=str(tmp_path))
+    cache = read_cache(tmp_path)
+    commands, fake = run_op(model_snapshot, {"ModelCache": cache}, spec=cfg.models[0], rig=cfg)
+    assert commands == []
+    assert fake.noops == [f"org/model@aaaaaaaaaaaa is complete in {tmp_path} (3 file(s), 0.00 MiB)"]
+    assert fake.asked == [("ModelCache", {"cache": str(tmp_path)})]
+
+    other = spec("org/other")
+    commands, fake = run_op(model_snapshot, {"ModelCache": cache}, spec=other, rig=cfg)
+    assert len(commands) == 1 and isinstance(commands[0], FunctionCommand)
+    assert fake.noops == []
+
+
+def test_pull_step_reports_and_fails_unless_complete():
+    model, cfg = spec(), rig()
+    secret = Secret(TOKEN)
+
+    class FakeState:
+        print_output = print_input = False
+
+    class Output:
+        def __init__(self, stdout, stderr=""):
+            self.stdout, self.stderr = stdout, stderr
+
+    for result, ok in (({"status": "complete", "files": 1, "total_bytes": 1}, True),
+                       ({"status": "partial", "missing": ["x"]}, False),
+                       ({"status": "error", "message": f"401 with {TOKEN}"}, False)):
+        commands, fake = run_op(model_snapshot, {"ModelCache": CacheState("/c", False, {})},
+                                spec=model, rig=cfg, token=secret, executing=True)
+        fake.run_shell_command = lambda *a, _r=result, **k: (True, Output(json.dumps(_r)))
+        step = commands[0]
+        assert step.function(FakeState(), fake, *step.args) is ok
+        assert all(TOKEN not in line for line in fake.logged)
+    assert "pull failed: 401 with ***" in fake.logged[-1]
+
+
+# --- the pull command and its result ----------------------------------------------------------
+
+
+def test_pull_command_has_no_secret_and_quotes_patterns():
+    cfg = rig(models_endpoint="http://127.0.0.1:18080", models_disk_margin_gib=1.5)
+    model = spec(allow_patterns=("*.json", "model-*.safetensors"), ignore_patterns=("*.bin",))
+    text = pull_command(model, cfg).get_raw_value()
+    assert text.startswith("env -u HF_TOKEN -u HUGGING_FACE_HUB_TOKEN ")
+    assert f"HF_TOKEN_PATH={TOKEN_PATH}" in text and "HF_HUB_DISABLE_XET=1" in text
+    assert "--endpoint=http://127.0.0.1:18080" in text
+    assert f"--margin-bytes={int(1.5 * 1024**3)}" in text
+    assert "'--allow=*.json' '--allow=model-*.safetensors' '--ignore=*.bin'" in text
+    assert "/opt/rigbook/tools/bin/python /opt/rigbook/models/pull.py" in text
+    plain = pull_command(spec(), rig()).get_raw_value()
+    assert "XET" not in plain and "--endpoint" not in plain
+    assert "--margin-bytes=10737418240" in plain
+
+
+def test_token_goes_only_to_the_hub_https_or_loopback():
+    from roles.models import token_allowed
+
+    for endpoint in (None, "https://mirror.lan", "http://127.0.0.1:18080", "http://localhost",
+                     "http://[::1]:8090/x"):
+        assert token_allowed(endpoint), endpoint
+    for endpoint in ("http://rig-a.lan:8090", "http://10.0.0.5", "http://127.example.com"):
+        assert not token_allowed(endpoint), endpoint
+    lan = pull_command(spec(), rig(models_endpoint="http://rig-a.lan:8090")).get_raw_value()
+    assert "HF_TOKEN_PATH=/dev/null" in lan
+
+
+def test_parse_pull_output_takes_the_last_json_line():
+    assert parse_pull_output('noise\n{"status": "complete"}\n') == {"status": "complete"}
+    assert parse_pull_output("Traceback ...\nKeyError: 'x'") is None
+    assert parse_pull_output('{"no": "status"}') is None
+
+
+def test_pull_messages():
+    model = spec("org/m")
+    done = {"status": "complete", "files": 4, "total_bytes": 3 * 1024**3,
+            "downloaded": ["a", "b"], "downloaded_bytes": 2 * 1024**3, "seconds": 12.34,
+            "removed_incomplete": [{"name": "x.incomplete", "size": 1024**2}]}
+    assert pull_message(model, done) == (
+        "org/m@aaaaaaaaaaaa: pulled 2 file(s), 2.00 GiB in 12.3 s, removed 1 .incomplete "
+        "leftover(s) (1.00 MiB); complete: 4 file(s), 3.00 GiB")
+    refused = {"status": "refused", "message": "need 9313.23 GiB + 10.00 GiB margin, have "
+               "5.00 GiB free on /var; nothing was downloaded"}
+    assert pull_message(model, refused).endswith(
+        "pull refused: need 9313.23 GiB + 10.00 GiB margin, have 5.00 GiB free on /var; "
+        "nothing was downloaded")
+    partial = {"status": "partial", "missing": ["model.safetensors"], "downloaded": ["c"],
+               "wrong_size": [{"path": "w", "size": 1, "expected": 2}],
+               "bad_sha256": [{"path": "h", "sha256": "1" * 64, "expected": "2" * 64}],
+               "errors": {"model.safetensors": "HfHubHTTPError: 503"}}
+    text = pull_message(model, partial)
+    assert "PARTIAL snapshot, not complete: missing model.safetensors; w is 1 of 2 bytes; " in text
+    assert "h has sha256 111111111111…, expected 222222222222…" in text
+    assert "(errors: model.safetensors: HfHubHTTPError: 503)" in text
+    assert "run again to finish" in text
+    stderr = "\n".join(f"line {n}" for n in range(1, 8))
+    assert pull_message(model, None, stderr).endswith(
+        "the pull script failed without a result: line 3 | line 4 | line 5 | line 6 | line 7")
+
+
+# --- preflight, leftovers and verification in pull.py -------------------------------------------
+
+
+def load_pull():
+    loader = importlib.util.spec_from_file_location("rigbook_pull", FILES / "models" / "pull.py")
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+def test_preflight_arithmetic_and_message(monkeypatch, tmp_path):
+    pull = load_pull()
+    monkeypatch.setattr(pull, "free_bytes", lambda path: 5 * 1024**3)
+    monkeypatch.setattr(pull, "mount_point", lambda path: "/var")
+    missing = {"a": {"size": 3 * 1024**3}, "b": {"size": 1024**3}}
+    margin = 1024**3
+    # 4 GiB + 1 GiB margin == 5 GiB free: fits exactly.
+    assert pull.preflight(missing, "/var/hub", margin, 50 * 10**9, False) is None
+    refusal = pull.preflight(missing, "/var/hub", margin + 1, 50 * 10**9, False)
+    assert refusal["need_bytes"] == 4 * 1024**3 and refusal["free_bytes"] == 5 * 1024**3
+    assert refusal["message"] == (
+        "need 4.00 GiB + 1.00 GiB margin, have 5.00 GiB free on /var (cache /var/hub); "
+        "nothing was downloaded")
+    huge = {"shard": {"size": 60 * 10**9}}
+    monkeypatch.setattr(pull, "free_bytes", lambda path: 10**12)
+    assert "shard exceed 50 GB" in pull.preflight(huge, "/c", 0, 50 * 10**9, False)["message"]
+    assert pull.preflight(huge, "/c", 0, 50 * 10**9, True) is None
+
+
+def test_real_free_space_and_mount_point(tmp_path):
+    pull = load_pull()
+    assert pull.free_bytes(str(tmp_path / "not" / "yet")) > 0
+    assert os.path.ismount(pull.mount_point(str(tmp_path / "not" / "yet")))
+
+
+def test_dead_leftovers_are_removed_live_ones_kept(tmp_path):
+    pull = load_pull()
+    folder = repo_folder("org/model")
+    blobs = tmp_path / folder / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "dead.0000aaaa.incomplete").write_bytes(b"\0" * 10)
+    (blobs / "live.1111bbbb.incomplete").write_bytes(b"\0" * 20)
+    (blobs / "old.incomplete").write_bytes(b"\0" * 30)  # huggingface_hub 0.x naming
+    lock_dir = tmp_path / ".locks" / folder
+    lock_dir.mkdir(parents=True)
+    with open(lock_dir / "live.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a download in progress holds its etag's lock
+        removed = pull.remove_dead_leftovers(tmp_path, folder)
+    assert removed == [{"name": "dead.0000aaaa.incomplete", "size": 10},
+                       {"name": "old.incomplete", "size": 30}]
+    assert [p.name for p in blobs.iterdir()] == ["live.1111bbbb.incomplete"]
+
+
+def test_verify_checks_sizes_and_hashes_and_removes_bad_files(tmp_path):
+    pull = load_pull()
+    data = {"model.safetensors": b"\x01" * 4096, "config.json": b"{}"}
+    top = make_repo(tmp_path, "org/model", COMMIT, data, lfs=("model.safetensors",),
+                    manifest=False)
+    snapshot = top / "snapshots" / COMMIT
+    good = hashlib.sha256(data["model.safetensors"]).hexdigest()
+    files = {"model.safetensors": {"size": 4096, "sha256": good},
+             "config.json": {"size": 2, "sha256": None}, "gone.json": {"size": 1, "sha256": None}}
+    assert pull.verify(snapshot, files, {}, {"model.safetensors"}) == (["gone.json"], [], [])
+
+    wrong = dict(files, **{"model.safetensors": {"size": 4096, "sha256": "0" * 64}})
+    vouched = {"model.safetensors": {"size": 4096, "sha256": "0" * 64}}
+    # Vouched for by a manifest and not pulled now: not re-hashed.
+    assert pull.verify(snapshot, wrong, vouched, set())[2] == []
+    missing, sizes, bad = pull.verify(snapshot, wrong, {}, {"model.safetensors"})
+    assert bad == [{"path": "model.safetensors", "sha256": good, "expected": "0" * 64}]
+    assert not (snapshot / "model.safetensors").exists()
+    assert not (top / "blobs" / good).exists()  # removed so that the next run fetches it
+
+
+# --- pruning ----------------------------------------------------------------------------------
+
+
+def test_prune_selection_and_report(tmp_path):
+    make_repo(tmp_path, "org/keep", COMMIT, {"a": b"x" * 10})
+    make_repo(tmp_path, "org/drop", COMMIT, {"a": b"y" * (3 * 1024**2)})
+    make_repo(tmp_path, "other/old", OTHER, {"b": b"z" * 5}, manifest=False)
+    cache = read_cache(tmp_path)
+    extra = unreferenced(cache, ["org/keep"])
+    assert [repo.repo for repo in extra] == ["org/drop", "other/old"]
+    assert prune_listing(extra) == "2 repo(s), 3.00 MiB: org/drop (3.00 MiB), other/old (0.00 MiB)"
+
+    commands, fake = run_op(prune_models, {"ModelCache": cache}, cache=str(tmp_path),
+                            keep=("org/keep",), prune=False)
+    assert commands == [] and fake.noops[0].startswith("not pruning (models_prune is false): 2")
+    commands, fake = run_op(prune_models, {"ModelCache": cache}, cache=str(tmp_path),
+                            keep=("org/keep",), prune=True)
+    assert shell(commands) == [
+        f"rm -rf {tmp_path}/models--org--drop {tmp_path}/.locks/models--org--drop",
+        f"rm -rf {tmp_path}/models--other--old {tmp_path}/.locks/models--other--old",
+    ]
+    commands, fake = run_op(prune_models, {"ModelCache": cache}, cache=str(tmp_path),
+                            keep=("org/keep", "org/drop", "other/old"), prune=True)
+    assert commands == [] and fake.noops == [f"no cached repo outside models in {tmp_path}"]
+
+
+# --- host data --------------------------------------------------------------------------------
+
+
+def test_models_section_validation():
+    models = [{"repo": "org/a", "revision": COMMIT}, {"repo": "org/b", "revision": OTHER}]
+    cfg = rig(models=models, models_only="org/b")
+    assert [m.repo for m in selected(cfg)] == ["org/b"]
+    assert [m.repo for m in selected(rig(models=models))] == ["org/a", "org/b"]
+    assert cfg.models_cache == "/var/lib/rigbook/hf/hub"
+    assert snapshot_path(cfg, cfg.models[0]) == (
+        f"/var/lib/rigbook/hf/hub/models--org--a/snapshots/{COMMIT}")
+    with pytest.raises(RigbookError, match="models_only 'org/c' is not in models"):
+        rig(models=models, models_only="org/c")
+    with pytest.raises(RigbookError, match="lists org/a more than once"):
+        rig(models=[*models, {"repo": "org/a", "revision": OTHER}])
+    with pytest.raises(RigbookError, match="models_cache: .*absolute"):
+        rig(models_cache="hub")
+    with pytest.raises(RigbookError, match="models_endpoint"):
+        rig(models_endpoint="ftp://mirror")
+    with pytest.raises(RigbookError, match="revision"):
+        rig(models=[{"repo": "org/a", "revision": "main"}])
+
+
+# --- the token --------------------------------------------------------------------------------
+
+
+def test_secret_never_prints():
+    secret = Secret(TOKEN)
+    assert TOKEN not in repr(secret) and TOKEN not in str(secret) and TOKEN not in f"{secret}"
+    assert TOKEN not in repr([secret, {"token": secret}])
+    assert redact(f"GET /x with {TOKEN} failed", secret) == "GET /x with *** failed"
+    assert redact("text", None) == "text"
+    assert secret.data == TOKEN.encode() + b"\n"
+
+
+def test_operator_token_sources(tmp_path):
+    assert operator_token(rig(), {}) is None
+    assert operator_token(rig(), {"HF_TOKEN": f" {TOKEN}\n"}).reveal() == TOKEN
+    path = tmp_path / "token"
+    path.write_text("hf_fromfile\n")
+    cfg = rig(models_token_file=str(path))
+    assert operator_token(cfg, {"HF_TOKEN": TOKEN}).reveal() == "hf_fromfile"  # the file wins
+    path.write_text("two words\n")
+    with pytest.raises(RigbookError, match="does not hold one token"):
+        operator_token(cfg, {})
+    with pytest.raises(RigbookError, match="cannot read .*nope"):
+        operator_token(rig(models_token_file=str(tmp_path / "nope")), {})
+
+
+def test_secret_file_fact_shows_no_contents(tmp_path):
+    path = tmp_path / "hf-token"
+    assert local_fact(SecretFile, path=str(path)) is None
+    path.write_bytes(Secret(TOKEN).data)
+    path.chmod(0o600)
+    found = local_fact(SecretFile, path=str(path))
+    assert (found.mode, found.sha256) == ("600", Secret(TOKEN).sha256)
+    assert TOKEN not in SecretFile().command(path=str(path)).get_raw_value()
+    assert parse_secret_file(["600 root root", "a" * 64]) == SecretFileState(
+        "600", "root", "root", "a" * 64)
+
+
+def test_hf_token_commands_never_hold_the_token():
+    secret = Secret(TOKEN)
+    commands, fake = run_op(hf_token, {"SecretFile": None}, token=secret)
+    assert shell(commands) == [
+        "install -d -m 700 -o root -g root /etc/rigbook/secrets",
+        "install -m 600 -o root -g root /dev/null /etc/rigbook/secrets/hf-token.new",
+        "mv -f /etc/rigbook/secrets/hf-token.new /etc/rigbook/secrets/hf-token",
+    ]
+    upload = next(c for c in commands if isinstance(c, FileUploadCommand))
+    assert upload.dest == "/etc/rigbook/secrets/hf-token.new"
+    assert upload.src.getvalue() == secret.data
+    for command in commands:
+        assert TOKEN not in repr(command)
+        assert TOKEN not in getattr(command, "get_raw_value", lambda: "")()
+
+    same = SecretFileState("600", "root", "root", secret.sha256)
+    commands, fake = run_op(hf_token, {"SecretFile": same}, token=secret)
+    assert commands == [] and fake.noops == [f"{TOKEN_PATH} holds the token (0600 root)"]
+
+    loose = SecretFileState("644", "rig", "rig", secret.sha256)
+    commands, _ = run_op(hf_token, {"SecretFile": loose}, token=secret)
+    assert shell(commands)[1:] == [f"chown root:root {TOKEN_PATH}", f"chmod 600 {TOKEN_PATH}"]
+
+
+def test_hf_token_under_sudo_creates_the_temporary_file_0600_first():
+    secret = Secret(TOKEN)
+    from tests import opkit
+
+    original = opkit.FakeHost.__init__
+
+    def with_sudo(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.current_op_global_arguments = {"_sudo": True}
+
+    opkit.FakeHost.__init__ = with_sudo
+    try:
+        commands, _ = run_op(hf_token, {"SecretFile": None}, token=secret)
+    finally:
+        opkit.FakeHost.__init__ = original
+    temp_create = [c for c in commands if isinstance(c, StringCommand)][2]
+    assert temp_create.get_raw_value().startswith("install -m 600 /dev/null /tmp/pyinfra-")
+    assert temp_create.connector_arguments["_sudo"] is False
+    upload = next(c for c in commands if isinstance(c, FileUploadCommand))
+    assert upload.remote_temp_filename == temp_create.get_raw_value().split()[-1]
+
+
+# --- pull.py against the hub stub, with the real huggingface_hub --------------------------------
+
+
+def _wheel_requirements() -> list[str]:
+    from roles.tools import TOOLS_PINS
+
+    return [f"huggingface_hub=={TOOLS_PINS['huggingface_hub']}"]
+
+
+def ensure_wheels(requirements: list[str], wheelhouse: Path) -> None:
+    """Put wheels for `requirements` (and their dependencies) in the wheelhouse if missing."""
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    offline = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-index", "--find-links",
+         str(wheelhouse), "--dest", str(wheelhouse), *requirements],
+        capture_output=True, text=True,
+    )
+    if offline.returncode != 0:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+             "--dest", str(wheelhouse), *requirements],
+            capture_output=True, text=True, check=True, timeout=600,
+        )
+
+
+@pytest.fixture(scope="session")
+def hf_python(tmp_path_factory) -> str:
+    """A throwaway venv with the pinned huggingface_hub, from the rigs' wheelhouse."""
+    from roles.sandbox import wheelhouse
+
+    requirements = _wheel_requirements()
+    try:
+        ensure_wheels(requirements, wheelhouse())
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+        pytest.skip(f"no wheels for {requirements}: {error}")
+    venv = tmp_path_factory.mktemp("hfvenv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "--no-index",
+                    "--find-links", str(wheelhouse()), *requirements], check=True)
+    return str(venv / "bin/python")
+
+
+@pytest.fixture
+def hub(tmp_path):
+    hub = Hub((tiny_repo(), huge_repo()), log_path=str(tmp_path / "requests.jsonl"))
+    server = serve(hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    hub.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    yield hub
+    server.shutdown()
+    server.server_close()
+
+
+def run_pull(python, hub, cache, repo, *extra, token_path=None):
+    env = {"PATH": os.environ["PATH"], "HF_HUB_DISABLE_XET": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_TOKEN_PATH": str(token_path or cache.parent / "no-token")}
+    proc = subprocess.run(
+        [python, str(FILES / "models" / "pull.py"), f"--cache={cache}", f"--repo={repo.repo_id}",
+         f"--revision={repo.commit}", f"--endpoint={hub.endpoint}", "--margin-bytes=0", *extra],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    return proc.returncode, parse_pull_output(proc.stdout), proc
+
+
+def requests(hub) -> list[dict]:
+    path = Path(hub.log_path)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_pull_script_against_the_stub(hf_python, hub, tmp_path):
+    cache, repo = tmp_path / "hub", tiny_repo()
+    rc, result, proc = run_pull(hf_python, hub, cache, repo, "--ignore=README.md")
+    assert (rc, result["status"]) == (0, "complete"), proc.stderr
+    assert result["downloaded"] == ["config.json", "model.safetensors", "tokenizer.json"]
+    state = read_cache(cache)
+    cfg_spec = ModelSpec(repo=repo.repo_id, revision=repo.commit, ignore_patterns=("README.md",))
+    assert snapshot_status(state, cfg_spec).complete
+    manifest = state.repos[repo.repo_id].manifests[repo.commit]
+    weights = repo.file("model.safetensors")
+    assert manifest.files["model.safetensors"] == (256 * 1024, weights.sha256)
+
+    # A second run downloads nothing (one file-list request, no resolve).
+    before = len(requests(hub))
+    rc, result, _ = run_pull(hf_python, hub, cache, repo, "--ignore=README.md")
+    assert (rc, result["status"], result["downloaded"]) == (0, "complete", [])
+    assert [r["route"] for r in requests(hub)[before:]] == ["tree"]
+
+    # Interrupted half way: partial, never done; the next run fetches only what is missing.
+    hub.interrupt = "model.safetensors"
+    other = tmp_path / "other"
+    rc, result, proc = run_pull(hf_python, hub, other, repo)
+    assert (rc, result["status"], result["missing"]) == (3, "partial", ["model.safetensors"])
+    assert "503" in result["errors"]["model.safetensors"]
+    assert not (other / repo_folder(repo.repo_id) / "rigbook").exists() or not any(
+        (other / repo_folder(repo.repo_id) / "rigbook").iterdir())
+    assert "never completed" in snapshot_status(
+        read_cache(other), ModelSpec(repo=repo.repo_id, revision=repo.commit)).reason
+    hub.interrupt = None
+    before = len(requests(hub))
+    rc, result, _ = run_pull(hf_python, hub, other, repo)
+    assert (rc, result["status"], result["downloaded"]) == (0, "complete", ["model.safetensors"])
+    gets = [r["path"] for r in requests(hub)[before:] if r["method"] == "GET"]
+    assert [p.rsplit("/", 1)[-1] for p in gets] == [repo.commit, "model.safetensors"]
+
+
+def test_pull_script_refuses_a_full_disk_and_downloads_nothing(hf_python, hub, tmp_path):
+    repo = huge_repo()
+    rc, result, _ = run_pull(hf_python, hub, tmp_path / "hub", repo)
+    assert (rc, result["status"]) == (2, "refused")
+    assert result["need_bytes"] == 10 * 10**12 + len(b'{"model_type": "llama"}\n')
+    assert result["message"].startswith("need 9313.23 GiB + 0.00 GiB margin, have ")
+    assert "nothing was downloaded" in result["message"]
+    assert [r["route"] for r in requests(hub)] == ["tree"]
+    assert not (tmp_path / "hub" / repo_folder(repo.repo_id) / "snapshots").exists()
+
+
+def test_pull_script_sends_the_token_from_the_file_only(hf_python, hub, tmp_path):
+    hub.token = TOKEN
+    token_file = tmp_path / "hf-token"
+    rc, result, _ = run_pull(hf_python, hub, tmp_path / "a", tiny_repo())
+    assert (rc, result["status"]) == (4, "error") and "RepositoryNotFoundError" in result["message"]
+    token_file.write_text(TOKEN + "\n")
+    rc, result, proc = run_pull(hf_python, hub, tmp_path / "b", tiny_repo(), token_path=token_file)
+    assert (rc, result["status"]) == (0, "complete"), proc.stderr
+    assert TOKEN not in proc.stdout + proc.stderr
+    assert {r["auth"] for r in requests(hub)} == {"missing", "ok"}
+
+
+def test_offline_load_from_the_pulled_cache(hf_python, hub, tmp_path):
+    """What an engine does at boot: HF_HUB_OFFLINE=1, repo + pinned revision, no network."""
+    cache, repo = tmp_path / "hub", tiny_repo()
+    assert run_pull(hf_python, hub, cache, repo)[0] == 0
+    before = len(requests(hub))
+    script = (
+        "import sys; from huggingface_hub import snapshot_download, hf_hub_download; "
+        "print(snapshot_download(sys.argv[1], revision=sys.argv[2], cache_dir=sys.argv[3])); "
+        "print(hf_hub_download(sys.argv[1], 'config.json', revision=sys.argv[2], "
+        "cache_dir=sys.argv[3]))"
+    )
+    proc = subprocess.run(
+        [hf_python, "-c", script, repo.repo_id, repo.commit, str(cache)],
+        capture_output=True, text=True, check=True,
+        env={"PATH": os.environ["PATH"], "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.endpoint},
+    )
+    snapshot, config = proc.stdout.split()
+    assert snapshot.endswith(f"snapshots/{repo.commit}")
+    assert Path(config).read_bytes() == repo.file("config.json").data
+    assert len(requests(hub)) == before
+
+
+def test_stub_serves_model_info_and_paths_info(hf_python, hub):
+    repo = tiny_repo()
+    script = (
+        "import json, sys; from huggingface_hub import HfApi; api = HfApi(endpoint=sys.argv[1]); "
+        "info = api.model_info(sys.argv[2], revision=sys.argv[3], files_metadata=True); "
+        "paths = api.get_paths_info(sys.argv[2], ['model.safetensors'], revision=sys.argv[3]); "
+        "print(json.dumps([info.sha, [(s.rfilename, s.size, s.lfs and s.lfs.sha256) "
+        "for s in info.siblings], [(p.path, p.size, p.lfs.sha256) for p in paths]]))"
+    )
+    proc = subprocess.run([hf_python, "-c", script, hub.endpoint, repo.repo_id, repo.commit],
+                          capture_output=True, text=True, check=True)
+    sha, siblings, paths = json.loads(proc.stdout)
+    weights = repo.file("model.safetensors")
+    assert sha == repo.commit
+    assert ["model.safetensors", weights.size, weights.sha256] in siblings
+    assert paths == [["model.safetensors", weights.size, weights.sha256]]
+
+
+def test_io_upload_object_is_what_files_put_would_diff():
+    """Why hf_token exists: files.put prints a file-like source's lines under --diff."""
+    import inspect
+
+    from pyinfra.operations import files
+
+    source = inspect.getsource(files.put._inner if hasattr(files.put, "_inner") else files.put)
+    assert "generate_color_diff" in source and "desired_lines = f.readlines()" in source
+
+
+# --- the mirror: one rig's cache as the hub of the others ----------------------------------------
+
+
+def test_pull_from_rigbook_mirror_of_another_cache(hf_python, hub, tmp_path):
+    from tests.hubstub import mirror
+
+    source, target, repo = tmp_path / "source", tmp_path / "target", tiny_repo()
+    assert run_pull(hf_python, hub, source, repo)[0] == 0
+    handler = type("CacheHandler", (mirror.HubHandler,), {"store": mirror.CacheStore(str(source))})
+    httpd = mirror.server(handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    class Endpoint:
+        endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    try:
+        rc, result, proc = run_pull(hf_python, Endpoint, target, repo)
+        assert (rc, result["status"]) == (0, "complete"), proc.stderr
+        state = read_cache(target)
+        pulled = state.repos[repo.repo_id].manifests[repo.commit]
+        assert pulled == read_cache(source).repos[repo.repo_id].manifests[repo.commit]
+        weights = target / repo_folder(repo.repo_id) / "snapshots" / repo.commit
+        assert (weights / "model.safetensors").read_bytes() == repo.file("model.safetensors").data
+
+        # A snapshot that is no longer complete at the source is not served at all.
+        (source / repo_folder(repo.repo_id) / "snapshots" / repo.commit / "config.json").unlink()
+        rc, result, _ = run_pull(hf_python, Endpoint, tmp_path / "third", repo)
+        assert (rc, result["status"]) == (4, "error")
+        assert "RevisionNotFoundError" in result["message"]
+        rc, result, _ = run_pull(hf_python, Endpoint, tmp_path / "third", huge_repo())
+        assert "RepositoryNotFoundError" in result["message"]  # never pulled at the source
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_mirror_unit_template():
+    from pyinfra.api.util import get_template
+
+    from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
+
+    text = get_template(str(MIRROR_TEMPLATE)).render(
+        cache="/var/lib/rigbook/hf/hub", port=8090, script=MIRROR_SCRIPT)
+    assert ("ExecStart=/usr/bin/python3 /opt/rigbook/models/mirror.py --cache "
+            "/var/lib/rigbook/hf/hub --host 0.0.0.0 --port 8090") in text
+    assert "User=nobody" in text and "ProtectSystem=strict" in text

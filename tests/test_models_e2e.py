@@ -1,0 +1,263 @@
+"""Models end to end on a sandbox rig: deploys/models.py against a hub stub inside the rig.
+
+The rigs have no route out and cannot reach this machine's loopback, so tests/hubstub.py is
+copied to the rig and started there on 127.0.0.1 with systemd-run (it outlives the SSH session;
+the fixture stops it). The rig's host data comes from the sandbox inventory plus --data: the
+models, models_endpoint pointing at the stub, and the wheelhouse as the package source of the
+tools venv. The stub logs every request, so "no network call" is counted, not assumed.
+
+One rig, in order: an interrupted pull is reported partial and fails the rig; the next run
+fetches only the missing file; the one after changes nothing and makes no request; a 10 TB repo
+is refused with the numbers and nothing downloaded; an .incomplete leftover is cleaned; repos
+outside models are reported, then pruned. Throughout, a fake token never shows in pyinfra's
+output (-vvv --debug --diff), the rig's journal or any file but the 0600 one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import pytest
+
+from roles.models import TOKEN_PATH, repo_folder
+from roles.sandbox import WHEELS_MOUNT, wheelhouse
+from roles.tools import TOOLS_PINS
+from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from tests.hubstub import huge_repo, tiny_repo
+from tests.test_models import ensure_wheels
+
+READY = ROOT / ".sandbox-ready"
+DEPLOY = "deploys/models.py"
+STUB_DIR = "/run/rigbook-hubstub"
+STUB_UNIT = "rigbook-hubstub"
+PORT = 18080
+CACHE = "/var/lib/rigbook/hf/hub"
+TOKEN = "hf_rigbookE2EfakeTOKEN7c1d2e3f4a5b6c7d"
+TINY, HUGE = tiny_repo(), huge_repo()
+
+pytestmark = [
+    pytest.mark.sandbox,
+    pytest.mark.skipif(not READY.exists(), reason="the sandbox is not finished (.sandbox-ready)"),
+]
+
+
+def model(repo) -> dict:
+    return {"repo": repo.repo_id, "revision": repo.commit}
+
+
+def data_args(*pairs: tuple[str, object]) -> list[str]:
+    args = []
+    for key, value in pairs:
+        text = value if isinstance(value, str) else json.dumps(value)
+        args += ["--data", f"{key}={text}"]
+    return args
+
+
+def deploy(rig: dict, *extra, models=(TINY,), **data):
+    base = {
+        "models": [model(repo) for repo in models],
+        "models_endpoint": f"http://127.0.0.1:{PORT}",
+        "models_disk_margin_gib": 0.1,
+        "python_find_links": WHEELS_MOUNT,
+        "python_no_index": True,
+        **data,
+    }
+    return run_pyinfra(SANDBOX_INVENTORY, DEPLOY, "--limit", rig["name"],
+                       *data_args(*base.items()), *extra)
+
+
+class Stub:
+    """The hub stub running inside a rig."""
+
+    def __init__(self, rig: dict):
+        self.rig = rig
+
+    def start(self, *args: str) -> None:
+        """(Re)start it with a fresh request log."""
+        self.stop()
+        rig_ssh(self.rig, f"rm -f {STUB_DIR}/requests.jsonl")
+        command = (
+            f"systemd-run --unit={STUB_UNIT} --collect --quiet python3 {STUB_DIR}/hubstub.py "
+            f"--port {PORT} --log {STUB_DIR}/requests.jsonl --token-file {STUB_DIR}/token "
+            + " ".join(args)
+        )
+        rig_ssh(self.rig, command)
+        probe = f"import socket; socket.create_connection(('127.0.0.1', {PORT}), 1)"
+        for _ in range(50):
+            if rig_ssh(self.rig, f'python3 -c "{probe}"', check=False).returncode == 0:
+                return
+            time.sleep(0.2)
+        raise AssertionError("the hub stub did not start on the rig")
+
+    def stop(self) -> None:
+        rig_ssh(self.rig, f"systemctl stop {STUB_UNIT} 2>/dev/null; "
+                          f"systemctl reset-failed {STUB_UNIT} 2>/dev/null; true")
+
+    def requests(self) -> list[dict]:
+        text = rig_ssh(self.rig, f"cat {STUB_DIR}/requests.jsonl 2>/dev/null || true").stdout
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def rig_with_stub(sandbox):
+    ensure_wheels([f"{name}=={version}" for name, version in TOOLS_PINS.items()], wheelhouse())
+    rig = sandbox[sorted(sandbox)[0]]
+    rig_ssh(rig, f"rm -rf {CACHE} /etc/rigbook/secrets /opt/rigbook/models {STUB_DIR}; "
+                 f"mkdir -p {STUB_DIR} && (umask 077; echo {TOKEN} > {STUB_DIR}/token)")
+    for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py"):
+        text = base64.b64encode(source.read_bytes()).decode()
+        rig_ssh(rig, f"echo {text} | base64 -d > {STUB_DIR}/{source.name}")
+    stub = Stub(rig)
+    try:
+        yield rig, stub
+    finally:
+        stub.stop()
+        rig_ssh(rig, f"rm -rf {STUB_DIR}", check=False)
+
+
+def changed(run, text: str) -> bool:
+    return any(text in name for name in run.changed())
+
+
+def no_token(*texts: str) -> None:
+    for text in texts:
+        assert TOKEN not in text
+
+
+def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, monkeypatch):
+    rig, stub = rig_with_stub
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    label = f"{TINY.repo_id}@{TINY.commit[:12]}"
+    snapshot = f"{CACHE}/{repo_folder(TINY.repo_id)}/snapshots/{TINY.commit}"
+
+    # 1. The big file drops half way (and answers 503 after): partial, the rig fails.
+    stub.start("--interrupt", "model.safetensors")
+    first = deploy(rig, "-vvv", "--debug", "--diff")
+    no_token(first.stdout, first.stderr)
+    assert first.returncode != 0, first.explain()
+    assert f"{label}: PARTIAL snapshot, not complete: missing model.safetensors" in first.stderr
+    assert "run again to finish" in first.stderr
+    gets = [r for r in stub.requests() if r["method"] == "GET"
+            and r["path"].endswith("model.safetensors")]
+    assert len(gets) == 2, gets  # dropped half way, then huggingface_hub's own retry got 503
+    assert {r["auth"] for r in stub.requests()} == {"ok"}  # the token came from the file
+    files = rig_ssh(rig, f"ls {snapshot}").stdout.split()
+    assert "config.json" in files and "model.safetensors" not in files
+    assert rig_ssh(rig, f"test -e {CACHE}/{repo_folder(TINY.repo_id)}/rigbook/{TINY.commit}.json",
+                   check=False).returncode == 1
+    assert rig_ssh(rig, f"stat -c '%a %U %G' {TOKEN_PATH} /etc/rigbook/secrets").stdout.split(
+        "\n")[:2] == ["600 root root", "700 root root"]
+
+    # 2. The hub answers again: only the missing file is fetched; the snapshot is complete.
+    stub.start()
+    second = deploy(rig)
+    no_token(second.stdout, second.stderr)
+    assert second.returncode == 0, second.explain()
+    assert changed(second, f"Pull {label}")
+    assert f"{label}: pulled 1 file(s), 0.25 MiB in " in second.stderr
+    assert "complete: 4 file(s), 0.25 MiB" in second.stderr
+    resolved = {r["path"].rsplit("/", 1)[-1] for r in stub.requests() if r["route"] == "resolve"}
+    assert resolved == {"model.safetensors"}
+    sha = rig_ssh(rig, f"sha256sum {snapshot}/model.safetensors").stdout.split()[0]
+    assert sha == TINY.file("model.safetensors").sha256
+
+    # 3. Complete: no change and not one request to the hub.
+    before = len(stub.requests())
+    third = deploy(rig, "-v")
+    assert third.returncode == 0, third.explain()
+    assert third.changed() == {}, third.explain()
+    assert f"{label} is complete in {CACHE} (4 file(s), 0.25 MiB)" in third.stdout + third.stderr
+    assert len(stub.requests()) == before
+
+    # Offline, as an engine boots: the pinned snapshot loads with HF_HUB_OFFLINE=1.
+    offline = rig_ssh(rig, (
+        f"HF_HUB_OFFLINE=1 HF_HUB_CACHE={CACHE} /opt/rigbook/tools/bin/python -c "
+        f"\"from huggingface_hub import hf_hub_download as d; "
+        f"print(d('{TINY.repo_id}', 'model.safetensors', revision='{TINY.commit}'))\""
+    ))
+    assert offline.stdout.strip() == f"{snapshot}/model.safetensors"
+    assert len(stub.requests()) == before
+
+    # The token is nowhere but in its 0600 file.
+    leaks = rig_ssh(rig, f"grep -rl {TOKEN} /var/lib/rigbook /opt/rigbook/models /tmp /root "
+                         f"/etc --exclude-dir=secrets 2>/dev/null; journalctl --no-pager "
+                         f"| grep -c {TOKEN}", check=False).stdout.split()
+    assert leaks == ["0"], leaks
+
+
+def test_disk_full_preflight_refuses_with_numbers(rig_with_stub, monkeypatch):
+    rig, stub = rig_with_stub
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    stub.start()
+    run = deploy(rig, models=(TINY, HUGE), models_only=HUGE.repo_id)
+    assert run.returncode != 0, run.explain()
+    assert f"{HUGE.repo_id}@{HUGE.commit[:12]}: pull refused: need 9313.23 GiB + 0.10 GiB " \
+           "margin, have " in run.stderr, run.explain()
+    assert f"GiB free on / (cache {CACHE}); nothing was downloaded" in run.stderr
+    assert [r["route"] for r in stub.requests()] == ["tree"]
+    assert rig_ssh(rig, f"test -e {CACHE}/{repo_folder(HUGE.repo_id)}/snapshots",
+                   check=False).returncode == 1
+
+
+def test_leftovers_cleaned_and_unlisted_repos_reported_then_pruned(rig_with_stub, monkeypatch):
+    rig, stub = rig_with_stub
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    stub.start()
+    blobs = f"{CACHE}/{repo_folder(TINY.repo_id)}/blobs"
+    old = f"{CACHE}/models--old--model"
+    rig_ssh(rig, f"head -c 4096 /dev/zero > {blobs}/{'e' * 64}.0badc0de.incomplete; "
+                 f"mkdir -p {old}/blobs {old}/snapshots/{'f' * 40} && "
+                 f"head -c 2097152 /dev/zero > {old}/blobs/{'f' * 40} && "
+                 f"ln -s ../../blobs/{'f' * 40} {old}/snapshots/{'f' * 40}/config.json")
+
+    run = deploy(rig)
+    assert run.returncode == 0, run.explain()
+    assert "removed 1 .incomplete leftover(s) (0.00 MiB)" in run.stderr
+    assert "nothing to download" in run.stderr
+    assert "cached but not in models: 1 repo(s), 2.00 MiB: old/model (2.00 MiB)" in run.stderr
+    assert not changed(run, "Cached repos not in models")
+    assert rig_ssh(rig, f"ls {blobs} | grep -c incomplete", check=False).stdout.strip() == "0"
+
+    pruned = deploy(rig, models_prune=True)
+    assert pruned.returncode == 0, pruned.explain()
+    assert changed(pruned, "Cached repos not in models")
+    assert "pruned from /var/lib/rigbook/hf/hub: 1 repo(s), 2.00 MiB" in pruned.stderr
+    assert rig_ssh(rig, f"test -e {old}", check=False).returncode == 1
+
+    again = deploy(rig, models_prune=True)
+    assert again.returncode == 0 and again.changed() == {}, again.explain()
+
+
+def test_fleet_pull_through_rigbook_mirror(rig_with_stub, monkeypatch):
+    """models_mirror_port serves the rig's complete snapshots; another cache pulls from it."""
+    rig, stub = rig_with_stub
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    stub.start()
+    mirror_port, other = PORT + 1, "/var/lib/rigbook/hf/hub2"
+    try:
+        up = deploy(rig, models_mirror_port=mirror_port)
+        assert up.returncode == 0, up.explain()
+        assert changed(up, "Run rigbook-hf-mirror.service")
+        assert rig_ssh(rig, "systemctl is-active rigbook-hf-mirror").stdout.strip() == "active"
+        again = deploy(rig, models_mirror_port=mirror_port)
+        assert again.returncode == 0 and again.changed() == {}, again.explain()
+
+        # Another cache (as another rig would) pulls through the mirror, not the hub; the
+        # mirror is then turned off because this run does not set models_mirror_port.
+        pulled = deploy(rig, models_cache=other,
+                        models_endpoint=f"http://127.0.0.1:{mirror_port}")
+        assert pulled.returncode == 0, pulled.explain()
+        assert f"{TINY.repo_id}@{TINY.commit[:12]}: pulled 4 file(s), 0.25 MiB" in pulled.stderr
+        assert stub.requests() == []
+        snapshot = f"{other}/{repo_folder(TINY.repo_id)}/snapshots/{TINY.commit}"
+        sha = rig_ssh(rig, f"sha256sum {snapshot}/model.safetensors").stdout.split()[0]
+        assert sha == TINY.file("model.safetensors").sha256
+        assert changed(pulled, "Stop rigbook-hf-mirror.service")
+        assert rig_ssh(rig, "test -e /etc/systemd/system/rigbook-hf-mirror.service",
+                       check=False).returncode == 1
+    finally:
+        rig_ssh(rig, f"systemctl disable --now rigbook-hf-mirror 2>/dev/null; rm -rf {other} "
+                     "/etc/systemd/system/rigbook-hf-mirror.service; systemctl daemon-reload",
+                check=False)
