@@ -10,7 +10,7 @@ stand-in packages that the sandbox mounts at /srv/rigbook-sim-repo.
 """
 
 from roles.inventory import check_inventory
-from roles.sandbox import REPO_MOUNT, rigs
+from roles.sandbox import REPO_MOUNT, WHEELS_MOUNT, rigs
 
 _SIM_DRIVER = {
     "driver_branch": 580,
@@ -20,17 +20,21 @@ _SIM_DRIVER = {
     "allow_reboot": True,
 }
 
+# Rigs have no route out: Python packages come only from the wheelhouse mounted read-only.
+_SIM_PYTHON = {"python_find_links": WHEELS_MOUNT, "python_no_index": True}
+
 # Host data per simulated hardware profile (sandbox/simulated/profiles.json).
 PROFILE_DATA = {
     "dual-3090": {
         "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "cooling": "air",
         "shm_size": "2G", "stale_files": ["/etc/sysctl.d/99-vllm-swap.conf"], **_SIM_DRIVER,
+        **_SIM_PYTHON,
     },
     "single-4090": {
         "platform": "debian", "gpu_class": "rtx4090", "gpu_count": 1, "shm_size": "1G",
-        **_SIM_DRIVER,
+        **_SIM_DRIVER, **_SIM_PYTHON,
     },
-    "wsl2-3090": {"platform": "wsl2", "gpu_class": "rtx3090", "gpu_count": 1},
+    "wsl2-3090": {"platform": "wsl2", "gpu_class": "rtx3090", "gpu_count": 1, **_SIM_PYTHON},
 }
 
 

@@ -10,6 +10,7 @@ docs/host-data.md is generated from these models (`rigbook docs`); a test fails 
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 from typing import Any, Literal
 
@@ -59,12 +60,30 @@ class VenvSpec(_Model):
     name: str = Field(
         pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Stable name: /opt/rigbook/venvs/<name>."
     )
-    engine: Literal["vllm", "sglang", "llama-cpp-python"] = Field(
-        description="The engine it serves."
+    engine: Literal["vllm", "sglang", "llama-cpp-python", "none"] = Field(
+        description="The engine it serves; none = a plain venv (its smoke test imports the first "
+        "package)."
     )
     python: str = Field("3.12", pattern=r"^3\.1[1-4]$", description="Python version for the venv.")
-    packages: tuple[str, ...] = Field(description="Pinned requirements, e.g. 'vllm==0.33.0'.")
+    packages: tuple[str, ...] = Field(
+        min_length=1, description="Pinned requirements, e.g. 'vllm==0.33.0'."
+    )
     torch_backend: Literal["cu130"] = Field("cu130", description="CUDA build of torch.")
+    extra_index_urls: tuple[str, ...] = Field(
+        (), description="More package indexes for this venv (e.g. an engine's own CUDA wheels)."
+    )
+    services: tuple[str, ...] = Field(
+        (),
+        description="systemd units that run from this venv: restarted (if running) after a swap.",
+    )
+
+    @field_validator("services")
+    @classmethod
+    def _unit_names(cls, units: tuple[str, ...]) -> tuple[str, ...]:
+        for unit in units:
+            if not re.match(r"^[A-Za-z0-9:_.@-]+\.service$", unit):
+                raise ValueError(f"{unit!r} is not a systemd service name (e.g. vllm.service)")
+        return units
 
 
 class ModelSpec(_Model):
@@ -154,10 +173,155 @@ class Rig(_Model):
     wsl_tdr_disable: bool = Field(False, description="Also set TdrLevel=0 (no TDR at all).")
     wsl_min_memory_gib: int = Field(24, ge=1, description="Least WSL2 memory for model loading.")
 
+    # -- guards (roles/guards.py) -------------------------------------------------------------
+    guards_shm_patterns: tuple[str, ...] = Field(
+        ("vllm_offload_*.mmap",),
+        min_length=1,
+        description=(
+            "File-name globs in /dev/shm the reaper may delete when no process holds them "
+            "(leaked engine offload buffers)."
+        ),
+    )
+    guards_xid_watch: bool = Field(
+        True, description="Run the Xid watch (marks a lost GPU, logs engine faults)."
+    )
+
+    @field_validator("guards_shm_patterns")
+    @classmethod
+    def _shm_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in patterns:
+            if not re.match(r"^[A-Za-z0-9_.-][A-Za-z0-9_.*?\[\]-]*$", pattern):
+                raise ValueError(
+                    f"{pattern!r}: a file-name glob in /dev/shm that starts with a literal "
+                    "character (letters, digits, _ . -; then also * ? [ ]), "
+                    "e.g. vllm_offload_*.mmap"
+                )
+        return patterns
+
+    # -- python packages ----------------------------------------------------------------------
+    python_find_links: str | None = Field(
+        None,
+        description="Directory or URL of wheels that pip and uv also install from (--find-links).",
+    )
+    python_no_index: bool = Field(
+        False, description="Install only from python_find_links, never from an index (offline)."
+    )
+    venvs_keep: int = Field(
+        1, ge=0, le=10, description="Older builds of each venv kept for rollback."
+    )
+    rebuild_all: bool = Field(
+        False, description="Run option of deploys/venvs.py: rebuild every venv, stale or not."
+    )
+
+    @field_validator("venvs")
+    @classmethod
+    def _unique_venvs(cls, venvs: tuple[VenvSpec, ...]) -> tuple[VenvSpec, ...]:
+        names = [spec.name for spec in venvs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"venvs names {', '.join(twice)} more than once")
+        return venvs
+
+    @model_validator(mode="after")
+    def _python_packages(self) -> Rig:
+        if self.python_no_index and not self.python_find_links:
+            raise ValueError("python_no_index needs python_find_links (nothing to install from)")
+        return self
+
     # -- serving ------------------------------------------------------------------------------
     venvs: tuple[VenvSpec, ...] = Field((), description="Serving venvs to build (venvs role).")
     models: tuple[ModelSpec, ...] = Field((), description="Models to hold in the HF cache.")
     recipe: str | None = Field(None, description="Name of the serving recipe to run.")
+
+    # -- serving (rigbook-serve.service) ------------------------------------------------------
+    serving_bind: str | None = Field(
+        None,
+        description=(
+            "Address the API binds to; none = the recipe's (127.0.0.1). Wider than loopback "
+            "needs serving_api_key_file."
+        ),
+    )
+    serving_port: int | None = Field(
+        None, ge=1024, le=65535, description="API port; none = the recipe's (8000)."
+    )
+    serving_api_key_file: str | None = Field(
+        None,
+        description=(
+            "API key file on the operator's machine; copied root-only to the rig, passed to the "
+            "engine in its environment, never on its command line."
+        ),
+    )
+    serving_health_timeout_s: int = Field(
+        900, ge=10, le=7200, description="How long a start may take to answer /v1/models."
+    )
+    serving_recipe_dirs: tuple[str, ...] = Field(
+        (), description="More recipe folders on the operator's machine (no shadowing names)."
+    )
+
+    @model_validator(mode="after")
+    def _serving_section(self) -> Rig:
+        if self.serving_bind is not None:
+            try:
+                address = ipaddress.ip_address(self.serving_bind)
+            except ValueError:
+                raise ValueError(
+                    f"serving_bind {self.serving_bind!r} is not an IP address "
+                    "(e.g. 127.0.0.1, 0.0.0.0 or the rig's LAN address)"
+                ) from None
+            if not address.is_loopback and self.serving_api_key_file is None:
+                raise ValueError(
+                    f"serving_bind {self.serving_bind} is wider than loopback: "
+                    "set serving_api_key_file"
+                )
+        return self
+
+    # -- models (Hugging Face cache) ----------------------------------------------------------
+    models_cache: str = Field(
+        "/var/lib/rigbook/hf/hub",
+        description="HF_HUB_CACHE on the rig: models are pulled into it and served from it.",
+    )
+    models_endpoint: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        description="Hub mirror or LAN cache to pull from (HF_ENDPOINT); none = the hub.",
+    )
+    models_disk_margin_gib: float = Field(
+        10, ge=0, description="Free space (GiB) a pull must leave on the cache filesystem."
+    )
+    models_token_file: str | None = Field(
+        None,
+        description="HF token file on the operator's machine (wins over the HF_TOKEN env var).",
+    )
+    models_prune: bool = Field(
+        False, description="Remove cached repos that models does not list (else only report)."
+    )
+    models_only: str | None = Field(
+        None, description="Run option: pull only this repo (ORG/NAME, one of models)."
+    )
+    models_mirror_port: int | None = Field(
+        None, ge=1024, le=65535,
+        description="Serve this rig's complete snapshots to other rigs on this port; none = off.",
+    )
+
+    @field_validator("models_cache")
+    @classmethod
+    def _cache_path(cls, path: str) -> str:
+        if not path.startswith("/") or ".." in path.split("/") or path.rstrip("/") == "":
+            raise ValueError(f"{path!r} must be an absolute directory path without '..'")
+        return path.rstrip("/")
+
+    @model_validator(mode="after")
+    def _models_section(self) -> Rig:
+        repos = [spec.repo for spec in self.models]
+        twice = sorted({repo for repo in repos if repos.count(repo) > 1})
+        if twice:
+            raise ValueError(f"models lists {', '.join(twice)} more than once; pin one revision")
+        if self.models_only is not None and self.models_only not in repos:
+            raise ValueError(
+                f"models_only {self.models_only!r} is not in models "
+                f"(allowed: {', '.join(repos) or 'none: models is empty'})"
+            )
+        return self
 
     @field_validator("driver_branch")
     @classmethod

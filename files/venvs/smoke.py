@@ -1,0 +1,111 @@
+# rigbook venv smoke test: run by the NEW venv's own Python before the stable symlink moves to it.
+# Imports the engine (or the first package), checks torch against the driver, and only then writes
+# rigbook-manifest.json into the venv: a build with a manifest is a build that passed.
+# argv[1]: JSON from roles/venvs.py (smoke_input); stdout goes to the build log.
+import importlib
+import importlib.metadata as metadata
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+
+
+def canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def cuda_pair(version):
+    """'13.0.96' / '13.0' -> (13, 0); None when it is not a version."""
+    match = re.match(r"^(\d+)\.(\d+)", version or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def import_name(requirement):
+    """The module the first package provides: the one named like it, else its first one."""
+    dist = canonical(re.match(r"^[A-Za-z0-9._-]+", requirement).group(0))
+    provided = sorted(
+        module
+        for module, dists in metadata.packages_distributions().items()
+        if dist in (canonical(d) for d in dists) and not module.startswith("_")
+    )
+    if not provided:
+        raise SystemExit(f"smoke: {requirement}: the installed distribution provides no module")
+    for module in provided:
+        if canonical(module) == dist:
+            return module
+    return provided[0]
+
+
+def installed():
+    return {d.metadata["Name"]: d.version for d in metadata.distributions()}
+
+
+def runtime_cuda(packages):
+    """The CUDA runtime the venv carries: torch's build, else the CUDA runtime wheel's."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        return torch.version.cuda, torch
+    by_name = {canonical(name): version for name, version in packages.items()}
+    for name in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13", "cuda-toolkit"):
+        if name in by_name:
+            pair = cuda_pair(by_name[name])
+            return (f"{pair[0]}.{pair[1]}" if pair else None), None
+    return None, None
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    module = spec["module"] or import_name(spec["packages"][0])
+    imported = importlib.import_module(module)
+    print(f"smoke: import {module} ok ({getattr(imported, '__file__', '?')})")
+    packages = installed()
+    cuda_runtime, torch = runtime_cuda(packages)
+    devices = None
+    runtime, supported = cuda_pair(cuda_runtime), cuda_pair(spec["cuda"])
+    if runtime and supported:
+        if runtime > supported:
+            needed = spec["driver_for_cuda"].get(f"{runtime[0]}.{runtime[1]}", "a newer one")
+            raise SystemExit(
+                f"smoke: this venv carries the CUDA {cuda_runtime} runtime but driver "
+                f"{spec['driver']} supports CUDA {spec['cuda']} at most: it would fail with CUDA "
+                f"error 804; it needs driver >= {needed}"
+            )
+    if torch is not None and spec["gpus"] is not None:
+        devices = torch.cuda.device_count()
+        print(f"smoke: torch {torch.__version__} (CUDA {cuda_runtime}) sees {devices} GPU(s)")
+        if devices != spec["gpus"]:
+            raise SystemExit(
+                f"smoke: torch.cuda.device_count() is {devices} but nvidia-smi lists "
+                f"{spec['gpus']} GPU(s)"
+            )
+    manifest = {
+        "rigbook_manifest": 1,
+        "name": spec["name"],
+        "engine": spec["engine"],
+        "build": spec["build"],
+        "spec_hash": spec["spec_hash"],
+        "spec": spec["spec"],
+        "source": spec["source"],
+        "python": sys.version.split()[0],
+        "packages": dict(sorted(packages.items(), key=lambda item: canonical(item[0]))),
+        "driver": spec["driver"],
+        "cuda": spec["cuda"],
+        "cuda_runtime": cuda_runtime,
+        "cuda_devices": devices,
+        "smoke_import": module,
+        "services": spec["services"],
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path = spec["manifest"]
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    print(f"smoke: manifest written to {path}")
+
+
+if __name__ == "__main__":
+    main()

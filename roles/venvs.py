@@ -1,0 +1,830 @@
+"""cu13 serving venvs: built with uv, smoke-tested, swapped in atomically, rebuilt on a driver bump.
+
+Each engine runs from its own venv. A venv is built against the CUDA 13 stack of the driver it
+meets, and a driver bump can move the ABI under it; the fix is a rebuild, and a rebuild that
+fails must not take the working venv away. So:
+
+- every build goes to its own directory, /opt/rigbook/venvs/<name>-<spec hash>-<UTC stamp>
+  (the hash covers the venv's spec and the package source; the stamp tells two builds of one
+  spec apart, e.g. before and after a driver bump);
+- uv installs into it, then the venv's own Python runs files/venvs/smoke.py: it imports the
+  engine (or the first package), checks torch's CUDA runtime against the driver and
+  torch.cuda.device_count() against nvidia-smi, and only then writes rigbook-manifest.json;
+- only then the stable path /opt/rigbook/venvs/<name>, a symlink, moves to it (`ln -sfn` to a
+  temp name, `mv -T` over the link: rename(2) is atomic), services named in venvs[].services
+  are restarted if running, and builds beyond venvs_keep are pruned;
+- a failure at any step removes the half-built directory and fails the rig with the output
+  tail; the symlink, the old build and running services are untouched.
+
+A kept build whose spec matches again (a pin reverted in the inventory) and that is current
+for the driver is swapped back in without building. The converge (deploys/rig.py) builds missing
+or changed venvs but never rebuilds a stale one (built for another driver): it warns "stale:
+built for driver X, running Y: run deploys/venvs.py" and changes nothing. deploys/venvs.py does
+what the converge does and also rebuilds exactly the stale ones (all with rebuild_all).
+docs/venvs.md and docs/runbooks/rebuild-venvs.md say the same for operators.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+import time
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from jinja2 import Environment, StrictUndefined
+from pyinfra import host
+from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
+from pyinfra.api.exceptions import FactProcessError
+from pyinfra.operations import files
+
+from roles import FILES
+from roles.errors import RigbookError
+from roles.facts import NvidiaGpus, _smi_attempts, _smi_script
+from roles.messages import notice, refuse, warn_once
+from roles.spec import Rig, VenvSpec
+from roles.tools import UV, canonical, package_source_args, tools_venv
+
+VENVS_DIR = "/opt/rigbook/venvs"
+MANIFEST = "rigbook-manifest.json"
+#: uv's cache on the venvs' filesystem, so that installs hardlink instead of copying.
+UV_CACHE = "/opt/rigbook/cache/uv"
+#: Where uv puts a Python it downloads (a venv asks for 3.12 on a host that has 3.11).
+PYTHON_DIR = "/opt/rigbook/python"
+#: PATH after the venv's own bin in the launcher environment (systemd's default PATH).
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Bump when a change to the build procedure must rebuild every venv (it is in the spec hash).
+RECIPE = 1
+#: Lines of the build log a failed build shows.
+TAIL_LINES = 40
+
+TEMPLATES = FILES / "venvs"
+ENV_TEMPLATE = TEMPLATES / "venv.env.j2"
+
+#: The module an engine's smoke test imports.
+ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "llama-cpp-python": "llama_cpp"}
+#: Least driver per CUDA runtime (CUDA toolkit release notes, table 3; facts.md §3). A cu13 build
+#: on an older driver fails with CUDA error 804 (forward compatibility is not supported).
+DRIVER_FOR_CUDA = {"13.0": "580.65.06", "13.1": "590.44.01", "13.2": "595.45.04"}
+#: CUDA runtime of torch from each torch_backend.
+BACKEND_CUDA = {"cu130": "13.0"}
+
+_STAMP = re.compile(r"^\d{8}T\d{6}Z$")
+
+
+# --- pins ------------------------------------------------------------------------------------
+
+
+def _load_pins() -> dict[str, dict[str, Any]]:
+    with (TEMPLATES / "pins.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+#: Engine -> {"packages": [...], "cuda": "13.0" (absent: no CUDA runtime of its own)}.
+ENGINE_PINS: dict[str, dict[str, Any]] = _load_pins()
+
+
+def engine_venv(engine: str, name: str | None = None, **fields: Any) -> dict[str, Any]:
+    """A venvs[] entry with rigbook's pins for `engine`, for Python inventories.
+
+    `engine_venv("vllm", services=["vllm.service"])` ->
+    {"name": "vllm", "engine": "vllm", "packages": ["vllm==0.33.0", "torch==2.14.0"], ...}
+    """
+    if engine not in ENGINE_PINS:
+        raise RigbookError(f"no shipped pins for engine {engine!r}; allowed: {sorted(ENGINE_PINS)}")
+    entry = {"name": name or engine, "engine": engine, "packages": ENGINE_PINS[engine]["packages"]}
+    entry.update(fields)
+    return VenvSpec.model_validate(entry).model_dump(mode="json")
+
+
+# --- versions and the driver -------------------------------------------------------------------
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'580.95.05' -> (580, 95, 5): driver versions compare part by part."""
+    if not re.match(r"^\d+(\.\d+)*$", version):
+        raise ValueError(f"not a version: {version!r}")
+    return tuple(int(part) for part in version.split("."))
+
+
+def cuda_minor(version: str) -> str:
+    """'13.0.96' / '13.0' / '13' -> '13.0' (what the driver table is keyed by)."""
+    match = re.match(r"^(\d+)(?:\.(\d+))?", version)
+    if not match:
+        raise ValueError(f"not a CUDA version: {version!r}")
+    return f"{match.group(1)}.{match.group(2) or 0}"
+
+
+def required_driver(cuda_version: str) -> str:
+    """The least driver that runs a CUDA `cuda_version` runtime: '13.2' -> '595.45.04'."""
+    key = cuda_minor(cuda_version)
+    if key not in DRIVER_FOR_CUDA:
+        raise ValueError(
+            f"rigbook does not know the least driver for CUDA {key}; it knows "
+            f"{', '.join(DRIVER_FOR_CUDA)}"
+        )
+    return DRIVER_FOR_CUDA[key]
+
+
+_CUDA_PIN = re.compile(
+    r"^(?P<name>cuda-toolkit|nvidia-cuda-runtime(?:-cu\d+)?)(?:\[[^\]]*\])?\s*"
+    r"(?:===|==|~=|>=)\s*(?P<version>\d+(?:\.\d+)?)"
+)
+_LOCAL_CU = re.compile(r"\+cu(?P<major>\d\d)(?P<minor>\d+)\b")
+
+
+def requirement_name(requirement: str) -> str:
+    """'llama-cpp-python[server]==0.3.36' -> 'llama-cpp-python'."""
+    match = re.match(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if not match:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return match.group(1)
+
+
+def spec_cuda(spec: VenvSpec) -> tuple[str, str] | None:
+    """(CUDA runtime, what says so) a venv will carry, known before it is built; None: none.
+
+    An explicit pin wins (`cuda-toolkit==13.2.*`, `nvidia-cuda-runtime==13.1.80`, a
+    `torch==2.14.0+cu132` local version); else an engine venv (or any venv with torch) gets
+    torch's CUDA from torch_backend.
+    """
+    found: list[tuple[tuple[int, ...], str, str]] = []
+    for requirement in spec.packages:
+        text = canonical(requirement_name(requirement)) + requirement.strip()[
+            len(requirement_name(requirement)):
+        ]
+        pin = _CUDA_PIN.match(text)
+        if pin:
+            cuda = cuda_minor(pin.group("version"))
+            found.append((version_tuple(cuda), cuda, requirement))
+        local = _LOCAL_CU.search(requirement)
+        if local:
+            cuda = f"{int(local.group('major'))}.{int(local.group('minor'))}"
+            found.append((version_tuple(cuda), cuda, requirement))
+    if found:
+        _, cuda, why = max(found)
+        return cuda, why
+    has_torch = any(canonical(requirement_name(r)) == "torch" for r in spec.packages)
+    if spec.engine != "none" or has_torch:
+        return BACKEND_CUDA[spec.torch_backend], f"torch_backend {spec.torch_backend}"
+    return None
+
+
+def check_driver(rig_name: str, spec: VenvSpec, driver: str | None) -> None:
+    """RigbookError when the venv's CUDA runtime needs a newer driver than the rig runs.
+
+    Checked before anything is built: a cu13 build on too old a driver crash-loops with CUDA
+    error 804. No driver (a rig without a GPU layer) is not checked.
+    """
+    cuda = spec_cuda(spec)
+    if cuda is None or driver is None:
+        return
+    version, why = cuda
+    try:
+        needed = required_driver(version)
+    except ValueError as e:
+        raise RigbookError(f"{rig_name}: venvs[{spec.name}]: {why}: {e}") from None
+    if version_tuple(driver) < version_tuple(needed):
+        raise RigbookError(
+            f"{rig_name}: venvs[{spec.name}]: {why} means CUDA {version}, which needs driver >= "
+            f"{needed}; this rig runs {driver}: the venv would fail with CUDA error 804. Bump "
+            f"the driver (deploys/driver.py) or pin an older CUDA; nothing was built"
+        )
+
+
+# --- spec hash, builds, pruning --------------------------------------------------------------
+
+
+def spec_hash(spec: VenvSpec, rig: Rig) -> str:
+    """12 hex digits over what decides a venv's contents: its spec (not the services that run
+    from it) and the package source; RECIPE too, so a changed build procedure rebuilds.
+
+    Fields left at their default are not hashed: a new VenvSpec field with a default keeps
+    every existing venv's hash.
+    """
+    payload = {
+        "recipe": RECIPE,
+        "spec": spec.model_dump(mode="json", exclude={"services"}, exclude_defaults=True),
+        "source": {"find_links": rig.python_find_links, "no_index": rig.python_no_index},
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def build_name(name: str, digest: str, stamp: str) -> str:
+    """The directory of one build: <name>-<spec hash>-<UTC stamp>."""
+    return f"{name}-{digest}-{stamp}"
+
+
+def build_stamp(now: float | None = None) -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+
+
+def is_build_of(name: str, entry: str) -> bool:
+    """Whether a directory name under VENVS_DIR is a build of venv `name` (not of 'name-x')."""
+    prefix = f"{name}-"
+    if not entry.startswith(prefix):
+        return False
+    digest, _, stamp = entry[len(prefix):].partition("-")
+    return bool(re.match(r"^[0-9a-f]{12}$", digest)) and bool(_STAMP.match(stamp))
+
+
+def prune_selection(
+    builds: Mapping[str, Mapping | None], keep: int, live: str | None = None,
+    prefer: str | None = None,
+) -> list[str]:
+    """Builds to remove so that `live` (the symlink's target) plus `keep` others remain.
+
+    Complete builds (with a manifest) other than `live` are kept newest first, `prefer` (the
+    build a new one replaces: the one to roll back to) before all others; incomplete ones (no
+    manifest: a build that was cut off) always go.
+    """
+    incomplete = sorted(b for b, manifest in builds.items() if manifest is None and b != live)
+    complete = [b for b, manifest in builds.items() if manifest is not None and b != live]
+    complete.sort(key=lambda b: b.rsplit("-", 1)[1], reverse=True)
+    complete.sort(key=lambda b: b != prefer)  # stable: prefer first, then newest first
+    return incomplete + complete[keep:]
+
+
+def swap_commands(root: str, name: str, build: str) -> list[str]:
+    """Point root/name at root/build atomically: a new link under a temp name renamed over it."""
+    link, temp, target = f"{root}/{name}", f"{root}/.{name}.swap", f"{root}/{build}"
+    return [
+        f"ln -sfn {shlex.quote(target)} {shlex.quote(temp)}",
+        f"mv -T {shlex.quote(temp)} {shlex.quote(link)}",
+    ]
+
+
+# --- staleness -------------------------------------------------------------------------------
+
+
+def staleness(manifest: Mapping | None, live_driver: str | None) -> str | None:
+    """Why a built venv no longer matches the running driver, or None when it does.
+
+    Stale when the driver version differs from the one it was built with. None also when the
+    rig reports no driver now (nothing to compare: the GPU layer's own checks say why).
+    """
+    if manifest is None or live_driver is None:
+        return None
+    built = manifest.get("driver")
+    if built is None:
+        return f"built without a GPU driver, running {live_driver}"
+    if built != live_driver:
+        return f"built for driver {built}, running {live_driver}"
+    return None
+
+
+def incompatibility(manifest: Mapping | None, live_driver: str | None) -> str | None:
+    """Why the venv's CUDA runtime cannot run on the live driver (CUDA error 804), or None."""
+    if manifest is None or live_driver is None or not manifest.get("cuda_runtime"):
+        return None
+    try:
+        needed = required_driver(manifest["cuda_runtime"])
+    except ValueError:
+        return None
+    if version_tuple(live_driver) < version_tuple(needed):
+        return (
+            f"its CUDA {manifest['cuda_runtime']} runtime needs driver >= {needed}, running "
+            f"{live_driver} (CUDA error 804)"
+        )
+    return None
+
+
+# --- the launcher environment ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VenvLayout:
+    """What the launcher environment depends on in a venv, as the rig has it."""
+
+    venv: str  # the venv's path (rigbook uses the stable symlink, so swaps keep it)
+    site_packages: str
+    cu13: tuple[str, ...] | None  # entries of site-packages/nvidia/cu13; None: no such dir
+    cu13_nvcc: bool  # site-packages/nvidia/cu13/bin/nvcc exists
+    path_nvcc: str | None  # nvcc on the launcher's PATH (venv bin + BASE_PATH), if any
+
+    @property
+    def cuda_home(self) -> str | None:
+        return f"{self.site_packages}/nvidia/cu13" if self.cu13 is not None else None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form, with the environment it gives (`pyinfra @rig fact ...`)."""
+        return {**asdict(self), "environment": venv_environment(self)}
+
+
+def venv_environment(layout: VenvLayout, base_path: str = BASE_PATH) -> dict[str, str]:
+    """The environment an engine runs with from this venv.
+
+    CUDA_HOME points into the venv's own nvidia/cu13 (these hosts have no system toolkit, and
+    FlashInfer's JIT looks there); PATH starts with the venv's bin (then CUDA_HOME/bin when it
+    holds nvcc); VLLM_USE_FLASHINFER_SAMPLER=0 when no nvcc exists, neither in CUDA_HOME/bin nor
+    on PATH, so vLLM does not try to JIT-compile the sampler.
+    """
+    env: dict[str, str] = {}
+    path = [f"{layout.venv}/bin"]
+    cuda_home = layout.cuda_home
+    if cuda_home is not None:
+        env["CUDA_HOME"] = cuda_home
+        if layout.cu13_nvcc:
+            path.append(f"{cuda_home}/bin")
+    env["PATH"] = ":".join([*path, base_path])
+    env["VIRTUAL_ENV"] = layout.venv
+    if not layout.cu13_nvcc and not layout.path_nvcc:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return env
+
+
+def venv_link(name: str) -> str:
+    """The stable path engines run from: a symlink to the current build."""
+    return f"{VENVS_DIR}/{name}"
+
+
+def env_file(name: str) -> str:
+    """The launcher environment file of a venv (systemd EnvironmentFile= / `set -a; .`)."""
+    return f"{VENVS_DIR}/{name}.env"
+
+
+# --- facts -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VenvState:
+    """A venv's stable symlink and its builds on the rig."""
+
+    target: str | None  # the symlink's target, as readlink prints it; None: no symlink
+    not_link: bool  # the stable path exists but is not a symlink (someone's own venv)
+    builds: dict[str, dict | None]  # build dir name -> its manifest (None: no manifest)
+
+    @property
+    def target_build(self) -> str | None:
+        """The build the symlink points at, when it points at one of this venv's builds."""
+        if self.target is None:
+            return None
+        base = self.target.rstrip("/").rsplit("/", 1)[-1]
+        return base if base in self.builds else None
+
+    @property
+    def manifest(self) -> dict | None:
+        build = self.target_build
+        return self.builds.get(build) if build else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "target_build": self.target_build}
+
+
+_VENV, _TARGET, _NOTLINK, _BUILD = (
+    "##RIGBOOK_VENV", "##RIGBOOK_TARGET", "##RIGBOOK_NOTLINK", "##RIGBOOK_BUILD"
+)
+
+
+class VenvBuilds(FactBase[VenvState]):
+    """
+    The stable symlink /opt/rigbook/venvs/<name> and every build of that venv with its manifest.
+
+    Output (a build's manifest follows its line; a build without one was cut off)::
+
+        ##RIGBOOK_VENV demo
+        ##RIGBOOK_TARGET /opt/rigbook/venvs/demo-3f2a9c1b7d4e-20261129T202754Z
+        ##RIGBOOK_BUILD demo-3f2a9c1b7d4e-20261129T202754Z
+        {"rigbook_manifest": 1, "spec_hash": "3f2a9c1b7d4e", "driver": "580.95.05", ...}
+    """
+
+    def command(self, venv_name: str) -> str:
+        name = venv_name
+        root, link = shlex.quote(VENVS_DIR), shlex.quote(venv_link(name))
+        return (
+            f"echo '{_VENV}' {shlex.quote(name)}; "
+            f"if [ -L {link} ]; then echo \"{_TARGET} $(readlink {link})\"; "
+            f"elif [ -e {link} ]; then echo '{_NOTLINK}'; fi; "
+            f"for b in {root}/{shlex.quote(name)}-*; do "
+            '[ -d "$b" ] && [ ! -L "$b" ] || continue; '
+            f'echo "{_BUILD} ${{b##*/}}"; '
+            f'if [ -f "$b/{MANIFEST}" ]; then cat "$b/{MANIFEST}"; echo; fi; '
+            "done; true"
+        )
+
+    def process(self, output: list[str]) -> VenvState:
+        return parse_venv_builds(output)
+
+
+def parse_venv_builds(output: list[str]) -> VenvState:
+    """VenvBuilds' output -> VenvState (builds of other venvs that share the prefix dropped)."""
+    name, target, not_link = None, None, False
+    chunks: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in output:
+        if line.startswith(_VENV):
+            name = line[len(_VENV):].strip()
+        elif line.startswith(_TARGET):
+            target = line[len(_TARGET):].strip() or None
+        elif line.strip() == _NOTLINK:
+            not_link = True
+        elif line.startswith(_BUILD):
+            current = chunks.setdefault(line[len(_BUILD):].strip(), [])
+        elif current is not None:
+            current.append(line)
+    if name is None:
+        raise FactProcessError(f"no venv name in the VenvBuilds output: {output!r}")
+    builds: dict[str, dict | None] = {}
+    for build, lines in chunks.items():
+        if not is_build_of(name, build):
+            continue
+        text = "\n".join(lines).strip()
+        try:
+            manifest = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            manifest = None  # a torn manifest is no manifest: that build did not finish
+        builds[build] = manifest if isinstance(manifest, dict) else None
+    return VenvState(target, not_link, builds)
+
+
+_SITE, _CU13, _CU13_NVCC, _NVCC = "##SITE", "##CU13", "##CU13_NVCC", "##NVCC"
+
+
+class VenvLayoutFact(FactBase[VenvLayout | None]):
+    """
+    The venv's site-packages, its nvidia/cu13 dir and where nvcc is; None when no venv is there.
+
+    ``venv`` is a venv's path (rigbook's are /opt/rigbook/venvs/<name>). Output of the torch
+    venv on the H200 host (tests/fixtures/nvidia-h200/python-cuda.txt)::
+
+        ##SITE /opt/torch/.venv/lib/python3.12/site-packages
+        ##CU13 include lib
+        ##NVCC
+    """
+
+    def command(self, venv: str) -> str:
+        v = shlex.quote(venv)
+        path = shlex.quote(f"{venv}/bin:{BASE_PATH}")
+        return (
+            f"[ -x {v}/bin/python ] || exit 0; "
+            f"for sp in {v}/lib/python3*/site-packages; do break; done; "
+            f'echo "{_SITE} $sp"; c="$sp/nvidia/cu13"; '
+            f'if [ -d "$c" ]; then echo "{_CU13} $(ls -1 "$c" | tr "\\n" " ")"; fi; '
+            f'if [ -x "$c/bin/nvcc" ]; then echo "{_CU13_NVCC}"; fi; '
+            f'echo "{_NVCC} $(PATH={path} command -v nvcc)"'
+        )
+
+    def process(self, output: list[str]) -> VenvLayout | None:
+        site = cu13 = nvcc = None
+        cu13_nvcc = False
+        for line in output:
+            if line.startswith(_CU13_NVCC):
+                cu13_nvcc = True
+            elif line.startswith(_SITE):
+                site = line[len(_SITE):].strip()
+            elif line.startswith(_CU13):
+                cu13 = tuple(line[len(_CU13):].split())
+            elif line.startswith(_NVCC):
+                nvcc = line[len(_NVCC):].strip() or None
+        if not site:
+            raise FactProcessError(f"no site-packages in the venv layout output: {output!r}")
+        venv = site.split("/lib/python3", 1)[0]
+        return VenvLayout(venv, site, cu13, cu13_nvcc, nvcc)
+
+
+_HEADER = re.compile(r"Driver Version:\s*(\S+)\s+CUDA Version:\s*(\S+)")
+
+
+def parse_smi_header(text: str) -> tuple[str, str] | None:
+    """(driver, CUDA) from plain `nvidia-smi` output's header; None when it has none."""
+    match = _HEADER.search(text)
+    return (match.group(1), match.group(2)) if match else None
+
+
+class NvidiaSmiHeader(FactBase[tuple[str, str] | None]):
+    """
+    (driver version, highest CUDA version the driver supports) from plain ``nvidia-smi``.
+
+    None when there is no nvidia-smi or it fails. The header line (real, H200)::
+
+        | NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: 13.0     |
+    """
+
+    def command(self) -> str:
+        return _smi_script("")
+
+    def process(self, output: list[str]) -> tuple[str, str] | None:
+        attempts = _smi_attempts(output)
+        if attempts is None:
+            return None
+        for _, lines, status in attempts:
+            if status == 0:
+                return parse_smi_header("\n".join(lines))
+        return None
+
+
+@dataclass(frozen=True)
+class LiveDriver:
+    """The driver a venv meets now."""
+
+    version: str | None  # None: no GPU layer on this rig (no nvidia-smi anywhere)
+    cuda: str | None  # highest CUDA the driver supports (nvidia-smi's header)
+    gpus: int | None  # GPUs nvidia-smi lists
+    broken: str | None = None  # nvidia-smi exists but fails: why
+
+
+def live_driver() -> LiveDriver:
+    """Read inside an operation: the rig's driver as it is at that moment of the run."""
+    probe = host.get_fact(NvidiaGpus)
+    if probe is None:
+        return LiveDriver(None, None, None)
+    if not probe.ok or not probe.gpus:
+        return LiveDriver(None, None, None, broken=f"{probe.smi}: {probe.error or 'no GPUs'}")
+    header = host.get_fact(NvidiaSmiHeader)
+    cuda = header[1] if header else None
+    return LiveDriver(probe.driver_version, cuda, len(probe.gpus))
+
+
+# --- decisions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What venv_build does about one venv, and why (said to the operator)."""
+
+    action: Literal["keep", "build", "swap", "warn", "refuse"]
+    reason: str
+    build: str | None = None  # swap: the kept build to point the symlink at
+
+
+def reusable_build(state: VenvState, digest: str, driver: LiveDriver) -> str | None:
+    """The newest kept build of this spec that is current for the live driver, if any.
+
+    Reverting a pin in the inventory then swaps back to the kept build instead of building it
+    again: that is the rollback venvs_keep keeps builds for.
+    """
+    fits = [
+        build for build, manifest in state.builds.items()
+        if manifest is not None and build != state.target_build
+        and manifest.get("spec_hash") == digest
+        and staleness(manifest, driver.version) is None
+        and incompatibility(manifest, driver.version) is None
+    ]
+    return max(fits, key=lambda b: b.rsplit("-", 1)[1], default=None)
+
+
+def decide(
+    rig_name: str, spec: VenvSpec, digest: str, state: VenvState, driver: LiveDriver,
+    rebuild_stale: bool = False, rebuild_all: bool = False,
+) -> Decision:
+    """Keep, build, swap to a kept build, warn (stale in a converge, or the GPU layer is down)
+    or refuse one venv."""
+    link = venv_link(spec.name)
+    if state.not_link:
+        return Decision(
+            "refuse",
+            f"{rig_name}: {link} exists and is not rigbook's symlink: move it away; nothing "
+            "was built",
+        )
+    if driver.broken is not None:
+        return Decision(
+            "warn",
+            f"venv {spec.name}: GPU layer not usable ({driver.broken}): not checked or built; "
+            "run again once nvidia-smi works",
+        )
+    if rebuild_stale and rebuild_all:
+        return Decision("build", "rebuild_all")
+    manifest = state.manifest
+    if manifest is None:
+        why = (
+            f"{link} -> {state.target}, which is not a finished build"
+            if state.target else "not built yet"
+        )
+    elif manifest.get("spec_hash") != digest:
+        why = f"spec changed ({manifest.get('spec_hash')} -> {digest})"
+    else:
+        stale = staleness(manifest, driver.version)
+        if stale is None:
+            return Decision(
+                "keep",
+                f"venv {spec.name} is already {state.target_build} (built for driver "
+                f"{manifest.get('driver')})",
+            )
+        if not rebuild_stale:
+            broken = incompatibility(manifest, driver.version)
+            if broken is not None:
+                return Decision(
+                    "refuse",
+                    f"{rig_name}: venv {spec.name} is stale and cannot run: {broken}: run "
+                    "deploys/venvs.py (and check the pins against the driver)",
+                )
+            return Decision("warn", f"venv {spec.name} is stale: {stale}: run deploys/venvs.py")
+        why = f"stale: {stale}"
+    kept = reusable_build(state, digest, driver)
+    if kept is not None:
+        return Decision("swap", f"{why}; {kept} is a kept build of this spec", kept)
+    return Decision("build", why)
+
+
+# --- the build script ------------------------------------------------------------------------
+
+
+def _jinja() -> Environment:
+    env = Environment(
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        undefined=StrictUndefined, autoescape=False,
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.filters["qjoin"] = lambda values: " ".join(shlex.quote(str(v)) for v in values)
+    return env
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything one build needs; build_script() turns it into the shell that runs on the rig."""
+
+    name: str
+    build: str
+    python: str
+    install_args: tuple[str, ...]
+    uv_env: dict[str, str]
+    smoke_input: dict[str, Any]
+    prune: tuple[str, ...] = ()
+    services: tuple[str, ...] = ()
+    uv: str = UV
+    root: str = VENVS_DIR
+    cache: str = UV_CACHE
+    reuse: bool = False  # `build` is a kept, finished build: only swap to it
+
+    @property
+    def log(self) -> str:
+        return f"{self.root}/.{self.name}.build.log"
+
+
+def install_args(spec: VenvSpec, rig: Rig) -> tuple[str, ...]:
+    """`uv pip install` options and requirements: the rig's package source, torch's backend."""
+    args = package_source_args(rig)
+    if not rig.python_no_index:
+        args += ["--torch-backend", spec.torch_backend]
+        for url in spec.extra_index_urls:
+            args += ["--extra-index-url", url]
+    return (*args, *spec.packages)
+
+
+def uv_environment(rig: Rig, cache: str = UV_CACHE) -> dict[str, str]:
+    env = {"UV_CACHE_DIR": cache, "UV_PYTHON_INSTALL_DIR": PYTHON_DIR, "UV_NO_PROGRESS": "1"}
+    if rig.python_no_index:
+        env["UV_PYTHON_DOWNLOADS"] = "never"
+    return env
+
+
+def smoke_input(
+    spec: VenvSpec, rig: Rig, digest: str, build: str, driver: LiveDriver, root: str = VENVS_DIR,
+) -> dict[str, Any]:
+    """What files/venvs/smoke.py gets (argv[1], JSON) and copies into the manifest."""
+    return {
+        "name": spec.name,
+        "engine": spec.engine,
+        "build": build,
+        "manifest": f"{root}/{build}/{MANIFEST}",
+        "module": ENGINE_MODULES.get(spec.engine),
+        "packages": list(spec.packages),
+        "spec_hash": digest,
+        "spec": spec.model_dump(mode="json"),
+        "source": {"find_links": rig.python_find_links, "no_index": rig.python_no_index},
+        "driver": driver.version,
+        "cuda": driver.cuda,
+        "gpus": driver.gpus,
+        "driver_for_cuda": DRIVER_FOR_CUDA,
+        "services": list(spec.services),
+    }
+
+
+def build_script(plan: BuildPlan) -> str:
+    """The shell that builds, smoke-tests and swaps in one venv (files/venvs/build.sh.j2)."""
+    template = _jinja().from_string((TEMPLATES / "build.sh.j2").read_text())
+    return template.render(
+        name=plan.name, build=plan.build, root=plan.root, log=plan.log, cache=plan.cache,
+        uv=plan.uv, python=plan.python, install_args=plan.install_args, uv_env=plan.uv_env,
+        smoke_input=json.dumps(plan.smoke_input, sort_keys=True),
+        smoke_py=(TEMPLATES / "smoke.py").read_text().rstrip("\n"),
+        swap=swap_commands(plan.root, plan.name, plan.build),
+        prune=[f"{plan.root}/{build}" for build in plan.prune],
+        services=plan.services, tail=TAIL_LINES, reuse=plan.reuse,
+    )
+
+
+# --- operations ------------------------------------------------------------------------------
+
+
+def _prune_command(builds: Iterable[str]) -> StringCommand:
+    return StringCommand("rm", "-rf", "--", *(QuoteString(f"{VENVS_DIR}/{b}") for b in builds))
+
+
+@operation()
+def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
+    """
+    Build one serving venv when it is missing or its spec changed, smoke-test it, swap it in.
+
+    + rig: the rig's validated host data (``roles.spec.Rig``)
+    + spec: the venv (``roles.spec.VenvSpec``, one of ``rig.venvs``)
+    + rebuild_stale: also rebuild a venv built for another driver (deploys/venvs.py); with
+      ``rig.rebuild_all`` rebuild it even when it is current
+
+    Reads the symlink, the builds' manifests and the live driver when it executes. Nothing runs
+    when the symlink's build has this spec's hash and was built for the running driver (older
+    builds beyond ``venvs_keep`` are pruned then). A kept build of this spec that is current
+    for the driver (a pin reverted in the inventory) is swapped back in without building. A
+    stale venv in a converge is a warning that changes nothing; one whose CUDA runtime cannot
+    run on the live driver fails the rig. Before a build, a CUDA runtime that needs a newer
+    driver than the rig runs fails the rig with the driver needed. The build itself
+    (files/venvs/build.sh.j2) fails the rig with the tail of its log and leaves the working
+    venv in place.
+    """
+    driver = live_driver()
+    state = host.get_fact(VenvBuilds, venv_name=spec.name)
+    digest = spec_hash(spec, rig)
+    decision = decide(
+        host.name, spec, digest, state, driver, rebuild_stale=rebuild_stale,
+        rebuild_all=rig.rebuild_all,
+    )
+    if decision.action == "refuse":
+        yield refuse(decision.reason)
+        return
+    if decision.action in ("keep", "warn"):
+        if decision.action == "warn":
+            warn_once(decision.reason)
+        prune = prune_selection(state.builds, rig.venvs_keep, live=state.target_build)
+        if prune:
+            yield _prune_command(prune)
+        else:
+            host.noop(decision.reason)
+        return
+    if decision.action == "swap":
+        build = decision.build
+    else:
+        try:
+            check_driver(host.name, spec, driver.version)
+        except RigbookError as error:
+            yield refuse(str(error))
+            return
+        build = build_name(spec.name, digest, build_stamp())
+    others = {b: manifest for b, manifest in state.builds.items() if b != build}
+    plan = BuildPlan(
+        name=spec.name, build=build, python=spec.python, install_args=install_args(spec, rig),
+        uv_env=uv_environment(rig), smoke_input=smoke_input(spec, rig, digest, build, driver),
+        prune=tuple(prune_selection(others, rig.venvs_keep, prefer=state.target_build)),
+        services=spec.services, reuse=decision.action == "swap",
+    )
+    yield StringCommand(build_script(plan))
+    if state.target_build is not None and not spec.services:
+        yield notice(
+            f"venv {spec.name} now runs from {build} ({decision.reason}); venvs[].services names "
+            f"no unit that uses it: restart what runs from {venv_link(spec.name)} yourself"
+        )
+
+
+@operation()
+def venv_env_file(rig: Rig, spec: VenvSpec):
+    """
+    Write the launcher environment of a venv, /opt/rigbook/venvs/<name>.env.
+
+    + rig: the rig's validated host data (``roles.spec.Rig``)
+    + spec: the venv (``roles.spec.VenvSpec``)
+
+    ``KEY=value`` lines (a systemd ``EnvironmentFile=``, or ``set -a; . FILE; set +a``) from
+    ``venv_environment``: CUDA_HOME in the venv's nvidia/cu13, PATH with the venv's bin first,
+    VLLM_USE_FLASHINFER_SAMPLER=0 where no nvcc exists. Read from the venv as it is when the
+    operation executes (after the build); nothing when the venv is not built.
+    """
+    layout = host.get_fact(VenvLayoutFact, venv=venv_link(spec.name))
+    if layout is None:
+        host.noop(f"venv {spec.name} is not built: no {env_file(spec.name)}")
+        return
+    yield from files.template._inner(
+        src=str(ENV_TEMPLATE), dest=env_file(spec.name), mode="644",
+        jinja_env_kwargs={"trim_blocks": True, "lstrip_blocks": True},
+        name=spec.name, env=venv_environment(layout),
+    )
+
+
+def launcher_environment(name: str) -> dict[str, str] | None:
+    """Inside an operation: the environment an engine gets from venv `name`; None: not built."""
+    layout = host.get_fact(VenvLayoutFact, venv=venv_link(name))
+    return venv_environment(layout) if layout is not None else None
+
+
+# --- the role --------------------------------------------------------------------------------
+
+
+@deploy("Python venvs")
+def venvs(rig: Rig, rebuild_stale: bool = False) -> None:
+    """Every venv in rig.venvs: built, smoke-tested, swapped in, with its launcher environment.
+
+    The converge (deploys/rig.py) calls it as is: missing and changed venvs are built, stale
+    ones reported. deploys/venvs.py passes rebuild_stale=True. A rig without venvs gets nothing,
+    not even the tools venv.
+    """
+    if not rig.venvs:
+        return
+    if rig.rebuild_all and not rebuild_stale:
+        warn_once("rebuild_all is a run option of deploys/venvs.py: the converge ignores it")
+    tools_venv(rig)
+    for spec in rig.venvs:
+        venv_build(rig, spec, rebuild_stale=rebuild_stale, name=f"Venv {spec.name}")
+        venv_env_file(rig, spec, name=f"Launcher environment {env_file(spec.name)}")

@@ -1,0 +1,737 @@
+"""The venvs role without a rig: spec hash, driver table, staleness, launcher environment, the
+build script run for real on this machine (uv from the dev extra, wheels made here), the
+operations' decisions on fake facts, the tools venv, and the shipped engine pins resolved
+against the default package index."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FunctionCommand
+from pyinfra.api.util import get_template
+
+from roles.errors import RigbookError
+from roles.facts import _RC, _SMI
+from roles.gpus import Gpu, GpuProbe
+from roles.spec import Rig, VenvSpec, parse_rig
+from roles.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
+from roles.venvs import (
+    DRIVER_FOR_CUDA,
+    ENGINE_PINS,
+    ENV_TEMPLATE,
+    BuildPlan,
+    LiveDriver,
+    NvidiaSmiHeader,
+    VenvBuilds,
+    VenvLayout,
+    VenvLayoutFact,
+    VenvState,
+    build_name,
+    build_script,
+    check_driver,
+    decide,
+    engine_venv,
+    incompatibility,
+    install_args,
+    is_build_of,
+    parse_smi_header,
+    parse_venv_builds,
+    prune_selection,
+    required_driver,
+    smoke_input,
+    spec_cuda,
+    spec_hash,
+    staleness,
+    swap_commands,
+    uv_environment,
+    venv_build,
+    venv_environment,
+)
+from tests.conftest import ROOT
+from tests.opkit import execute, local_fact, run_op, shell
+
+H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
+BASE = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2}
+DEMO = {"name": "demo", "engine": "none", "python": "3.11", "packages": ["six==1.16.0"]}
+VLLM = {"name": "vllm", "engine": "vllm", "packages": ["vllm==0.33.0", "torch==2.14.0"]}
+
+
+def rig(**data) -> Rig:
+    return parse_rig("rig1", {**BASE, **data})
+
+
+def spec(**data) -> VenvSpec:
+    return VenvSpec.model_validate({**DEMO, **data})
+
+
+# --- spec hash -------------------------------------------------------------------------------
+
+
+def test_spec_hash_is_stable_and_covers_spec_and_source_only():
+    r = rig(venvs=[DEMO])
+    digest = spec_hash(spec(), r)
+    # A literal: changing how the hash is made rebuilds every venv on every rig; do it on
+    # purpose (bump RECIPE) and update this value.
+    assert digest == "ed6da2262f1d"
+    assert re.fullmatch(r"[0-9a-f]{12}", digest)
+    assert spec_hash(spec(), rig(venvs=[DEMO], power_cap_watts=300, venvs_keep=3)) == digest
+    assert spec_hash(spec(services=["demo.service"]), r) == digest
+    assert spec_hash(spec(packages=["six==1.17.0"]), r) != digest
+    assert spec_hash(spec(python="3.12"), r) != digest
+    assert spec_hash(spec(), rig(python_find_links="/srv/wheels")) != digest
+    no_index = rig(python_find_links="/srv/wheels", python_no_index=True)
+    assert spec_hash(spec(), no_index) != spec_hash(spec(), rig(python_find_links="/srv/wheels"))
+
+
+def test_build_names_belong_to_one_venv_only():
+    build = build_name("vllm", "0123456789ab", "20261129T202754Z")
+    assert build == "vllm-0123456789ab-20261129T202754Z"
+    assert is_build_of("vllm", build)
+    assert not is_build_of("vllm", "vllm-old-0123456789ab-20261129T202754Z")
+    assert not is_build_of("vllm-old", build)
+    assert not is_build_of("vllm", "vllm")
+    assert not is_build_of("vllm", "vllm-0123456789ab-20261129T202754Z.partial")
+
+
+def test_host_data_of_the_python_packages_section():
+    with pytest.raises(RigbookError, match="python_no_index needs python_find_links"):
+        rig(python_no_index=True)
+    with pytest.raises(RigbookError, match="venvs names demo more than once"):
+        rig(venvs=[DEMO, DEMO])
+    with pytest.raises(RigbookError, match="not a systemd service name"):
+        rig(venvs=[{**DEMO, "services": ["vllm; rm -rf /"]}])
+    with pytest.raises(RigbookError, match="venvs_keep"):
+        rig(venvs_keep=-1)
+    assert rig().venvs_keep == 1 and rig().rebuild_all is False
+
+
+def test_sandbox_rigs_install_from_the_wheelhouse_and_have_no_venvs_by_default(
+    tmp_path, monkeypatch
+):
+    from roles.inventory import load_rigs
+    from roles.sandbox import WHEELS_MOUNT
+
+    monkeypatch.setenv("RIGBOOK_SANDBOX_DIR", str(tmp_path))  # three rigs, none of them up
+    (tmp_path / "hosts.json").write_text(json.dumps([
+        {"name": f"rig{i}", "address": f"10.231.{i}.2", "profile": profile, "ssh_key": "/k"}
+        for i, profile in enumerate(("dual-3090", "single-4090", "wsl2-3090"), 1)
+    ]))
+    rigs = load_rigs(str(ROOT / "inventory" / "sandbox.py"))
+    assert len(rigs) == 3
+    for r in rigs.values():
+        assert (r.python_find_links, r.python_no_index, r.venvs) == (WHEELS_MOUNT, True, ())
+
+
+# --- driver and CUDA -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cuda", "driver"),
+    [("13.0", "580.65.06"), ("13.1", "590.44.01"), ("13.2", "595.45.04"), ("13", "580.65.06"),
+     ("13.0.96", "580.65.06"), ("13.2.1", "595.45.04")],
+)
+def test_required_driver_table(cuda, driver):
+    assert required_driver(cuda) == driver
+
+
+def test_required_driver_refuses_what_it_does_not_know():
+    for cuda in ("12.8", "13.3", "cu130"):
+        with pytest.raises(ValueError):
+            required_driver(cuda)
+
+
+@pytest.mark.parametrize(
+    ("packages", "engine", "expected"),
+    [
+        (["vllm==0.33.0", "cuda-toolkit==13.2.*"], "vllm", ("13.2", "cuda-toolkit==13.2.*")),
+        (["sglang==0.5.23", "nvidia-cuda-runtime==13.1.80"], "sglang",
+         ("13.1", "nvidia-cuda-runtime==13.1.80")),
+        (["torch==2.14.0+cu132"], "none", ("13.2", "torch==2.14.0+cu132")),
+        (["Cuda_Toolkit[cublas]>=13.0"], "none", ("13.0", "Cuda_Toolkit[cublas]>=13.0")),
+        (["vllm==0.33.0", "torch==2.14.0"], "vllm", ("13.0", "torch_backend cu130")),
+        (["torch==2.14.0"], "none", ("13.0", "torch_backend cu130")),
+        (["six==1.16.0"], "none", None),
+    ],
+)
+def test_spec_cuda_from_pins_or_backend(packages, engine, expected):
+    assert spec_cuda(spec(packages=packages, engine=engine)) == expected
+
+
+def test_check_driver_refuses_a_cuda_the_driver_cannot_run():
+    needs_132 = spec(packages=["vllm==0.33.0", "cuda-toolkit==13.2.*"], engine="vllm")
+    with pytest.raises(RigbookError) as error:
+        check_driver("rig1", needs_132, "580.95.05")
+    assert str(error.value) == (
+        "rig1: venvs[demo]: cuda-toolkit==13.2.* means CUDA 13.2, which needs driver >= "
+        "595.45.04; this rig runs 580.95.05: the venv would fail with CUDA error 804. Bump the "
+        "driver (deploys/driver.py) or pin an older CUDA; nothing was built"
+    )
+    check_driver("rig1", needs_132, "595.84")  # 595.84 > 595.45.04
+    check_driver("rig1", needs_132, None)  # no GPU layer: nothing to check
+    check_driver("rig1", spec(engine="vllm", packages=["vllm==0.33.0"]), "580.65.06")
+    with pytest.raises(RigbookError, match="needs driver >= 580.65.06; this rig runs 575.64.03"):
+        check_driver("rig1", spec(engine="vllm", packages=["vllm==0.33.0"]), "575.64.03")
+    with pytest.raises(RigbookError, match="does not know the least driver for CUDA 13.9"):
+        check_driver("rig1", spec(packages=["cuda-toolkit==13.9.*"]), "595.84")
+
+
+# --- staleness on the H200 capture ------------------------------------------------------------
+
+
+def h200_driver() -> tuple[str, str]:
+    header = parse_smi_header((H200 / "nvidia-smi.txt").read_text())
+    assert header == ("580.159.04", "13.0")
+    return header
+
+
+def h200_torch_cuda() -> str:
+    """torch's CUDA runtime in the H200's torch venv: line 2 is `version cuda available name`."""
+    return (H200 / "python-cuda.txt").read_text().splitlines()[1].split()[1]
+
+
+def test_staleness_against_the_h200_driver():
+    driver, _ = h200_driver()
+    built_here = {"driver": "580.159.04", "cuda_runtime": h200_torch_cuda()}
+    assert staleness(built_here, driver) is None
+    assert incompatibility(built_here, driver) is None
+    built_before = {"driver": "580.95.05", "cuda_runtime": "13.0"}
+    assert staleness(built_before, driver) == "built for driver 580.95.05, running 580.159.04"
+    assert staleness({"driver": None}, driver) == "built without a GPU driver, running 580.159.04"
+    assert staleness(built_before, None) is None  # no driver now: nothing to compare
+    assert staleness(None, driver) is None
+    assert incompatibility({"driver": driver, "cuda_runtime": "13.2"}, driver) == (
+        "its CUDA 13.2 runtime needs driver >= 595.45.04, running 580.159.04 (CUDA error 804)"
+    )
+    assert incompatibility({"driver": driver, "cuda_runtime": None}, driver) is None
+
+
+def test_smi_header_fact_reads_the_driver_and_its_cuda():
+    text = (H200 / "nvidia-smi.txt").read_text().splitlines()
+    output = [f"{_SMI} /usr/local/nvidia/bin/nvidia-smi", *text, f"{_RC} 0"]
+    assert NvidiaSmiHeader().process(output) == ("580.159.04", "13.0")
+    failing = [f"{_SMI} /usr/bin/nvidia-smi",
+               "Failed to initialize NVML: Driver/library version mismatch", f"{_RC} 18"]
+    assert NvidiaSmiHeader().process(failing) is None
+    assert NvidiaSmiHeader().process(["##RIGBOOK_NO_SMI##"]) is None
+
+
+# --- launcher environment ---------------------------------------------------------------------
+
+
+def h200_layout(path_nvcc: str | None = None) -> VenvLayout:
+    """The H200's torch venv as VenvLayoutFact would see it, from python-cuda.txt."""
+    lines = (H200 / "python-cuda.txt").read_text().splitlines()
+    (nvidia,) = ast.literal_eval(lines[2])
+    cu13 = next(ast.literal_eval(line.split(None, 1)[1]) for line in lines
+                if line.strip().startswith("cu13 "))
+    site = nvidia.removesuffix("/nvidia")
+    return VenvLayout(site.split("/lib/python3")[0], site, tuple(cu13), "bin" in cu13, path_nvcc)
+
+
+def test_venv_environment_on_the_h200_torch_venv_without_nvcc():
+    layout = h200_layout()
+    assert layout.venv == "/opt/torch/.venv"
+    assert venv_environment(layout) == {
+        "CUDA_HOME": "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13",
+        "PATH": "/opt/torch/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "VIRTUAL_ENV": "/opt/torch/.venv",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+
+
+def test_venv_environment_with_nvcc_on_path_or_in_cuda_home():
+    on_path = venv_environment(h200_layout(path_nvcc="/usr/bin/nvcc"))
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in on_path
+    assert on_path["CUDA_HOME"].endswith("/site-packages/nvidia/cu13")
+    cu13 = "/opt/rigbook/venvs/vllm/lib/python3.12/site-packages/nvidia/cu13"
+    in_cuda_home = VenvLayout(
+        "/opt/rigbook/venvs/vllm", "/opt/rigbook/venvs/vllm/lib/python3.12/site-packages",
+        ("bin", "include", "lib"), True, None,
+    )
+    env = venv_environment(in_cuda_home)
+    assert env["CUDA_HOME"] == cu13
+    assert env["PATH"].split(":")[:3] == [
+        "/opt/rigbook/venvs/vllm/bin", f"{cu13}/bin", "/usr/local/sbin"
+    ]
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in env
+    no_torch = VenvLayout("/v", "/v/lib/python3.11/site-packages", None, False, None)
+    assert venv_environment(no_torch) == {
+        "PATH": "/v/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "VIRTUAL_ENV": "/v",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+
+
+def render_env(name: str, env: dict[str, str]) -> list[str]:
+    """The env file as venv_env_file writes it (same template, same jinja settings)."""
+    template = get_template(str(ENV_TEMPLATE), {"trim_blocks": True, "lstrip_blocks": True})
+    return template.render(name=name, env=env).splitlines()
+
+
+def test_env_file_content_with_and_without_nvcc():
+    without = render_env("vllm", venv_environment(h200_layout()))
+    settings = [line for line in without if not line.startswith("#")]
+    assert settings == [
+        "CUDA_HOME=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13",
+        "PATH=/opt/torch/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "VIRTUAL_ENV=/opt/torch/.venv",
+        "VLLM_USE_FLASHINFER_SAMPLER=0",
+    ]
+    assert any("EnvironmentFile=/opt/rigbook/venvs/vllm.env" in line for line in without)
+    with_nvcc = render_env("vllm", venv_environment(h200_layout(path_nvcc="/usr/bin/nvcc")))
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" not in with_nvcc
+    # What systemd and `set -a; .` read back: exactly the dict.
+    env_file = "\n".join(without)
+    proc = subprocess.run(["sh", "-c", f"set -a; {env_file}\nenv"], capture_output=True,
+                          text=True, check=True, env={})
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in proc.stdout.splitlines()
+
+
+def test_layout_fact_reads_a_real_venv(tmp_path):
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    layout = local_fact(VenvLayoutFact, venv=str(venv))
+    assert layout.venv == str(venv) and layout.cu13 is None and not layout.cu13_nvcc
+    site = Path(layout.site_packages)
+    assert site.is_dir() and site.name == "site-packages"
+    (site / "nvidia" / "cu13" / "bin").mkdir(parents=True)
+    (site / "nvidia" / "cu13" / "lib").mkdir()
+    nvcc = site / "nvidia" / "cu13" / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    layout = local_fact(VenvLayoutFact, venv=str(venv))
+    assert layout.cu13 == ("bin", "lib") and layout.cu13_nvcc
+    assert local_fact(VenvLayoutFact, venv=str(tmp_path / "none")) is None
+
+
+# --- builds, swap, prune ------------------------------------------------------------------------
+
+
+def manifest(build: str, driver: str = "580.95.05", digest: str | None = None) -> dict:
+    return {"build": build, "spec_hash": digest or build.split("-")[1], "driver": driver}
+
+
+B1 = "demo-aaaaaaaaaaaa-20261101T000000Z"
+B2 = "demo-bbbbbbbbbbbb-20261102T000000Z"
+B3 = "demo-bbbbbbbbbbbb-20261103T000000Z"
+CUT = "demo-cccccccccccc-20261104T000000Z"
+
+
+def test_prune_selection_keeps_the_live_build_and_the_newest_others():
+    builds = {B1: manifest(B1), B2: manifest(B2), B3: manifest(B3), CUT: None}
+    assert prune_selection(builds, keep=1, live=B3) == [CUT, B1]
+    assert prune_selection(builds, keep=2, live=B3) == [CUT]
+    assert prune_selection(builds, keep=0, live=B3) == [CUT, B2, B1]
+    # Building a new one that replaces B2 (rolled back to by hand): B2 is kept before newer B3.
+    assert prune_selection(builds, keep=1, prefer=B2) == [CUT, B3, B1]
+    assert prune_selection({}, keep=1) == []
+
+
+def test_swap_is_a_temp_link_renamed_over_the_stable_path():
+    assert swap_commands("/opt/rigbook/venvs", "vllm", B1.replace("demo", "vllm")) == [
+        "ln -sfn /opt/rigbook/venvs/vllm-aaaaaaaaaaaa-20261101T000000Z "
+        "/opt/rigbook/venvs/.vllm.swap",
+        "mv -T /opt/rigbook/venvs/.vllm.swap /opt/rigbook/venvs/vllm",
+    ]
+
+
+def plan_for(r: Rig, s: VenvSpec, root: Path, **changes) -> BuildPlan:
+    import uv
+
+    digest = spec_hash(s, r)
+    build = build_name(s.name, digest, changes.pop("stamp", "20261129T000000Z"))
+    driver = changes.pop("driver", LiveDriver(None, None, None))
+    return BuildPlan(
+        name=s.name, build=build, python=s.python, install_args=install_args(s, r),
+        uv_env=uv_environment(r, str(root / "cache")),
+        smoke_input=smoke_input(s, r, digest, build, driver, root=str(root / "venvs")),
+        uv=uv.find_uv_bin(), root=str(root / "venvs"), cache=str(root / "cache"), **changes,
+    )
+
+
+def test_build_script_order_smoke_then_swap_then_prune_then_restart(tmp_path):
+    r = rig(python_find_links="/srv/w", python_no_index=True)
+    plan = plan_for(r, spec(services=["demo.service"]), tmp_path, prune=(B1,),
+                    services=("demo.service",))
+    script = build_script(plan)
+    steps = [" venv --python 3.11 ", " pip install --python ", "RIGBOOK_SMOKE_PY", "ln -sfn ",
+             "mv -T ", "rm -rf -- ", "systemctl try-restart demo.service"]
+    positions = [script.index(step) for step in steps]
+    assert positions == sorted(positions), script
+    assert "--no-index --find-links /srv/w six==1.16.0" in script
+    assert "--torch-backend" not in script
+    assert "UV_PYTHON_DOWNLOADS=never" in script
+    online = build_script(plan_for(rig(), spec(engine="vllm", packages=["vllm==0.33.0"],
+                                               extra_index_urls=["https://wheels.example/cu130"]),
+                                   tmp_path))
+    assert ("--torch-backend cu130 --extra-index-url https://wheels.example/cu130 vllm==0.33.0"
+            in online)
+    assert "UV_PYTHON_DOWNLOADS" not in online and "systemctl" not in online
+
+
+# --- the build script, run for real on this machine ------------------------------------------
+
+
+def make_wheel(folder: Path, name: str, version: str, body: str | None = None) -> None:
+    """A minimal pure-Python wheel: one module `name` that sets VERSION (or runs `body`)."""
+    files = {
+        f"{name}.py": body if body is not None else f"VERSION = {version!r}\n",
+        f"{name}-{version}.dist-info/METADATA":
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{name}-{version}.dist-info/WHEEL":
+            "Wheel-Version: 1.0\nGenerator: rigbook-tests\nRoot-Is-Purelib: true\n"
+            "Tag: py3-none-any\n",
+    }
+    record = []
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest())
+            record.append(f"{path},sha256={digest.rstrip(b'=').decode()},{len(text)}")
+        record.append(f"{name}-{version}.dist-info/RECORD,,")
+        wheel.writestr(f"{name}-{version}.dist-info/RECORD", "\n".join(record) + "\n")
+
+
+def run_build(plan: BuildPlan) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", build_script(plan)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_build_script_builds_swaps_keeps_and_refuses_for_real(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels, "rigdemo", "1.0")
+    make_wheel(wheels, "rigdemo", "2.0")
+    make_wheel(wheels, "rigbroken", "1.0", body="raise ImportError('broken on purpose')\n")
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    r = rig(python_find_links=str(wheels), python_no_index=True)
+    venvs = tmp_path / "venvs"
+    link = venvs / "demo"
+
+    def demo(package: str, stamp: str, **changes) -> BuildPlan:
+        return plan_for(r, spec(python=python, packages=[package]), tmp_path, stamp=stamp,
+                        **changes)
+
+    first = demo("rigdemo==1.0", "20261101T000000Z")
+    done = run_build(first)
+    assert done.returncode == 0, done.stderr
+    assert os.readlink(link) == str(venvs / first.build)
+    built = json.loads((venvs / first.build / "rigbook-manifest.json").read_text())
+    assert built["spec_hash"] == spec_hash(spec(python=python, packages=["rigdemo==1.0"]), r)
+    assert built["packages"] == {"rigdemo": "1.0"} and built["smoke_import"] == "rigdemo"
+    assert built["driver"] is None and built["cuda_runtime"] is None
+
+    second = demo("rigdemo==2.0", "20261102T000000Z", prune=())
+    assert run_build(second).returncode == 0
+    assert os.readlink(link) == str(venvs / second.build)
+    assert (venvs / first.build).is_dir()  # kept for rollback
+    version = subprocess.run([str(link / "bin" / "python"), "-c",
+                              "import rigdemo; print(rigdemo.VERSION)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version == "2.0"
+
+    for package, why in (("rigdemo==9.9", "uv pip install failed"),
+                         ("rigbroken==1.0", "smoke test failed")):
+        failed = demo(package, "20261103T000000Z", prune=(first.build,))
+        done = run_build(failed)
+        assert done.returncode == 1
+        assert f"rigbook: venv demo: {why}; nothing swapped: {link} still -> " \
+               f"{venvs / second.build}" in done.stderr
+        assert ("rigdemo==9.9" in done.stderr) if package.startswith("rigdemo") else (
+            "broken on purpose" in done.stderr)
+        assert not (venvs / failed.build).exists()  # the half-built dir is gone
+        assert os.readlink(link) == str(venvs / second.build)
+        assert (venvs / first.build).is_dir()  # nothing pruned after a failure
+
+    # Reverting the pin swaps back to the kept build: nothing installed, nothing removed.
+    back = demo("rigdemo==1.0", "20261101T000000Z", reuse=True)
+    assert back.build == first.build
+    done = run_build(back)
+    assert done.returncode == 0, done.stderr
+    assert "(kept build)" in done.stdout
+    assert os.readlink(link) == str(venvs / first.build) and (venvs / second.build).is_dir()
+    gone = demo("rigdemo==1.0", "20261031T000000Z", reuse=True)
+    done = run_build(gone)
+    assert done.returncode == 1 and "is not a finished build" in done.stderr
+    assert os.readlink(link) == str(venvs / first.build)
+    assert run_build(demo("rigdemo==2.0", "20261102T000000Z", reuse=True)).returncode == 0
+
+    third = demo("rigdemo==1.0", "20261104T000000Z", prune=(first.build,))
+    assert run_build(third).returncode == 0
+    assert os.readlink(link) == str(venvs / third.build)
+    assert sorted(p.name for p in venvs.iterdir() if not p.name.startswith(".")) == sorted(
+        ["demo", second.build, third.build]
+    )
+    state = parse_venv_builds(venv_builds_output(venvs, "demo"))
+    assert state.target_build == third.build and set(state.builds) == {second.build, third.build}
+
+
+def venv_builds_output(root: Path, name: str) -> list[str]:
+    """VenvBuilds' command, pointed at a test root instead of /opt/rigbook/venvs."""
+    command = VenvBuilds().command(name).replace("/opt/rigbook/venvs", shlex.quote(str(root)))
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+
+
+def test_venv_builds_output_parsing():
+    output = [
+        "##RIGBOOK_VENV demo",
+        f"##RIGBOOK_TARGET /opt/rigbook/venvs/{B2}",
+        f"##RIGBOOK_BUILD {B1}",
+        json.dumps(manifest(B1)),
+        f"##RIGBOOK_BUILD {B2}",
+        "{", '"spec_hash": "bbbbbbbbbbbb",', '"driver": "580.95.05"', "}",
+        f"##RIGBOOK_BUILD {CUT}",
+        "{\"spec_hash\": ",  # torn: that build did not finish
+        "##RIGBOOK_BUILD demo-old-aaaaaaaaaaaa-20261101T000000Z",
+    ]
+    state = parse_venv_builds(output)
+    assert state.target_build == B2 and state.manifest["spec_hash"] == "bbbbbbbbbbbb"
+    assert state.builds == {B1: manifest(B1), B2: {"spec_hash": "bbbbbbbbbbbb",
+                                                   "driver": "580.95.05"}, CUT: None}
+    empty = parse_venv_builds(["##RIGBOOK_VENV demo"])
+    assert empty == VenvState(None, False, {}) and empty.manifest is None
+    assert parse_venv_builds(["##RIGBOOK_VENV demo", "##RIGBOOK_NOTLINK"]).not_link
+
+
+# --- decisions and the operation on fake facts -------------------------------------------------
+
+
+def gpus(driver: str, count: int = 2) -> GpuProbe:
+    return GpuProbe(smi="/usr/bin/nvidia-smi", gpus=tuple(
+        Gpu(index=i, uuid=f"GPU-{i}", name="NVIDIA GeForce RTX 3090", bus_id=f"0000:0{i}:00.0",
+            driver_version=driver) for i in range(count)
+    ))
+
+
+def facts(state: VenvState, driver: str = "580.95.05") -> dict:
+    return {"NvidiaGpus": gpus(driver), "NvidiaSmiHeader": (driver, "13.0"),
+            "VenvBuilds": state}
+
+
+def current(r: Rig, s: VenvSpec, driver: str = "580.95.05", cuda_runtime=None) -> VenvState:
+    build = build_name(s.name, spec_hash(s, r), "20261101T000000Z")
+    built = {**manifest(build, driver, spec_hash(s, r)), "cuda_runtime": cuda_runtime}
+    return VenvState(f"/opt/rigbook/venvs/{build}", False, {build: built})
+
+
+def test_current_venv_is_a_noop_and_prunes_nothing():
+    r = rig(venvs=[DEMO])
+    commands, host = run_op(venv_build, facts(current(r, spec())), r, spec())
+    assert commands == []
+    assert host.noops == ["venv demo is already demo-ed6da2262f1d-20261101T000000Z (built for "
+                          "driver 580.95.05)"]
+
+
+def test_old_builds_beyond_venvs_keep_are_pruned_without_a_build():
+    r = rig(venvs=[DEMO])
+    state = current(r, spec())
+    state.builds.update({B1: manifest(B1), B2: manifest(B2), CUT: None})
+    commands, _ = run_op(venv_build, facts(state), r, spec())
+    assert shell(commands) == [f"rm -rf -- /opt/rigbook/venvs/{CUT} /opt/rigbook/venvs/{B1}"]
+
+
+def test_missing_or_changed_venv_is_built_with_the_driver_in_its_manifest():
+    r = rig(venvs=[DEMO], python_find_links="/srv/w", python_no_index=True)
+    for state in (VenvState(None, False, {}), current(r, spec(packages=["six==1.17.0"]))):
+        commands, host = run_op(venv_build, facts(state), r, spec())
+        (script,) = shell(commands)
+        assert "six==1.16.0" in script and "RIGBOOK_SMOKE_PY" in script
+        argument = script.split('"$d/bin/python" - ', 1)[1].split(' >>"$log"', 1)[0]
+        smoke = json.loads(shlex.split(argument)[0])
+        assert (smoke["driver"], smoke["cuda"], smoke["gpus"]) == ("580.95.05", "13.0", 2)
+    # Replacing a build with no services named: say what to restart.
+    notes = [execute(c, host) for c in commands if isinstance(c, FunctionCommand)]
+    assert notes == [True]
+
+
+def test_a_reverted_pin_swaps_back_to_the_kept_build():
+    r = rig(venvs=[DEMO])
+    new_pin = spec(packages=["six==1.17.0"])
+    state = current(r, new_pin)  # the symlink's build: six 1.17.0
+    old_build = build_name("demo", spec_hash(spec(), r), "20261001T000000Z")
+    state.builds[old_build] = manifest(old_build, digest=spec_hash(spec(), r))
+    commands, _ = run_op(venv_build, facts(state), r, spec())
+    (script,) = shell(commands)
+    assert f"ln -sfn /opt/rigbook/venvs/{old_build} " in script
+    assert " venv --python" not in script and "pip install" not in script
+    # Built for another driver: not reused, built again.
+    commands, _ = run_op(venv_build, facts(state, driver="580.159.04"), r, spec())
+    assert " pip install " in shell(commands)[0]
+    decision = decide("rig1", spec(), spec_hash(spec(), r), state,
+                      LiveDriver("580.95.05", "13.0", 2), rebuild_stale=True, rebuild_all=True)
+    assert decision.action == "build"  # rebuild_all builds, it never reuses
+
+
+def test_back_on_the_old_driver_deploys_venvs_swaps_to_the_build_made_for_it():
+    r = rig(venvs=[DEMO])
+    digest = spec_hash(spec(), r)
+    for_new = build_name("demo", digest, "20261102T000000Z")
+    for_old = build_name("demo", digest, "20261101T000000Z")
+    state = VenvState(f"/opt/rigbook/venvs/{for_new}", False, {
+        for_new: manifest(for_new, "580.159.04", digest),
+        for_old: manifest(for_old, "580.95.05", digest),
+    })
+    commands, host = run_op(venv_build, facts(state, driver="580.95.05"), r, spec())
+    assert commands == [] and "is stale" in host.noops[0]  # the converge only warns
+    commands, _ = run_op(venv_build, facts(state, driver="580.95.05"), r, spec(),
+                         rebuild_stale=True)
+    (script,) = shell(commands)
+    assert f"ln -sfn /opt/rigbook/venvs/{for_old} " in script and "pip install" not in script
+    assert "rm -rf" not in script  # the build it replaces is the one venvs_keep keeps
+
+
+def test_stale_venv_warns_in_a_converge_and_is_rebuilt_by_deploys_venvs():
+    r = rig(venvs=[DEMO])
+    stale = current(r, spec(), driver="580.95.05")
+    commands, host = run_op(venv_build, facts(stale, driver="580.159.04"), r, spec())
+    assert commands == []
+    assert host.noops == ["venv demo is stale: built for driver 580.95.05, running 580.159.04: "
+                          "run deploys/venvs.py"]
+    commands, _ = run_op(venv_build, facts(stale, driver="580.159.04"), r, spec(),
+                         rebuild_stale=True)
+    assert len(shell(commands)) == 1
+    fresh = current(r, spec(), driver="580.159.04")
+    commands, _ = run_op(venv_build, facts(fresh, driver="580.159.04"), r, spec(),
+                         rebuild_stale=True)
+    assert commands == []
+    everything = rig(venvs=[DEMO], rebuild_all=True)
+    commands, _ = run_op(venv_build, facts(current(everything, spec()), "580.159.04"), everything,
+                         spec(), rebuild_stale=True)
+    assert len(shell(commands)) == 1
+
+
+def test_refusals_fail_the_rig_and_run_nothing():
+    r = rig(venvs=[VLLM])
+    needs_132 = VenvSpec.model_validate({**VLLM, "packages": [*VLLM["packages"],
+                                                              "cuda-toolkit==13.2.*"]})
+    commands, host = run_op(venv_build, facts(VenvState(None, False, {})), r, needs_132)
+    (refusal,) = commands
+    assert isinstance(refusal, FunctionCommand) and execute(refusal, host) is False
+    assert "needs driver >= 595.45.04; this rig runs 580.95.05" in host.logged[0]
+    assert "CUDA error 804" in host.logged[0]
+
+    not_link = VenvState(None, True, {})
+    commands, host = run_op(venv_build, facts(not_link), r, r.venvs[0])
+    assert execute(commands[0], host) is False
+    assert "/opt/rigbook/venvs/vllm exists and is not rigbook's symlink" in host.logged[0]
+
+    # A stale venv whose CUDA runtime the live driver cannot run: the converge fails the rig.
+    stale = current(r, r.venvs[0], driver="595.84", cuda_runtime="13.2")
+    commands, host = run_op(venv_build, facts(stale, driver="580.95.05"), r, r.venvs[0])
+    assert execute(commands[0], host) is False
+    assert "needs driver >= 595.45.04, running 580.95.05 (CUDA error 804)" in host.logged[0]
+
+
+def test_broken_gpu_layer_builds_nothing():
+    r = rig(venvs=[DEMO])
+    broken = GpuProbe(smi="/usr/bin/nvidia-smi", exit_code=18,
+                      error="Failed to initialize NVML: Driver/library version mismatch")
+    state = {"NvidiaGpus": broken, "NvidiaSmiHeader": None,
+             "VenvBuilds": VenvState(None, False, {})}
+    commands, host = run_op(venv_build, state, r, spec())
+    assert commands == []
+    assert "GPU layer not usable" in host.noops[0] and "version mismatch" in host.noops[0]
+    decision = decide("rig1", spec(), "x", VenvState(None, False, {}), LiveDriver(None, None, None))
+    assert decision.action == "build"  # a rig with no GPU layer at all builds (driver: None)
+
+
+# --- tools venv -------------------------------------------------------------------------------
+
+
+def test_tools_venv_installs_only_what_differs():
+    r = rig(python_find_links="/srv/w", python_no_index=True)
+    commands, _ = run_op(tools_packages, {"ToolsVersions": None}, r)
+    assert shell(commands) == [
+        f"python3 -m venv {TOOLS_VENV}",
+        f"{TOOLS_VENV}/bin/python -m pip install --quiet --disable-pip-version-check --no-input "
+        "--no-index --find-links /srv/w uv==0.13.9 huggingface_hub==2.4.0",
+    ]
+    installed = {"uv": "0.13.9", "huggingface-hub": "2.3.0", "pip": "23.0.1"}
+    commands, _ = run_op(tools_packages, {"ToolsVersions": installed}, rig())
+    assert shell(commands) == [
+        f"{TOOLS_VENV}/bin/python -m pip install --quiet --disable-pip-version-check --no-input "
+        "huggingface_hub==2.4.0"
+    ]
+    installed["Huggingface_Hub"] = installed.pop("huggingface-hub")
+    installed["Huggingface_Hub"] = "2.4.0"
+    commands, host = run_op(tools_packages, {"ToolsVersions": installed}, rig())
+    assert commands == [] and host.noops == [
+        "/opt/rigbook/tools already holds uv 0.13.9, huggingface_hub 2.4.0"
+    ]
+    assert differing_pins(None) == TOOLS_PINS
+
+
+def test_tools_versions_fact_reads_this_python():
+    command = ToolsVersions().command().replace("/opt/rigbook/tools/bin/python", sys.executable)
+    out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
+    versions = ToolsVersions().process(out.stdout.splitlines())
+    assert versions["pytest"] == __import__("pytest").__version__
+
+
+# --- the engine pins rigbook ships ------------------------------------------------------------
+
+#: The oldest glibc among the rigs' systems (Ubuntu 22.04: 2.35; Debian 12: 2.36). sglang 0.5.23
+#: ships manylinux_2_34 wheels only, so manylinux_2_28 would not resolve it.
+PLATFORM = "x86_64-manylinux_2_35"
+
+
+def compile_pins(engine: str, tmp_path: Path) -> dict[str, str]:
+    """`uv pip compile` of one engine's pins against the default index: name -> version."""
+    import uv
+
+    requirements = tmp_path / f"{engine}.in"
+    requirements.write_text("\n".join(ENGINE_PINS[engine]["packages"]) + "\n")
+    done = subprocess.run(
+        [uv.find_uv_bin(), "pip", "compile", str(requirements), "--python-version", "3.12",
+         "--python-platform", PLATFORM, "--no-header", "--no-annotate", "--quiet"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "UV_NO_CONFIG": "1"},
+    )
+    assert done.returncode == 0, f"{engine}: {done.stderr}"
+    return dict(line.split("==", 1) for line in done.stdout.splitlines() if "==" in line)
+
+
+def test_shipped_engine_pins_resolve_with_the_cuda_they_claim(tmp_path):
+    import uv  # the dev extra's pin (pip install -e .[dev]); CI installs it
+
+    version = subprocess.run([uv.find_uv_bin(), "--version"], capture_output=True, text=True)
+    assert version.stdout.split()[:2] == ["uv", TOOLS_PINS["uv"]]  # the dev extra's pin
+    pins = tomllib.loads((ROOT / "files" / "venvs" / "pins.toml").read_text())
+    assert set(pins) == {"vllm", "sglang", "llama-cpp-python"}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        resolved = dict(zip(pins, pool.map(lambda e: compile_pins(e, tmp_path), pins),
+                            strict=True))
+    for engine, pin in pins.items():
+        for requirement in pin["packages"]:
+            name, version = re.sub(r"\[[^\]]*\]", "", requirement).split("==")
+            assert resolved[engine].get(name) == version, (engine, requirement)
+        cuda = resolved[engine].get("cuda-toolkit")
+        if "cuda" in pin:
+            assert cuda is not None and cuda.startswith(pin["cuda"] + "."), (engine, cuda)
+            assert required_driver(pin["cuda"]) == DRIVER_FOR_CUDA["13.0"]  # the 580 branch
+        else:
+            assert cuda is None, (engine, cuda)
+    assert resolved["vllm"]["torch"] == "2.14.0" and resolved["sglang"]["torch"] == "2.14.1"
+
+
+def test_engine_venv_uses_the_shipped_pins():
+    entry = engine_venv("vllm", services=["vllm.service"])
+    assert entry["packages"] == ["vllm==0.33.0", "torch==2.14.0"]
+    assert entry["name"] == "vllm" and entry["services"] == ["vllm.service"]
+    assert rig(venvs=[entry]).venvs[0].engine == "vllm"
+    with pytest.raises(RigbookError, match="no shipped pins for engine 'tgi'"):
+        engine_venv("tgi")
