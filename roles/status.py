@@ -61,6 +61,7 @@ from roles.driver import (
 from roles.errors import RigbookError
 from roles.facts import NvidiaGpus
 from roles.gpus import Gpu, GpuProbe
+from roles.guards import GpuLost, GpuLostMark, gpu_lost_reason
 from roles.inventory import load_inventory
 from roles.power import TOLERANCE_W, UNIT_NAME, UNIT_PATH, asked_cap, watts
 from roles.spec import Rig
@@ -343,6 +344,7 @@ class RigFacts:
     profiles: list[WindowsProfile] = field(default_factory=list)
     disks: list[Disk] = field(default_factory=list)
     klog: KernelLog | None = None
+    gpu_lost: GpuLost | None = None
     unread: dict[str, str] = field(default_factory=dict)
 
 
@@ -361,6 +363,7 @@ FACT_LABELS = {
     "fstab": FSTAB,
     "disks": "free disk",
     "klog": "kernel log",
+    "gpu_lost": "GPU-lost mark",
     "stale_present": "leftover files",
     "registry": "Windows registry (TDR)",
     "profiles": "Windows profiles (.wslconfig)",
@@ -383,6 +386,7 @@ def fact_plan(rig: Rig) -> list[tuple[str, type[FactBase], dict[str, Any]]]:
         ("fstab", FileContents, {"path": FSTAB}),
         ("disks", FreeDisk, {"paths": DISK_PATHS}),
         ("klog", KernelXids, {}),
+        ("gpu_lost", GpuLostMark, {}),
     ]
     if rig.stale_files:
         plan.append(("stale_present", PresentPaths, {"paths": tuple(rig.stale_files)}))
@@ -891,6 +895,9 @@ def build_rig_status(name: str, rig: Rig, facts: RigFacts) -> RigStatus:
     wsl = _check_wsl(rig, facts, found, name)
     disks = _check_disks(facts, found)
     kernel_log = _check_xids(facts, gpus, found)
+    lost = None if _unread(facts, found, "gpu_lost") else gpu_lost_reason(facts.gpu_lost)
+    if lost:  # the Xid watch's mark (roles/guards.py): serving refuses to start on this boot
+        found.add("gone", "faults", lost)
     return RigStatus(
         name=name, state=state_of(found), platform=rig.platform, gpu_class=rig.gpu_class,
         gpu_count=rig.gpu_count, gpus=gpu_rows, driver=driver, power_unit=unit_status,

@@ -1,0 +1,656 @@
+"""Rig guards: a fail-closed /dev/shm reaper, an Xid watch that blocks restarts, GPU topology.
+
+Three failure classes from a real host's runbook, guarded against rather than documented:
+
+- vLLM unlinks its CPU KV-offload buffer (/dev/shm/vllm_offload_*.mmap, tens of GB of host RAM)
+  only on a graceful shutdown; a force-kill leaks it until reboot. rigbook installs a reaper
+  (files/guards/rigbook-shm-reaper, run by rigbook-shm-reaper.service) that the serving unit
+  starts once its engine has stopped, and that deploys/reap_shm.py runs on demand. It deletes a
+  file only when it could read the mappings and open files of EVERY process and none holds it:
+  an unreadable holder is indistinguishable from no holder, so it fails closed.
+- Xid 79 (fallen off the bus) and 154 (node reboot required) mean the card is gone until a
+  reboot; restarting an engine then only adds a confusing second failure. The Xid watch
+  (files/guards/rigbook-xid-watch, a copy of roles/xid.py beside it for the classification)
+  follows the kernel log and writes /run/rigbook/gpu-lost for this boot's fatal Xids; the
+  serving unit refuses to start while it exists, the serving role's preflight and
+  `rigbook status` read it (`GpuLostMark`, `gpu_lost_reason`). Xid 31 / 13 (one process's
+  fault) go to /var/log/rigbook/engine-faults.log.
+- GPU topology as the rig reports it (`nvidia-smi topo -m`, `nvidia-smi nvlink -s`, PCIe
+  generation and width per GPU) compared with the host data: NVLink present but not declared
+  (or declared but absent), a multi-GPU recipe on a x4 link, a recipe that turns NCCL P2P off
+  on a rig with NVLink (`p2p_disable_problem`, for the serving role). Reported, never changed.
+
+The serving unit gets its guards from a drop-in (rigbook-serve.service.d/50-rigbook-guards.conf)
+so that roles/serving.py's unit stays its own. docs/guards.md has the operator's side.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from pyinfra import host, state
+from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
+from pyinfra.api.exceptions import FactProcessError
+from pyinfra.operations import files, systemd
+from pyinfra.operations.util import any_changed
+
+from roles import FILES
+from roles.errors import RigbookError
+from roles.facts import NvidiaGpus, _smi_attempts, _smi_script
+from roles.gpus import Gpu
+from roles.messages import notice, refuse, warn_once
+from roles.spec import Rig
+from roles.xid import Xid, parse_xid_line
+
+SOURCES = FILES / "guards"
+XID_SOURCE = FILES.parent / "roles" / "xid.py"
+
+GUARDS_DIR = "/opt/rigbook/guards"
+REAPER = f"{GUARDS_DIR}/rigbook-shm-reaper"
+WATCH = f"{GUARDS_DIR}/rigbook-xid-watch"
+XID_COPY = f"{GUARDS_DIR}/xid.py"
+UNITS_DIR = "/etc/systemd/system"
+REAPER_UNIT = "rigbook-shm-reaper.service"
+WATCH_UNIT = "rigbook-xid-watch.service"
+SERVE_UNIT = "rigbook-serve.service"
+SERVE_DROPIN = f"{UNITS_DIR}/{SERVE_UNIT}.d/50-rigbook-guards.conf"
+
+#: Written by the Xid watch (its MARK and HEADLINE; a test keeps them equal).
+GPU_LOST_MARK = "/run/rigbook/gpu-lost"
+GPU_LOST_HEADLINE = "GPU lost: do not restart serving"
+ENGINE_FAULTS_LOG = "/var/log/rigbook/engine-faults.log"
+
+#: A link this narrow (lanes) or narrower makes tensor parallelism over PCIe crawl.
+NARROW_LINK = 4
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_DEVICE = re.compile(r"^(GPU|NIC)\d+$")
+_NVLINK = re.compile(r"^NV\d+$")
+_NVLINK_GPU = re.compile(r"^GPU (\d+): (.*?)(?: \(UUID: ([^)]*)\))?$")
+_NVLINK_LINK = re.compile(r"^Link (\d+): (.*)$")
+
+_TOPO = "##RIGBOOK_TOPO##"
+_NVLINK_S = "##RIGBOOK_NVLINK##"
+_MARK = "##RIGBOOK_GPU_LOST##"
+_SYSTEMD = "##RIGBOOK_SYSTEMD##"
+_RC = "##RIGBOOK_REAPER_RC##"
+_NO_REAPER = "##RIGBOOK_NO_REAPER##"
+
+
+# --- the GPU-lost mark ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuLost:
+    """The Xid watch's mark: its first line and the kernel lines of the fatal Xids."""
+
+    headline: str
+    lines: tuple[str, ...] = ()
+
+    @property
+    def events(self) -> tuple[Xid, ...]:
+        return tuple(x for x in map(parse_xid_line, self.lines) if x is not None)
+
+
+def parse_gpu_lost(lines: Iterable[str]) -> GpuLost:
+    """The mark's text: "GPU lost: do not restart serving", then one kernel line per Xid."""
+    text = [line.rstrip("\r") for line in lines if line.strip()]
+    return GpuLost(text[0].strip() if text else "", tuple(text[1:]))
+
+
+class GpuLostMark(FactBase[GpuLost | None]):
+    """
+    The GPU-lost mark of this boot (/run/rigbook/gpu-lost), None when there is none::
+
+        ##RIGBOOK_GPU_LOST##
+        GPU lost: do not restart serving
+        2026-09-12T03:14:15+0000 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, ...
+
+    An existing but unreadable mark still counts as a mark (fail closed).
+    """
+
+    def command(self) -> str:
+        return f"if [ -e {GPU_LOST_MARK} ]; then echo '{_MARK}'; cat {GPU_LOST_MARK}; fi; true"
+
+    def process(self, output: list[str]) -> GpuLost | None:
+        if output[0].strip() != _MARK:
+            raise FactProcessError(f"not the GPU-lost mark probe: {output!r}")
+        return parse_gpu_lost(output[1:])
+
+
+def _describe(event: Xid) -> str:
+    return f"Xid {event.code} ({event.label}) on PCI {event.pci} at {event.when or '?'}"
+
+
+def gpu_lost_reason(mark: GpuLost | None) -> str | None:
+    """Why serving must not (re)start on this rig now, from the GpuLostMark fact; None: go on.
+
+    Pure, so the serving preflight and `rigbook status` decide alike.
+    """
+    if mark is None:
+        return None
+    what = "; ".join(_describe(event) for event in mark.events) or "the mark names no Xid"
+    return (
+        f"{mark.headline or GPU_LOST_HEADLINE}: {what} ({GPU_LOST_MARK}, written by the Xid "
+        "watch this boot; only a reboot brings the card back and clears it: check the card "
+        "first, docs/guards.md)"
+    )
+
+
+# --- topology -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopoMatrix:
+    """`nvidia-smi topo -m` between GPUs: links[(i, j)] is "X", "NV4", "PHB", "SYS", ..."""
+
+    gpus: int
+    links: Mapping[tuple[int, int], str]
+
+    def nvlink_pairs(self) -> list[tuple[int, int, str]]:
+        return [(i, j, v) for (i, j), v in sorted(self.links.items())
+                if i < j and _NVLINK.match(v)]
+
+    def pairs_text(self) -> str:
+        """'GPU0-GPU1 NV4, ...' for every pair; '1 GPU, no peers' for one card."""
+        pairs = [f"GPU{i}-GPU{j} {self.links[(i, j)]}"
+                 for i in range(self.gpus) for j in range(i + 1, self.gpus)]
+        return ", ".join(pairs) or f"{self.gpus} GPU, no peers"
+
+
+def parse_topo_matrix(lines: Iterable[str]) -> TopoMatrix:
+    """The GPU-to-GPU block of `nvidia-smi topo -m` (its header may carry ANSI underlines).
+
+    Real (one H200)::
+
+        \\t\\x1b[4mGPU0\\tCPU Affinity\\tNUMA Affinity\\tGPU NUMA ID\\x1b[0m
+        GPU0\\t X \\t0-15\\t0\\t\\tN/A
+
+    Rows and columns of NICs are skipped; the legend after the first blank line is not read.
+    """
+    text = [_ANSI.sub("", line).rstrip("\r") for line in lines]
+    body = [line for line in text if line.strip()]
+    if not body:
+        raise ValueError("empty topo -m output")
+    header = [cell.strip() for cell in body[0].split("\t") if cell.strip()]
+    devices = []
+    for cell in header:
+        if not _DEVICE.match(cell):
+            break
+        devices.append(cell)
+    gpu_columns = [i for i, name in enumerate(devices) if name.startswith("GPU")]
+    if not gpu_columns:
+        raise ValueError(f"no GPU columns in the topo -m header: {body[0]!r}")
+    links: dict[tuple[int, int], str] = {}
+    rows = 0
+    for line in body[1:]:
+        if line.startswith("Legend"):
+            break
+        cells = line.split("\t")
+        name = cells[0].strip()
+        if not name.startswith("GPU") or not _DEVICE.match(name):
+            continue
+        values = [cell.strip() for cell in cells[1:1 + len(devices)]]
+        if len(values) < len(devices):
+            raise ValueError(f"short topo -m row: {line!r}")
+        i = int(name[3:])
+        for column in gpu_columns:
+            links[(i, int(devices[column][3:]))] = values[column]
+        rows += 1
+    if rows != len(gpu_columns):
+        raise ValueError(f"topo -m lists {len(gpu_columns)} GPU columns but {rows} GPU rows")
+    for i in range(rows):
+        if links.get((i, i)) != "X":
+            raise ValueError(f"topo -m: GPU{i} is not X to itself: {links.get((i, i))!r}")
+    return TopoMatrix(rows, links)
+
+
+@dataclass(frozen=True)
+class NvLinks:
+    """One GPU's NVLinks in `nvidia-smi nvlink -s`: which are up (with their speed), which not."""
+
+    index: int
+    name: str
+    active: Mapping[int, str]
+    inactive: tuple[int, ...]
+
+
+def parse_nvlink_status(lines: Iterable[str]) -> dict[int, NvLinks]:
+    """`nvidia-smi nvlink -s` by GPU index; {} for a GPU without NVLink (empty output, real).
+
+    A GPU with links prints (NVIDIA's format)::
+
+        GPU 0: NVIDIA GeForce RTX 3090 (UUID: GPU-...)
+        \\t Link 0: 14.062 GB/s
+        \\t Link 1: <inactive>
+    """
+    found: dict[int, NvLinks] = {}
+    current: tuple[int, str] | None = None
+    active: dict[int, str] = {}
+    inactive: list[int] = []
+
+    def close() -> None:
+        if current is not None:
+            found[current[0]] = NvLinks(current[0], current[1], dict(active), tuple(inactive))
+
+    for raw in lines:
+        line = raw.strip()
+        gpu = _NVLINK_GPU.match(line)
+        link = _NVLINK_LINK.match(line)
+        if gpu:
+            close()
+            current, active, inactive = (int(gpu.group(1)), gpu.group(2)), {}, []
+        elif link and current is not None:
+            value = link.group(2).strip()
+            if value.strip("<>").lower() == "inactive":
+                inactive.append(int(link.group(1)))
+            else:
+                active[int(link.group(1))] = value
+        elif line:
+            raise ValueError(f"not an nvlink -s line: {raw!r}")
+    close()
+    return found
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What nvidia-smi says about the interconnect; `error` when it could not say (then the
+    declared host data is all there is to go by)."""
+
+    smi: str | None = None
+    matrix: TopoMatrix | None = None
+    nvlinks: Mapping[int, NvLinks] | None = None
+    error: str | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.matrix is not None
+
+    def nvlink_evidence(self) -> list[str]:
+        """Every sign of NVLink: NV# pairs in topo -m, GPUs with active links in nvlink -s."""
+        evidence = [f"GPU{i}-GPU{j} {v}" for i, j, v in
+                    (self.matrix.nvlink_pairs() if self.matrix else [])]
+        for gpu in (self.nvlinks or {}).values():
+            if gpu.active:
+                evidence.append(f"GPU {gpu.index}: {len(gpu.active)} active NVLink(s)")
+        return evidence
+
+
+def _section(output: list[str], start: str, end: str | None) -> list[str]:
+    at = output.index(start) + 1
+    stop = output.index(end) if end is not None else len(output)
+    return output[at:stop]
+
+
+def parse_topology(output: list[str]) -> Topology:
+    """GpuTopology's output: two nvidia-smi attempts blocks (topo -m, then nvlink -s)."""
+    if _TOPO not in output or _NVLINK_S not in output:
+        raise FactProcessError(f"not the topology probe: {output!r}")
+    topo = _smi_attempts(_section(output, _TOPO, _NVLINK_S))
+    links = _smi_attempts(_section(output, _NVLINK_S, None))
+    if topo is None:
+        return Topology(error="no nvidia-smi")
+    smi, lines, status = next((a for a in topo if a[2] == 0), topo[0])
+    if status != 0:
+        why = " ".join(" ".join(lines).split())[:200] or f"exit {status}"
+        return Topology(smi=smi, error=f"{smi} topo -m failed: {why}")
+    try:
+        matrix = parse_topo_matrix(lines)
+    except ValueError as e:
+        return Topology(smi=smi, error=f"{smi} topo -m: {e}")
+    nvlinks, error = None, None
+    if links is not None:
+        path, link_lines, link_status = next((a for a in links if a[2] == 0), links[0])
+        if link_status == 0:
+            try:
+                nvlinks = parse_nvlink_status(link_lines)
+            except ValueError as e:
+                error = f"{path} nvlink -s: {e}"
+        else:
+            why = " ".join(" ".join(link_lines).split())[:200] or f"exit {link_status}"
+            error = f"{path} nvlink -s failed: {why}"
+    return Topology(smi=smi, matrix=matrix, nvlinks=nvlinks, error=error)
+
+
+class GpuTopology(FactBase[Topology]):
+    """
+    The GPU interconnect: ``nvidia-smi topo -m`` and ``nvidia-smi nvlink -s``, run with the
+    same nvidia-smi search as NvidiaGpus (roles/facts.py). Never fails the host: a broken or
+    absent nvidia-smi (or the sandbox's stand-in, which has no topo) gives ``error``.
+
+    .. code:: python
+
+        Topology(smi="/usr/bin/nvidia-smi", matrix=TopoMatrix(2, {(0, 1): "NV4", ...}),
+                 nvlinks={0: NvLinks(0, "NVIDIA GeForce RTX 3090", {0: "14.062 GB/s"}, ())})
+    """
+
+    @staticmethod
+    def default() -> Topology:
+        return Topology(error="no output from the topology probe")
+
+    def command(self) -> str:
+        return (f"echo '{_TOPO}'; {_smi_script('topo -m')}; "
+                f"echo '{_NVLINK_S}'; {_smi_script('nvlink -s')}")
+
+    def process(self, output: list[str]) -> Topology:
+        return parse_topology(output)
+
+
+def _width(gpu: Gpu) -> int | None:
+    """The lanes in use (the current width; the reported max when that is not known)."""
+    return gpu.pcie_width if gpu.pcie_width is not None else gpu.pcie_width_max
+
+
+def _pcie_text(gpu: Gpu) -> str:
+    def v(x: int | None) -> str:
+        return "?" if x is None else str(x)
+
+    return (f"GPU {gpu.index} PCIe gen {v(gpu.pcie_gen)} (max {v(gpu.pcie_gen_max)}) "
+            f"x{v(gpu.pcie_width)} (max x{v(gpu.pcie_width_max)})")
+
+
+def topology_summary(topology: Topology, gpus: Iterable[Gpu]) -> str:
+    """One line: GPU-to-GPU links, NVLinks, PCIe link of each GPU (now at idle, and max)."""
+    parts = []
+    if topology.matrix is not None:
+        parts.append(topology.matrix.pairs_text())
+    else:
+        parts.append(f"topology unknown ({topology.error})")
+    if topology.matrix is not None and topology.error:
+        parts.append(topology.error)
+    if topology.nvlinks is not None:
+        parts.append(", ".join(
+            f"GPU {g.index} NVLink {len(g.active)}/{len(g.active) + len(g.inactive)} active"
+            for g in topology.nvlinks.values()
+        ) or "nvlink -s lists no links")
+    parts += [_pcie_text(gpu) for gpu in sorted(gpus, key=lambda g: g.index)]
+    return "; ".join(parts)
+
+
+def topology_findings(
+    rig: Rig, topology: Topology, gpus: Iterable[Gpu], recipe_gpus: int | None = None,
+    recipe_name: str | None = None,
+) -> list[str]:
+    """What in the reported topology contradicts the host data or the recipe (warnings).
+
+    `recipe_gpus`: how many cards the rig's recipe splits the model over (tensor parallel).
+    """
+    found = []
+    evidence = topology.nvlink_evidence()
+    if topology.known:
+        if evidence and not rig.nvlink:
+            found.append(
+                f"host data says nvlink: false, but nvidia-smi shows NVLink ({', '.join(evidence)})"
+                ": set nvlink: true (recipes for PCIe-only rigs turn NCCL P2P off)"
+            )
+        if rig.nvlink and not evidence:
+            found.append(
+                f"host data says nvlink: true, but nvidia-smi shows no NVLink "
+                f"({topology.matrix.pairs_text()}): check the bridge, or set nvlink: false"
+            )
+    for gpu in (topology.nvlinks or {}).values():
+        if gpu.active and gpu.inactive:
+            found.append(
+                f"GPU {gpu.index}: NVLink {len(gpu.inactive)} of "
+                f"{len(gpu.active) + len(gpu.inactive)} links inactive "
+                f"({', '.join(map(str, gpu.inactive))}): reseat the bridge"
+            )
+    if recipe_gpus is not None and recipe_gpus >= 2 and not evidence:
+        for gpu in sorted(gpus, key=lambda g: g.index)[:recipe_gpus]:  # the cards it runs on
+            width = _width(gpu)
+            if width is not None and width <= NARROW_LINK:
+                found.append(
+                    f"recipe {recipe_name or '?'} splits the model over {recipe_gpus} cards "
+                    f"without NVLink, and {_pcie_text(gpu)} is a x{width} link: every token "
+                    "crosses it; use an x8/x16 slot or a one-card recipe"
+                )
+    return found
+
+
+def p2p_disable_problem(
+    env: Mapping[str, str], rig: Rig, topology: Topology | None = None
+) -> str | None:
+    """Why a recipe environment with NCCL_P2P_DISABLE=1 does not fit this rig; None if it does.
+
+    Turning NCCL's P2P off is right for cards that talk over PCIe only (dual 3090 without a
+    bridge) and wrong where NVLink is there: it would push all traffic off the bridge. The
+    reported topology decides; when it could not be read, the declared `nvlink` does.
+    """
+    if str(env.get("NCCL_P2P_DISABLE", "")).strip() != "1":
+        return None
+    if topology is not None and topology.known:
+        evidence = topology.nvlink_evidence()
+        if evidence:
+            return (f"the recipe sets NCCL_P2P_DISABLE=1, but the rig has NVLink "
+                    f"({', '.join(evidence)}): it would turn P2P over the bridge off; choose a "
+                    "recipe for NVLink rigs")
+        return None
+    if rig.nvlink:
+        return ("the recipe sets NCCL_P2P_DISABLE=1, but the host data says nvlink: true: it "
+                "would turn P2P over the bridge off; choose a recipe for NVLink rigs")
+    return None
+
+
+def _recipe(rig: Rig):
+    """The rig's recipe from the catalogue, or None (the serving role reports a bad one)."""
+    if rig.recipe is None:
+        return None
+    from roles.recipes import catalogue  # the catalogue reads TOML files: only when needed
+
+    try:
+        return catalogue(rig.serving_recipe_dirs).get(rig.recipe)
+    except RigbookError:
+        return None
+
+
+@operation()
+def topology_report(rig: Rig) -> Iterator:
+    """
+    Report the GPU interconnect and warn where it contradicts the host data; change nothing.
+
+    + rig: the rig's validated host data (``roles.spec.Rig``)
+
+    Reads ``nvidia-smi topo -m`` / ``nvlink -s`` and each GPU's PCIe generation and width (now,
+    at idle, and the reported max) when the operation executes, so GPUs that appear after an
+    earlier step's reboot are seen. Warned: NVLink found but ``nvlink: false`` (or the
+    reverse), partly inactive NVLinks, a recipe over two or more cards without NVLink on a x4
+    (or narrower) link, and a recipe that sets NCCL_P2P_DISABLE=1 on a rig with NVLink.
+    """
+    probe = host.get_fact(NvidiaGpus)
+    if probe is None or not probe.ok or not probe.gpus:
+        why = "no nvidia-smi" if probe is None else probe.error or "no GPUs listed"
+        host.noop(f"GPU topology not read: {why}")
+        return
+    topology = host.get_fact(GpuTopology)
+    recipe = _recipe(rig)
+    findings = topology_findings(
+        rig, topology, probe.gpus,
+        recipe.tensor_parallel_size if recipe is not None else None,
+        recipe.name if recipe is not None else None,
+    )
+    if recipe is not None:
+        problem = p2p_disable_problem(recipe.env, rig, topology)
+        if problem:
+            findings.append(f"recipe {recipe.name}: {problem}")
+    for finding in findings:
+        warn_once(f"GPU topology: {finding}")
+    host.noop(f"GPU topology: {topology_summary(topology, probe.gpus)}")
+    yield from ()
+
+
+# --- the reaper on demand ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShmVerdict:
+    """One file as the reaper judged it (its --json output)."""
+
+    path: str
+    size: int
+    resident: int
+    action: str  # delete, keep or refuse
+    reason: str
+    line: str  # the reaper's own log line for it
+
+
+@dataclass(frozen=True)
+class ReapPlan:
+    installed: bool
+    verdicts: tuple[ShmVerdict, ...] = ()
+    error: str | None = None
+
+
+def reaper_args(patterns: Iterable[str]) -> list:
+    args: list = []
+    for pattern in patterns:
+        args += ["--pattern", QuoteString(pattern)]
+    return args
+
+
+class ShmReapPlan(FactBase[ReapPlan]):
+    """
+    What the installed reaper would do now (``rigbook-shm-reaper --dry-run --json``)::
+
+        [{"path": "/dev/shm/vllm_offload_1.mmap", "size": 2147483648, "resident": 2147483648,
+          "action": "delete", "reason": "no process maps it ...", "line": "would reap ..."}]
+        ##RIGBOOK_REAPER_RC## 0
+    """
+
+    def command(self, patterns: tuple[str, ...]) -> StringCommand:
+        return StringCommand(
+            "if [ -f", REAPER, "]; then python3", REAPER, "--dry-run --json",
+            *reaper_args(patterns), f"2>&1; echo \"{_RC} $?\"; else echo '{_NO_REAPER}'; fi",
+        )
+
+    def process(self, output: list[str]) -> ReapPlan:
+        return parse_reap_plan(output)
+
+
+def parse_reap_plan(output: list[str]) -> ReapPlan:
+    if output and output[0].strip() == _NO_REAPER:
+        return ReapPlan(installed=False)
+    rc = next((line for line in output if line.startswith(_RC)), None)
+    if rc is None:
+        raise FactProcessError(f"not the reaper probe: {output!r}")
+    verdicts = next((line for line in reversed(output) if line.startswith("[")), None)
+    if verdicts is None:
+        text = " ".join(line.strip() for line in output if not line.startswith(_RC))
+        return ReapPlan(installed=True, error=text or rc)
+    return ReapPlan(True, tuple(ShmVerdict(**item) for item in json.loads(verdicts)))
+
+
+@operation()
+def reap_shm(patterns: tuple[str, ...]) -> Iterator:
+    """
+    Delete leaked /dev/shm buffers now, where no process holds them; fail the rig on a refusal.
+
+    + patterns: file-name globs in /dev/shm (``Rig.guards_shm_patterns``)
+
+    Runs the installed reaper as a dry run first: nothing to delete (no match, or every match
+    held) is a no-op that says so; a refusal (a process whose mappings could not be read) fails
+    the rig with the reaper's reason and deletes nothing; otherwise the reaper runs for real and
+    decides again (a holder that appeared meanwhile keeps its file).
+    """
+    plan = host.get_fact(ShmReapPlan, patterns=tuple(patterns))
+    run = StringCommand("python3", REAPER, *reaper_args(patterns))
+    if not plan.installed:
+        if state.is_executing:
+            yield refuse(f"{host.name}: {REAPER} is not installed: run deploys/rig.py first")
+        else:
+            yield run  # installed by an earlier step of this run; decided when it executes
+        return
+    if plan.error:
+        yield refuse(f"{host.name}: /dev/shm reaper: {plan.error}")
+        return
+    refused = [v.line for v in plan.verdicts if v.action == "refuse"]
+    if refused:
+        yield refuse(f"{host.name}: /dev/shm reaper refused, nothing was deleted:\n"
+                     + "\n".join(f"  - {line}" for line in refused))
+        return
+    doomed = [v for v in plan.verdicts if v.action == "delete"]
+    if not doomed:
+        kept = [v.line for v in plan.verdicts]
+        host.noop("nothing to reap in /dev/shm: "
+                  + ("; ".join(kept) if kept else f"no file matches {' '.join(patterns)}"))
+        return
+    for verdict in doomed:
+        yield notice(verdict.line.replace("would reap", "reaping", 1))
+    yield run
+
+
+# --- installation ---------------------------------------------------------------------------
+
+
+class SystemdBooted(FactBase[bool]):
+    """Whether systemd is PID 1 (sd_booted: /run/systemd/system exists)."""
+
+    def command(self) -> str:
+        return f"[ -d /run/systemd/system ] && echo '{_SYSTEMD} yes' || echo '{_SYSTEMD} no'"
+
+    def process(self, output: list[str]) -> bool:
+        return output[-1].strip() == f"{_SYSTEMD} yes"
+
+
+@operation()
+def no_systemd() -> Iterator:
+    """Say that the guards need systemd (hosts without it: WSL2 without systemd, containers)."""
+    host.noop("no systemd as PID 1: the /dev/shm reaper and the Xid watch are not installed "
+              "(their units need it); GPU topology is still reported")
+    yield from ()
+
+
+def _install_reaper(rig: Rig):
+    """The reaper script and its oneshot unit (no [Install]: started by serving's drop-in)."""
+    files.directory(name=f"Guards folder {GUARDS_DIR}", path=GUARDS_DIR, mode="755")
+    script = files.put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
+                       dest=REAPER, mode="755")
+    unit = files.template(
+        name=f"Write {REAPER_UNIT}", src=str(SOURCES / f"{REAPER_UNIT}.j2"),
+        dest=f"{UNITS_DIR}/{REAPER_UNIT}", mode="644", patterns=rig.guards_shm_patterns,
+    )
+    return script, unit
+
+
+@deploy("Rig guards")
+def guards(rig: Rig) -> None:
+    """Install the /dev/shm reaper and the Xid watch, guard the serving unit, report topology."""
+    if not host.get_fact(SystemdBooted):
+        no_systemd(name="Guards need systemd")
+        topology_report(name="GPU topology", rig=rig)
+        return
+    _script, reaper_unit = _install_reaper(rig)
+    xid_copy = files.put(name="Install the Xid classifier (roles/xid.py)", src=str(XID_SOURCE),
+                         dest=XID_COPY, mode="644")
+    watch = files.put(name="Install the Xid watch", src=str(SOURCES / "rigbook-xid-watch"),
+                      dest=WATCH, mode="755")
+    dropin = files.put(
+        name=f"Guard {SERVE_UNIT} (GPU-lost check, reaper after stop)",
+        src=str(SOURCES / "rigbook-serve-guards.conf"), dest=SERVE_DROPIN, mode="644",
+    )
+    if rig.guards_xid_watch:
+        watch_unit = files.put(name=f"Write {WATCH_UNIT}", src=str(SOURCES / WATCH_UNIT),
+                               dest=f"{UNITS_DIR}/{WATCH_UNIT}", mode="644")
+    else:
+        systemd.service(name=f"{WATCH_UNIT} stopped and disabled (guards_xid_watch: false)",
+                        service=WATCH_UNIT, running=False, enabled=False)
+        watch_unit = files.file(name=f"Remove {WATCH_UNIT}", path=f"{UNITS_DIR}/{WATCH_UNIT}",
+                                present=False)
+    systemd.daemon_reload(name="systemctl daemon-reload (guard units changed)",
+                          _if=any_changed(reaper_unit, dropin, watch_unit))
+    if rig.guards_xid_watch:
+        systemd.service(
+            name=f"{WATCH_UNIT} enabled and running", service=WATCH_UNIT, running=True,
+            enabled=True,
+            restarted=xid_copy.will_change or watch.will_change or watch_unit.will_change,
+        )
+    topology_report(name="GPU topology", rig=rig)
+
+
+@deploy("Reap /dev/shm")
+def reap_shm_now(rig: Rig) -> None:
+    """deploys/reap_shm.py: make sure the reaper is installed, then reap (see reap_shm)."""
+    _install_reaper(rig)
+    reap_shm(name="Reap leaked /dev/shm buffers", patterns=rig.guards_shm_patterns)

@@ -1,0 +1,777 @@
+"""Rig guards: the /dev/shm reaper's decisions, the Xid watch, GPU topology, the NCCL P2P rule.
+
+The reaper and the watch are the scripts a rig runs (files/guards/), loaded or run from a copy
+laid out as on the rig (the watch beside a copy of roles/xid.py). The reaper decides on fake
+/proc trees here, and on this machine's real /proc for a file this test maps itself.
+Topology parsers read the real H200 captures (tests/fixtures/nvidia-h200: one GPU, no NVLink);
+the multi-GPU samples below are CONSTRUCTED in nvidia-smi's real format (tab-separated, ANSI
+underline around the header), since no multi-GPU capture exists.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.machinery
+import importlib.util
+import logging
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FunctionCommand
+from pyinfra.api.util import get_template
+
+from roles import guards
+from roles.errors import RigbookError
+from roles.gpus import Gpu, GpuProbe
+from roles.guards import (
+    GpuLostMark,
+    NvLinks,
+    ReapPlan,
+    ShmVerdict,
+    Topology,
+    TopoMatrix,
+    gpu_lost_reason,
+    p2p_disable_problem,
+    parse_gpu_lost,
+    parse_nvlink_status,
+    parse_reap_plan,
+    parse_topo_matrix,
+    parse_topology,
+    reap_shm,
+    topology_findings,
+    topology_report,
+    topology_summary,
+)
+from roles.recipes import catalogue
+from roles.spec import Rig, parse_rig
+from roles.status import RigFacts, build_rig_status
+from tests.opkit import execute, local_fact, run_op, shell
+
+ROOT = Path(__file__).resolve().parent.parent
+GUARDS = ROOT / "files" / "guards"
+H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
+SIM_KMSG = ROOT / "sandbox" / "simulated" / "kmsg-xid79.log"
+
+
+def load_script(path: Path, name: str):
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(name, loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it loads
+    loader.exec_module(module)
+    return module
+
+
+reaper = load_script(GUARDS / "rigbook-shm-reaper", "rigbook_shm_reaper")
+
+
+def rig(**data) -> Rig:
+    return Rig(**{"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2,
+                  "power_profile": "stock", **data})
+
+
+# --- the reaper on a fake /proc -------------------------------------------------------------
+
+
+class FakeProc:
+    """A /proc tree: one folder per PID with comm, maps and fd/ links, as the kernel lays it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir()
+
+    def process(self, pid: int, comm: str = "python3", maps: list[str] = (),
+                fds: dict[int, str] | None = None) -> Path:
+        folder = self.root / str(pid)
+        (folder / "fd").mkdir(parents=True)
+        (folder / "comm").write_text(comm + "\n")
+        (folder / "maps").write_text("".join(line + "\n" for line in maps))
+        for fd, target in (fds or {}).items():
+            os.symlink(target, folder / "fd" / str(fd))
+        return folder
+
+
+def maps_line(path: Path, shared: bool = True) -> str:
+    """A /proc/PID/maps line of a file mapping, with the file's real device and inode."""
+    st = path.stat()
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    perms = "rw-s" if shared else "r--p"
+    return f"7f0c00000000-7f0c40000000 {perms} 00000000 {dev} {st.st_ino}                   {path}"
+
+
+LIBC = "7f0c50000000-7f0c50028000 r--p 00000000 fd:01 1311745                    /usr/lib/x86_64-linux-gnu/libc.so.6"  # noqa: E501
+ANON = "7ffd1c5e2000-7ffd1c603000 rw-p 00000000 00:00 0                          [stack]"
+
+
+@pytest.fixture
+def shm(tmp_path) -> Path:
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    return folder
+
+
+def leak(shm: Path, name: str = "vllm_offload_0b7e.mmap", size: int = 3 * 2**30 // 2) -> Path:
+    path = shm / name
+    with open(path, "wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+def judge(shm: Path, proc: Path, patterns=reaper.DEFAULT_PATTERNS):
+    files = reaper.candidates(str(shm), tuple(patterns))
+    return files, reaper.decide(files, reaper.scan(str(proc), files))
+
+
+def test_only_matching_regular_files_are_candidates(shm):
+    path = leak(shm)
+    (shm / "pulse-shm-1234").write_bytes(b"x")
+    (shm / "vllm_offload_dir.mmap").mkdir()
+    os.symlink(path, shm / "vllm_offload_link.mmap")
+    files = reaper.candidates(str(shm), reaper.DEFAULT_PATTERNS)
+    assert [c.path for c in files] == [str(path)]
+    assert files[0].size == 3 * 2**30 // 2
+
+
+def test_held_through_a_mapping_is_kept(shm, tmp_path):
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(1, "systemd", [LIBC, ANON])
+    proc.process(812, "python3", [LIBC, maps_line(path), ANON])
+    _, (verdict,) = judge(shm, proc.root)
+    assert verdict.action == "keep"
+    assert verdict.reason == "held by PID 812 (python3, maps)"
+
+
+def test_a_mapping_is_matched_by_inode_even_under_another_path(shm, tmp_path):
+    """A process in another mount namespace sees the file elsewhere; device and inode match."""
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    line = maps_line(path).replace(str(path), "/container/shm/renamed.mmap")
+    proc.process(900, "python3", [line])
+    _, (verdict,) = judge(shm, proc.root)
+    assert verdict.action == "keep" and "PID 900" in verdict.reason
+
+
+def test_held_through_an_open_file_is_kept(shm, tmp_path):
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(77, "vllm", [LIBC], fds={0: "/dev/null", 5: "socket:[12345]", 9: str(path)})
+    _, (verdict,) = judge(shm, proc.root)
+    assert (verdict.action, verdict.reason) == ("keep", "held by PID 77 (vllm, fd 9)")
+
+
+def test_no_holder_is_reaped_and_the_line_says_the_size(shm, tmp_path):
+    path = leak(shm)
+    other = leak(shm, "vllm_offload_held.mmap", 4096)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(1, "systemd", [LIBC, ANON], fds={0: "/dev/null"})
+    proc.process(2, "python3", [maps_line(other)])
+    files, verdicts = judge(shm, proc.root)
+    assert [(v.path, v.action) for v in verdicts] == [
+        (str(path), "delete"), (str(other), "keep"),
+    ]
+    done = reaper.apply(verdicts, files)
+    assert not path.exists() and other.exists()
+    line = reaper.line_of(done[0], dry_run=False)
+    assert line == (f"reaped {path} (1.5 GiB, 1610612736 bytes; 0.0 GiB in RAM): no process "
+                    "maps it or holds it open (2 processes read)")
+
+
+def test_unreadable_mappings_refuse_and_nothing_is_deleted(shm, tmp_path, monkeypatch):
+    """A process whose maps cannot be read (EACCES: another user's, reaper unprivileged)."""
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(1, "systemd", [LIBC])
+    secret = proc.process(4242, "sleep", [maps_line(path)])
+    real_open = open
+
+    def guarded_open(file, *args, **kwargs):
+        if str(file) == str(secret / "maps"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(reaper, "open", guarded_open, raising=False)
+    files, verdicts = judge(shm, proc.root)
+    (verdict,) = reaper.apply(verdicts, files)
+    assert verdict.action == "refuse"
+    uid = os.stat(secret).st_uid
+    assert verdict.reason == (
+        f"cannot read the mappings of PID 4242 (sleep, uid {uid}): Permission denied: "
+        f"{secret / 'maps'}; an unreadable holder is indistinguishable from no holder, so "
+        "nothing was deleted"
+    )
+    assert path.exists()
+    assert reaper.line_of(verdict, False).startswith(f"refused {path} (1.5 GiB, 1610612736 bytes")
+
+
+def test_a_held_file_stays_kept_even_when_others_are_unreadable(shm, tmp_path, monkeypatch):
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(5, "python3", [maps_line(path)])
+    proc.process(6, "sshd", [])
+    real_listdir = os.listdir
+
+    def guarded_listdir(folder):
+        if str(folder).endswith("/6/fd"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(folder))
+        return real_listdir(folder)
+
+    monkeypatch.setattr(reaper.os, "listdir", guarded_listdir)
+    _, (verdict,) = judge(shm, proc.root)
+    assert verdict.action == "keep"
+
+
+def test_a_process_that_exits_while_read_is_skipped(shm, tmp_path, monkeypatch):
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    gone = proc.process(31, "python3", [maps_line(path)])
+    real_open = open
+
+    def exiting_open(file, *args, **kwargs):
+        if str(file) == str(gone / "maps"):
+            shutil.rmtree(gone)  # the kernel removes /proc/PID when the process is reaped
+            raise ProcessLookupError(errno.ESRCH, "No such process")
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(reaper, "open", exiting_open, raising=False)
+    _, (verdict,) = judge(shm, proc.root)
+    assert verdict.action == "delete"
+
+
+def test_a_vanish_error_of_a_process_still_there_is_retried(shm, tmp_path, monkeypatch):
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    flaky = proc.process(40, "python3", [maps_line(path)])
+    real_open = open
+    calls = []
+
+    def flaky_open(file, *args, **kwargs):
+        if str(file) == str(flaky / "maps"):
+            calls.append(file)
+            if len(calls) == 1:
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(reaper, "open", flaky_open, raising=False)
+    _, (verdict,) = judge(shm, proc.root)
+    assert len(calls) == 2 and verdict.action == "keep"
+
+
+def test_a_process_started_during_the_scan_is_read_too(shm, tmp_path, monkeypatch):
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(10, "bash", [])
+    real_scan_one = reaper._scan_one
+
+    def forking_scan_one(root, pid, files, result):
+        if pid == 10 and not (proc.root / "11").exists():
+            proc.process(11, "python3", [maps_line(path)])  # a child forked after the listing
+        real_scan_one(root, pid, files, result)
+
+    monkeypatch.setattr(reaper, "_scan_one", forking_scan_one)
+    _, (verdict,) = judge(shm, proc.root)
+    assert (verdict.action, verdict.reason) == ("keep", "held by PID 11 (python3, maps)")
+
+
+def test_hidepid_hides_processes_from_an_unprivileged_reaper(tmp_path):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"proc {proc} proc rw,nosuid,nodev,noexec,relatime,hidepid=invisible 0 0\n")
+    assert reaper.hidden_processes(str(proc), euid=1000, mounts=str(mounts)) == (
+        f"{proc} is mounted with hidepid=invisible: other users' processes are hidden"
+    )
+    assert reaper.hidden_processes(str(proc), euid=0, mounts=str(mounts)) is None
+    mounts.write_text(f"proc {proc} proc rw,relatime 0 0\n")
+    assert reaper.hidden_processes(str(proc), euid=1000, mounts=str(mounts)) is None
+    scan = reaper.Scan(hidden="hidden!")
+    files = [reaper.Candidate("/dev/shm/vllm_offload_1.mmap", 1, 1, (0, 1), 2)]
+    (verdict,) = reaper.decide(files, scan)
+    assert verdict.action == "refuse" and verdict.reason.startswith("hidden!; an unreadable")
+
+
+def test_maps_lines_of_this_process_parse():
+    """Every line of a real /proc/self/maps parses (or is anonymous)."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    parsed = [reaper.parse_maps_line(line) for line in lines]
+    files = [p for p in parsed if p is not None]
+    assert files and all(p[2].startswith(("/", "[")) for p in files)
+    assert reaper.parse_maps_line(ANON)[2] == "[stack]"
+    assert reaper.parse_maps_line("7f0c0-7f0c1 rw-p 00000000 00:00 0") is None
+
+
+def test_real_proc_finds_this_process_as_the_holder():
+    """On this machine's own /proc: a /dev/shm file this test maps is held by this process."""
+    folder = Path("/dev/shm") / f"rigbook-test-{uuid.uuid4().hex}"
+    folder.mkdir()
+    try:
+        path = folder / "vllm_offload_test.mmap"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 1 << 20)
+        mapping = mmap.mmap(fd, 0)
+        os.close(fd)  # held through the mapping alone
+        files = reaper.candidates(str(folder), reaper.DEFAULT_PATTERNS)
+        held = reaper.scan("/proc", files).holders[str(path)]
+        assert reaper.Holder(os.getpid(), Path("/proc/self/comm").read_text().strip(),
+                             "maps") in held
+        mapping.close()
+        after = reaper.scan("/proc", files)
+        assert not any(h.pid == os.getpid() for h in after.holders[str(path)])
+        (verdict,) = reaper.decide(files, after)
+        # This machine may have processes even root cannot read (then the reaper refuses).
+        assert verdict.action == ("refuse" if after.unreadable else "delete"), verdict
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_the_cli_json_is_what_the_fact_reads(shm, tmp_path):
+    path = leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(3, "python3", [])
+    done = subprocess.run(
+        [sys.executable, str(GUARDS / "rigbook-shm-reaper"), "--dir", str(shm), "--proc",
+         str(proc.root), "--dry-run", "--json"],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    plan = parse_reap_plan([*done.stdout.splitlines(), f"{guards._RC} 0"])
+    assert plan.installed and plan.error is None
+    (verdict,) = plan.verdicts
+    assert (verdict.path, verdict.action, verdict.size) == (str(path), "delete", 1610612736)
+    assert verdict.line.startswith(f"would reap {path} (1.5 GiB")
+    assert path.exists()  # a dry run
+
+
+def test_the_cli_exits_3_on_a_refusal_with_the_reason_on_stderr(shm, tmp_path):
+    leak(shm)
+    proc = FakeProc(tmp_path / "proc")
+    (proc.process(3, "python3", []) / "maps").unlink()
+    (proc.root / "3" / "maps").mkdir()  # unreadable as a file: not a vanished process
+    done = subprocess.run(
+        [sys.executable, str(GUARDS / "rigbook-shm-reaper"), "--dir", str(shm), "--proc",
+         str(proc.root)], capture_output=True, text=True,
+    )
+    assert done.returncode == reaper.EXIT_REFUSED
+    assert done.stdout == ""
+    assert "cannot read the mappings of PID 3 (python3, uid" in done.stderr
+    assert "Is a directory" in done.stderr and "nothing was deleted" in done.stderr
+    missing = subprocess.run(
+        [sys.executable, str(GUARDS / "rigbook-shm-reaper"), "--dir", str(tmp_path / "none")],
+        capture_output=True, text=True,
+    )
+    assert missing.returncode == reaper.EXIT_ERROR
+    assert "No such file or directory; nothing was deleted" in missing.stderr
+
+
+def test_reaper_unit_passes_the_host_data_patterns():
+    template = get_template(str(GUARDS / "rigbook-shm-reaper.service.j2"), {})
+    text = template.render(patterns=("vllm_offload_*.mmap", "sglang_kv_?.bin"))
+    assert ("ExecStart=/usr/bin/python3 /opt/rigbook/guards/rigbook-shm-reaper "
+            "--pattern vllm_offload_*.mmap --pattern sglang_kv_?.bin") in text.splitlines()
+    assert "Type=oneshot" in text.splitlines()
+
+
+@pytest.mark.parametrize("pattern", ["*", "*.mmap", "a b", "../x", "x/y", "v%i", "a'b", "$x"])
+def test_patterns_that_could_match_anything_or_break_the_unit_are_refused(pattern):
+    with pytest.raises(RigbookError, match="guards_shm_patterns"):
+        parse_rig("rig1", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
+                           "guards_shm_patterns": [pattern]})
+
+
+def test_guards_defaults():
+    r = rig()
+    assert r.guards_shm_patterns == ("vllm_offload_*.mmap",) == reaper.DEFAULT_PATTERNS
+    assert r.guards_xid_watch is True
+
+
+# --- reap_shm (deploys/reap_shm.py) ---------------------------------------------------------
+
+
+def verdict(action: str, path: str = "/dev/shm/vllm_offload_1.mmap") -> ShmVerdict:
+    words = {"delete": "would reap", "keep": "kept", "refuse": "refused"}
+    return ShmVerdict(path, 2**31, 2**31, action, "why",
+                      f"{words[action]} {path} (2.0 GiB, 2147483648 bytes): why")
+
+
+def test_reap_runs_the_reaper_only_when_something_is_to_be_deleted():
+    plan = ReapPlan(True, (verdict("delete"), verdict("keep", "/dev/shm/vllm_offload_2.mmap")))
+    commands, fake = run_op(reap_shm, {"ShmReapPlan": plan}, patterns=("vllm_offload_*.mmap",))
+    assert shell(commands) == [f"python3 {guards.REAPER} --pattern 'vllm_offload_*.mmap'"]
+    (note,) = [c for c in commands if isinstance(c, FunctionCommand)]
+    assert note.args == ("reaping /dev/shm/vllm_offload_1.mmap (2.0 GiB, 2147483648 bytes): why",)
+
+
+def test_reap_is_no_change_when_everything_is_held_or_nothing_matches():
+    plan = ReapPlan(True, (verdict("keep"),))
+    commands, fake = run_op(reap_shm, {"ShmReapPlan": plan}, patterns=("vllm_offload_*.mmap",))
+    assert commands == []
+    assert fake.noops == ["nothing to reap in /dev/shm: kept /dev/shm/vllm_offload_1.mmap "
+                          "(2.0 GiB, 2147483648 bytes): why"]
+    commands, fake = run_op(reap_shm, {"ShmReapPlan": ReapPlan(True)}, patterns=("a_*",))
+    assert commands == [] and fake.noops == ["nothing to reap in /dev/shm: no file matches a_*"]
+
+
+def test_reap_refusal_fails_the_rig_and_runs_nothing():
+    plan = ReapPlan(True, (verdict("refuse"),))
+    commands, fake = run_op(reap_shm, {"ShmReapPlan": plan}, patterns=("vllm_offload_*.mmap",))
+    (command,) = commands
+    assert isinstance(command, FunctionCommand) and shell(commands) == []
+    assert execute(command, fake) is False
+    assert fake.logged == ["rig1: /dev/shm reaper refused, nothing was deleted:\n  - refused "
+                           "/dev/shm/vllm_offload_1.mmap (2.0 GiB, 2147483648 bytes): why"]
+
+
+def test_reap_plan_parses_a_missing_reaper_and_an_error():
+    assert parse_reap_plan([guards._NO_REAPER]) == ReapPlan(installed=False)
+    plan = parse_reap_plan(["rigbook-shm-reaper: cannot read /dev/shm: No such file or "
+                            "directory; nothing was deleted", f"{guards._RC} 1"])
+    assert plan.error.startswith("rigbook-shm-reaper: cannot read /dev/shm")
+
+
+# --- the Xid watch --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def watch_dir(tmp_path) -> Path:
+    """The watch as installed on a rig: the script with a copy of roles/xid.py beside it."""
+    folder = tmp_path / "guards"
+    folder.mkdir()
+    shutil.copy(GUARDS / "rigbook-xid-watch", folder)
+    shutil.copy(ROOT / "roles" / "xid.py", folder)
+    return folder
+
+
+def run_watch(folder: Path, tmp_path: Path, scan: str, follow: str, *args: str):
+    env = {**os.environ, "RIGBOOK_XID_SCAN": scan, "RIGBOOK_XID_FOLLOW": follow}
+    return subprocess.run(
+        [sys.executable, str(folder / "rigbook-xid-watch"), "--mark",
+         str(tmp_path / "run" / "gpu-lost"), "--faults-log",
+         str(tmp_path / "log" / "engine-faults.log"), *args],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+
+
+def test_watch_marks_this_boots_fatal_xids_and_logs_engine_faults(watch_dir, tmp_path):
+    mark, faults = tmp_path / "run" / "gpu-lost", tmp_path / "log" / "engine-faults.log"
+    sim = SIM_KMSG.read_text().splitlines()
+    done = run_watch(watch_dir, tmp_path, "true", f"cat {SIM_KMSG}")
+    assert done.returncode == 0, done.stderr
+    assert mark.read_text().splitlines() == [
+        "GPU lost: do not restart serving",
+        next(line for line in sim if "): 79," in line),
+        next(line for line in sim if "): 154," in line),
+    ]
+    assert faults.read_text().splitlines() == [next(line for line in sim if "): 31," in line)]
+    assert ("GPU lost: do not restart serving: Xid 79 (fallen off the bus) on PCI 0000:01:00 "
+            "at 2026-09-12T03:14:15+0000") in done.stderr
+    assert "engine fault: Xid 31 (MMU fault) on PCI 0000:01:00" in done.stdout
+    # A restart of the watch replays this boot: nothing is written twice.
+    before = (mark.read_text(), faults.read_text())
+    again = run_watch(watch_dir, tmp_path, f"cat {SIM_KMSG}", f"cat {SIM_KMSG}")
+    assert again.returncode == 0 and (mark.read_text(), faults.read_text()) == before
+    # The mark as the GpuLostMark fact reads it, and what the serving preflight is told.
+    fact = GpuLostMark().process([guards._MARK, *mark.read_text().splitlines()])
+    assert [event.code for event in fact.events] == [79, 154]
+    assert gpu_lost_reason(fact) == (
+        "GPU lost: do not restart serving: Xid 79 (fallen off the bus) on PCI 0000:01:00 at "
+        "2026-09-12T03:14:15+0000; Xid 154 (recovery: Node Reboot Required) on PCI "
+        "0000:01:00 at 2026-09-12T03:14:16+0000 (/run/rigbook/gpu-lost, written by the Xid "
+        "watch this boot; only a reboot brings the card back and clears it: check the card "
+        "first, docs/guards.md)"
+    )
+    # --check, as the serving unit's ExecStartPre runs it.
+    check = run_watch(watch_dir, tmp_path, "true", "true", "--check")
+    assert check.returncode == 1
+    assert check.stderr.splitlines()[0] == f"{mark}: GPU lost: do not restart serving"
+    mark.unlink()
+    assert run_watch(watch_dir, tmp_path, "true", "true", "--check").returncode == 0
+
+
+def test_earlier_boots_set_no_mark(watch_dir, tmp_path):
+    """A fatal Xid before the last reboot is reported, but the reboot cleared the card."""
+    done = run_watch(watch_dir, tmp_path, f"cat {SIM_KMSG}", "true")
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "run" / "gpu-lost").exists()
+    assert "kernel log, all boots: 3 Xid line(s)" in done.stdout
+    assert "Xid 79 (fallen off the bus) x1, last on PCI 0000:01:00" in done.stdout
+    faults = (tmp_path / "log" / "engine-faults.log").read_text()
+    assert "): 31," in faults
+
+
+def test_cleared_recovery_and_unknown_xids_are_not_acted_on(watch_dir, tmp_path):
+    log = tmp_path / "kmsg.log"
+    log.write_text(
+        "[  950.100000] NVRM: Xid (PCI:0000:02:00): 154, GPU recovery action changed from 0x1 "
+        "(GPU Reset Required) to 0x0 (None)\n"
+        "[315905.140252] NVRM: Xid (PCI:0000:03:00): 62, 00000a9f 00000a85 00000a72 00003786\n"
+    )
+    done = run_watch(watch_dir, tmp_path, "true", f"cat {log}")
+    assert done.returncode == 0
+    assert not (tmp_path / "run" / "gpu-lost").exists()
+    assert "Xid 154 (recovery action cleared) on PCI 0000:02:00 at 950.100000: not acted on" in (
+        done.stdout)
+    assert "Xid 62 (Xid 62) on PCI 0000:03:00" in done.stdout
+
+
+def test_a_failing_source_is_reported_and_exits_nonzero(watch_dir, tmp_path):
+    done = run_watch(watch_dir, tmp_path, "echo nope >&2; exit 4", "exit 1")
+    assert done.returncode == 1
+    assert "kernel log of all boots: `echo nope >&2; exit 4` failed: nope; skipped" in done.stderr
+    assert "`exit 1` ended with exit 1" in done.stderr
+
+
+def test_watch_and_module_agree_on_paths_and_the_unit_on_sources(watch_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(watch_dir))
+    watch = load_script(watch_dir / "rigbook-xid-watch", "rigbook_xid_watch")
+    assert (watch.MARK, watch.HEADLINE, watch.FAULTS_LOG) == (
+        guards.GPU_LOST_MARK, guards.GPU_LOST_HEADLINE, guards.ENGINE_FAULTS_LOG)
+    unit = (GUARDS / "rigbook-xid-watch.service").read_text().splitlines()
+    assert f'Environment="RIGBOOK_XID_SCAN={watch.SCAN}"' in unit
+    assert f'Environment="RIGBOOK_XID_FOLLOW={watch.FOLLOW}"' in unit
+    assert "Restart=always" in unit
+    assert f"ExecStart=/usr/bin/python3 {guards.WATCH}" in unit
+    dropin = (GUARDS / "rigbook-serve-guards.conf").read_text().splitlines()
+    assert f"ExecStartPre=/usr/bin/python3 {guards.WATCH} --check" in dropin
+    assert f"ExecStopPost=-+/usr/bin/systemctl start {guards.REAPER_UNIT}" in dropin
+
+
+def test_no_mark_means_no_reason():
+    assert GpuLostMark().process([guards._MARK, ""]) == parse_gpu_lost([])
+    assert gpu_lost_reason(None) is None
+    empty = gpu_lost_reason(parse_gpu_lost([]))
+    assert empty.startswith("GPU lost: do not restart serving: the mark names no Xid")
+
+
+def test_status_reports_the_mark_as_gpu_gone():
+    mark = parse_gpu_lost(["GPU lost: do not restart serving",
+                           next(line for line in SIM_KMSG.read_text().splitlines()
+                                if "): 79," in line)])
+    status = build_rig_status("rig1", rig(), RigFacts(gpu_lost=mark))
+    assert status.state == "gpu-gone"
+    assert [f.reason for f in status.findings if f.level == "gone"] == [gpu_lost_reason(mark)]
+    clean = build_rig_status("rig1", rig(), RigFacts())
+    assert not [f for f in clean.findings if f.level == "gone"]
+
+
+# --- topology -------------------------------------------------------------------------------
+
+# CONSTRUCTED in nvidia-smi's real format (not captured): two RTX 3090s with an NVLink bridge.
+TOPO_DUAL_NVLINK = [
+    "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m",
+    "GPU0\t X \tNV4\t0-23\t0\t\tN/A",
+    "GPU1\tNV4\t X \t0-23\t0\t\tN/A",
+    "",
+    "Legend:",
+    "",
+    "  X    = Self",
+    "  NV#  = Connection traversing a bonded set of # NVLinks",
+]
+# CONSTRUCTED: the same box without the bridge, both cards behind the CPU's host bridge.
+TOPO_DUAL_PHB = [
+    "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m",
+    "GPU0\t X \tPHB\t0-23\t0\t\tN/A",
+    "GPU1\tPHB\t X \t0-23\t0\t\tN/A",
+]
+# CONSTRUCTED after a public 4x H100 report: GPUs and NICs, NV6 between every GPU pair.
+TOPO_QUAD_NIC = [
+    "\t\x1b[4mGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tNIC1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m",
+    "GPU0\t X \tNV6\tNV6\tNV6\tPIX\tSYS\t6,14,22,30\t3\t\tN/A",
+    "GPU1\tNV6\t X \tNV6\tNV6\tSYS\tPIX\t4,12,20,28\t1\t\tN/A",
+    "GPU2\tNV6\tNV6\t X \tNV6\tSYS\tSYS\t7,15,23,31\t7\t\tN/A",
+    "GPU3\tNV6\tNV6\tNV6\t X \tSYS\tSYS\t5,13,21,29\t5\t\tN/A",
+    "NIC0\tPIX\tSYS\tSYS\tSYS\t X \tSYS",
+    "NIC1\tSYS\tPIX\tSYS\tSYS\tSYS\t X ",
+    "",
+    "Legend:",
+    "",
+    "  X    = Self",
+    "",
+    "NIC Legend:",
+    "",
+    "  NIC0: mlx5_0",
+]
+# CONSTRUCTED in `nvidia-smi nvlink -s`'s real format (a bridged 3090 pair, one link down).
+NVLINK_DUAL = [
+    "GPU 0: NVIDIA GeForce RTX 3090 (UUID: GPU-3c6f3b5a-0000-0000-0000-000000000000)",
+    "\t Link 0: 14.062 GB/s",
+    "\t Link 1: 14.062 GB/s",
+    "\t Link 2: 14.062 GB/s",
+    "\t Link 3: <inactive>",
+    "GPU 1: NVIDIA GeForce RTX 3090 (UUID: GPU-3c6f3b5a-0000-0000-0000-000000000001)",
+    "\t Link 0: 14.062 GB/s",
+    "\t Link 1: 14.062 GB/s",
+    "\t Link 2: 14.062 GB/s",
+    "\t Link 3: 14.062 GB/s",
+]
+
+
+def test_real_single_gpu_topo_capture():
+    matrix = parse_topo_matrix((H200 / "topo-m.txt").read_text().splitlines())
+    assert matrix == TopoMatrix(1, {(0, 0): "X"})
+    assert matrix.nvlink_pairs() == [] and matrix.pairs_text() == "1 GPU, no peers"
+
+
+def test_real_nvlink_capture_of_a_gpu_without_nvlink_is_empty():
+    assert (H200 / "nvlink-s.txt").read_text() == ""
+    assert parse_nvlink_status([]) == {}
+
+
+def test_constructed_multi_gpu_topologies():
+    nv = parse_topo_matrix(TOPO_DUAL_NVLINK)
+    assert nv.links == {(0, 0): "X", (0, 1): "NV4", (1, 0): "NV4", (1, 1): "X"}
+    assert nv.nvlink_pairs() == [(0, 1, "NV4")]
+    assert parse_topo_matrix(TOPO_DUAL_PHB).nvlink_pairs() == []
+    quad = parse_topo_matrix(TOPO_QUAD_NIC)
+    assert quad.gpus == 4 and len(quad.nvlink_pairs()) == 6
+    assert (0, 4) not in quad.links  # NIC columns are not GPU links
+    with pytest.raises(ValueError, match="2 GPU columns but 1 GPU rows"):
+        parse_topo_matrix(TOPO_DUAL_PHB[:2])
+
+
+def test_constructed_nvlink_status():
+    links = parse_nvlink_status(NVLINK_DUAL)
+    assert links[0] == NvLinks(0, "NVIDIA GeForce RTX 3090",
+                               {0: "14.062 GB/s", 1: "14.062 GB/s", 2: "14.062 GB/s"}, (3,))
+    assert len(links[1].active) == 4 and links[1].inactive == ()
+    with pytest.raises(ValueError, match="not an nvlink -s line"):
+        parse_nvlink_status(["Something else"])
+
+
+def smi_block(path: str, lines: list[str], rc: int = 0) -> list[str]:
+    """What roles.facts._smi_script prints for one nvidia-smi run."""
+    return [f"##RIGBOOK_SMI## {path}", *lines, "", f"##RIGBOOK_RC## {rc}"]
+
+
+def test_topology_fact_output():
+    topo = parse_topology([guards._TOPO, *smi_block("/usr/bin/nvidia-smi", TOPO_DUAL_NVLINK),
+                           guards._NVLINK_S, *smi_block("/usr/bin/nvidia-smi", NVLINK_DUAL)])
+    assert topo.known and topo.error is None and topo.smi == "/usr/bin/nvidia-smi"
+    assert topo.nvlink_evidence() == ["GPU0-GPU1 NV4", "GPU 0: 3 active NVLink(s)",
+                                      "GPU 1: 4 active NVLink(s)"]
+    stand_in = parse_topology([
+        guards._TOPO, *smi_block("/usr/bin/nvidia-smi", [
+            "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."], 2),
+        guards._NVLINK_S, *smi_block("/usr/bin/nvidia-smi", ["Invalid combination"], 2),
+    ])
+    assert not stand_in.known
+    assert stand_in.error.startswith("/usr/bin/nvidia-smi topo -m failed: Invalid combination")
+    assert parse_topology([guards._TOPO, "##RIGBOOK_NO_SMI##", guards._NVLINK_S,
+                           "##RIGBOOK_NO_SMI##"]) == Topology(error="no nvidia-smi")
+
+
+def test_topology_fact_runs_nvidia_smi_like_the_gpu_facts(tmp_path, monkeypatch):
+    """The fact's shell on this machine, with an nvidia-smi that prints the real captures."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in topo) cat {H200 / "topo-m.txt"};; nvlink) cat {H200 / "nvlink-s.txt"};;'
+        " *) exit 2;; esac\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    topo = local_fact(guards.GpuTopology)
+    assert topo == Topology(smi=str(smi), matrix=TopoMatrix(1, {(0, 0): "X"}), nvlinks={})
+
+
+def gpu(index: int, width: int | None = 16, width_max: int | None = 16, gen: int = 1) -> Gpu:
+    return Gpu(index=index, uuid=f"GPU-{index}", name="NVIDIA GeForce RTX 3090",
+               bus_id=f"00000000:0{index + 1}:00.0", pcie_gen=gen, pcie_gen_max=4,
+               pcie_width=width, pcie_width_max=width_max)
+
+
+NV_TOPO = Topology(matrix=parse_topo_matrix(TOPO_DUAL_NVLINK), nvlinks={})
+PHB_TOPO = Topology(matrix=parse_topo_matrix(TOPO_DUAL_PHB), nvlinks={})
+UNKNOWN = Topology(error="/usr/bin/nvidia-smi topo -m failed: Invalid combination")
+
+
+def test_undeclared_nvlink_is_reported():
+    (finding,) = topology_findings(rig(nvlink=False), NV_TOPO, [gpu(0), gpu(1)])
+    assert finding == ("host data says nvlink: false, but nvidia-smi shows NVLink (GPU0-GPU1 "
+                       "NV4): set nvlink: true (recipes for PCIe-only rigs turn NCCL P2P off)")
+    assert topology_findings(rig(nvlink=True), NV_TOPO, [gpu(0), gpu(1)]) == []
+
+
+def test_declared_nvlink_that_is_absent_is_reported():
+    (finding,) = topology_findings(rig(nvlink=True), PHB_TOPO, [gpu(0), gpu(1)])
+    assert "host data says nvlink: true, but nvidia-smi shows no NVLink (GPU0-GPU1 PHB)" in finding
+    assert topology_findings(rig(nvlink=True), UNKNOWN, [gpu(0), gpu(1)]) == []
+
+
+def test_partly_inactive_nvlink_is_reported():
+    topo = Topology(matrix=parse_topo_matrix(TOPO_DUAL_NVLINK),
+                    nvlinks=parse_nvlink_status(NVLINK_DUAL))
+    assert topology_findings(rig(nvlink=True), topo, []) == [
+        "GPU 0: NVLink 1 of 4 links inactive (3): reseat the bridge"]
+
+
+def test_a_two_card_recipe_on_a_x4_link_is_reported():
+    gpus = [gpu(0), gpu(1, width=4, width_max=4)]
+    (finding,) = topology_findings(rig(), PHB_TOPO, gpus, 2, "dual-3090-tp2")
+    assert finding == (
+        "recipe dual-3090-tp2 splits the model over 2 cards without NVLink, and GPU 1 PCIe gen "
+        "1 (max 4) x4 (max x4) is a x4 link: every token crosses it; use an x8/x16 slot or a "
+        "one-card recipe"
+    )
+    assert topology_findings(rig(), PHB_TOPO, gpus, 1) == []  # one card: no traffic between
+    assert topology_findings(rig(), PHB_TOPO, [gpu(0), gpu(1, width=8)], 2) == []
+    # A third card the recipe does not run on is not its problem.
+    assert topology_findings(rig(gpu_count=3), PHB_TOPO, [gpu(0), gpu(1), gpu(2, 4, 4)], 2) == []
+    # A link that trained narrower than its max counts by what it runs at.
+    assert len(topology_findings(rig(), PHB_TOPO, [gpu(0), gpu(1, 4, 16)], 2)) == 1
+
+
+def test_topology_summary_shows_idle_and_max_pcie():
+    text = topology_summary(PHB_TOPO, [gpu(1, 16, 16, gen=4), gpu(0)])
+    assert text == ("GPU0-GPU1 PHB; nvlink -s lists no links; GPU 0 PCIe gen 1 (max 4) x16 "
+                    "(max x16); GPU 1 PCIe gen 4 (max 4) x16 (max x16)")
+    assert topology_summary(UNKNOWN, []).startswith("topology unknown (/usr/bin/nvidia-smi")
+
+
+def test_p2p_disable_only_where_there_is_no_nvlink():
+    off = {"NCCL_P2P_DISABLE": "1"}
+    assert p2p_disable_problem(off, rig(), PHB_TOPO) is None
+    assert p2p_disable_problem(off, rig(), NV_TOPO) == (
+        "the recipe sets NCCL_P2P_DISABLE=1, but the rig has NVLink (GPU0-GPU1 NV4): it would "
+        "turn P2P over the bridge off; choose a recipe for NVLink rigs"
+    )
+    # The reported topology wins over the host data; without it, the host data decides.
+    assert p2p_disable_problem(off, rig(nvlink=True), PHB_TOPO) is None
+    assert "host data says nvlink: true" in p2p_disable_problem(off, rig(nvlink=True), UNKNOWN)
+    assert p2p_disable_problem(off, rig(), UNKNOWN) is None
+    assert p2p_disable_problem(off, rig(), None) is None
+    assert p2p_disable_problem({"NCCL_P2P_DISABLE": "0"}, rig(), NV_TOPO) is None
+    assert p2p_disable_problem({}, rig(nvlink=True), NV_TOPO) is None
+
+
+def test_p2p_rule_on_the_shipped_recipes():
+    """The catalogue's PCIe-only dual recipe turns P2P off: refused on a bridged pair."""
+    recipe = catalogue()["dual-3090-tp2"]
+    assert recipe.env.get("NCCL_P2P_DISABLE") == "1"
+    assert p2p_disable_problem(recipe.env, rig(), NV_TOPO) is not None
+    assert p2p_disable_problem(recipe.env, rig(), PHB_TOPO) is None
+
+
+def test_topology_report_warns_and_never_changes(caplog):
+    probe = GpuProbe(smi="/usr/bin/nvidia-smi", gpus=(gpu(0), gpu(1, 4, 4)))
+    venv = {"name": "vllm-0.33", "engine": "vllm", "packages": ["vllm==0.33.0"]}
+    with caplog.at_level(logging.WARNING, logger="pyinfra"):
+        commands, fake = run_op(topology_report, {"NvidiaGpus": probe, "GpuTopology": NV_TOPO},
+                                rig=rig(recipe="dual-3090-tp2", venvs=[venv]))
+    assert commands == []
+    assert fake.noops == ["GPU topology: GPU0-GPU1 NV4; nvlink -s lists no links; GPU 0 PCIe "
+                          "gen 1 (max 4) x16 (max x16); GPU 1 PCIe gen 1 (max 4) x4 (max x4)"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "GPU topology: host data says nvlink: false, but nvidia-smi shows NVLink" in warnings[0]
+    assert "recipe dual-3090-tp2: the recipe sets NCCL_P2P_DISABLE=1" in warnings[1]
+    commands, fake = run_op(topology_report, {"NvidiaGpus": None}, rig=rig())
+    assert commands == [] and fake.noops == ["GPU topology not read: no nvidia-smi"]
+
