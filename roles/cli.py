@@ -76,7 +76,7 @@ def add_status_command(commands: argparse._SubParsersAction) -> None:
 
 
 def write_docs(args: argparse.Namespace) -> None:
-    print(f"wrote {write_host_data_docs()}")
+    print(f"wrote {write_host_data_docs()} and docs/recipes.md")
 
 
 def add_docs_command(commands: argparse._SubParsersAction) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from roles.recipes import write_recipes_docs
 from roles.spec import SWEET_SPOTS, ModelSpec, Rig, VenvSpec
 
 HOST_DATA_MD = Path(__file__).resolve().parent.parent / "docs" / "host-data.md"
@@ -72,5 +73,7 @@ def host_data_markdown() -> str:
 
 
 def write_host_data_docs(path: Path = HOST_DATA_MD) -> Path:
+    """Write docs/host-data.md, and docs/recipes.md from the recipe catalogue beside it."""
     path.write_text(host_data_markdown())
+    write_recipes_docs()
     return path

@@ -1,0 +1,581 @@
+"""Serving recipes: a model + engine + flags + environment known to work on a class of rig.
+
+The catalogue is files/recipes/<name>.toml, read with tomllib and validated into a frozen
+`Recipe` (extra keys are errors). A recipe says which rigs it fits (card class, card count,
+NVLink, platform) and renders into the exact command line the serving unit runs
+(`engine_argv`): only engine flags that the project's verified facts list are used.
+
+Facts from the seeds that the catalogue encodes:
+
+- dual 3090 without NVLink: NCCL_P2P_DISABLE=1, and no MTP head over PCIe (56 vs 58 tok/s with
+  speculation on); a separate draft model (vLLM --speculative-config, method draft_model)
+  reached 170-210 tok/s. A recipe with MTP on more than one card must require NVLink.
+- 20 GB cards: --gpu-memory-utilization 0.82 and fp8_e5m2 KV (24 GB cards ship 0.95).
+- WSL2: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False (roles.wsl.serving_environment).
+- vLLM drains for --shutdown-timeout 30 seconds on SIGTERM (and unlinks its /dev/shm buffer
+  only then); the unit's TimeoutStopSec=120 stays above it.
+
+Model pins: a recipe names a repo and a 40-hex revision. Where no real commit is known the
+catalogue carries PLACEHOLDER_REVISION, and the rig must pin the repo in its `models` host data
+(which the models role pulls); a rig's `models` entry always wins over the recipe's revision.
+docs/recipes.md is generated from the catalogue (`rigbook docs`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from roles.errors import RigbookError
+from roles.spec import GpuClass, Platform, Rig
+from roles.venvs import venv_link
+from roles.wsl import serving_environment
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "files" / "recipes"
+RECIPES_MD = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
+
+#: A revision that says "no real commit known": the rig must pin the repo in `models`.
+PLACEHOLDER_REVISION = "0" * 40
+
+#: vLLM drains in-flight requests this long on SIGTERM (--shutdown-timeout, vLLM >= 0.18).
+VLLM_SHUTDOWN_TIMEOUT_S = 30
+
+Engine = Literal["vllm", "sglang", "llama.cpp"]
+#: The VenvSpec engine that serves each recipe engine.
+VENV_ENGINE = {"vllm": "vllm", "sglang": "sglang", "llama.cpp": "llama-cpp-python"}
+
+#: --kv-cache-dtype values the engines document (facts §4, §6).
+VLLM_KV_DTYPES = (
+    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4",
+)
+SGLANG_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "bf16")
+
+#: Environment rigbook itself owns: a recipe may not set these.
+OWN_ENV = (
+    "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME", "CUDA_HOME", "VLLM_API_KEY", "API_KEY",
+    "LLAMA_API_KEY", "HOST", "PORT", "MODEL", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES",
+)
+#: Flags rigbook renders itself (model, address, key): extra_args may not carry them.
+OWN_FLAGS = (
+    "--host", "--port", "--api-key", "--api_key", "--api-key-file", "--model", "--model-path",
+    "--served-model-name", "--model_alias", "--tensor-parallel-size", "-tp", "--tp",
+    "--max-model-len", "--gpu-memory-utilization", "--kv-cache-dtype", "--max-num-seqs",
+    "--speculative-config", "--shutdown-timeout", "--n_ctx", "--n_gpu_layers",
+    "--context-length", "--mem-fraction-static", "--config_file",
+)
+
+_ENV_KEY = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelPin(_Model):
+    """A model in the Hugging Face cache, pinned to one commit."""
+
+    repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="Hub repo id, ORG/NAME.")
+    revision: str = Field(
+        pattern=r"^[0-9a-f]{40}$",
+        description="Commit (40 hex); all zeros = placeholder: the rig's `models` must pin it.",
+    )
+    file: str | None = Field(
+        None,
+        pattern=r"^[\w.-]+(/[\w.-]+)*\.gguf$",
+        description="llama.cpp: the GGUF file inside the snapshot.",
+    )
+    served_name: str | None = Field(
+        None, description="Model id the API reports; none = the repo id (llama.cpp, vLLM)."
+    )
+    weights_gib: float = Field(gt=0, description="Size of the weights in GiB (preflight).")
+
+    @property
+    def placeholder(self) -> bool:
+        return self.revision == PLACEHOLDER_REVISION
+
+
+class Speculative(_Model):
+    """vLLM speculative decoding, rendered as --speculative-config JSON."""
+
+    method: Literal["draft_model", "mtp"] = Field(
+        description="draft_model (a separate draft model) or mtp (the model's own MTP head)."
+    )
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Tokens proposed per step.")
+
+
+class Fits(_Model):
+    """The rigs a recipe is known to work on."""
+
+    gpu_class: tuple[GpuClass, ...] = Field(
+        (), description="Card classes it fits; empty = any (cpu_only recipes only)."
+    )
+    gpu_count: int | None = Field(
+        None, ge=1, le=8, description="Exactly this many cards; none = any (cpu_only only)."
+    )
+    nvlink: Literal["required", "forbidden", "any"] = Field(
+        "any", description="Whether the rig must (or must not) have a working NVLink bridge."
+    )
+    platforms: tuple[Platform, ...] = Field(description="Platforms it fits.")
+
+
+class Estimate(_Model):
+    """What the preflight checks against the rig's free memory (GiB)."""
+
+    kv_gib: float = Field(
+        ge=0, description="KV cache for max_model_len x max_num_seqs, all cards together."
+    )
+    overhead_gib: float = Field(
+        1.5, ge=0, description="Per card: activations, CUDA graphs, runtime context."
+    )
+    host_ram_gib: float = Field(gt=0, description="Host RAM the engine needs while it loads.")
+
+
+class Recipe(_Model):
+    """One serving recipe (files/recipes/<name>.toml)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="Its name; the file's stem.")
+    description: str = Field(description="What it is for, and the facts behind its settings.")
+    engine: Engine = Field(description="vllm, sglang or llama.cpp (llama-cpp-python's server).")
+    venv: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9_.-]*$",
+        description="Name of the serving venv (a `venvs` entry): /opt/rigbook/venvs/<venv>.",
+    )
+    cpu_only: bool = Field(
+        False, description="Runs without a GPU (test recipes): the GPU checks are skipped."
+    )
+    model: ModelPin = Field(description="The model it serves.")
+    draft: ModelPin | None = Field(None, description="A separate draft model for speculation.")
+    speculative: Speculative | None = Field(None, description="vLLM speculative decoding.")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="Cards the model is split over.")
+    max_model_len: int = Field(ge=256, description="Context length (vLLM/SGLang/llama.cpp).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=0.98, description="vLLM/SGLang share of each card's memory it claims."
+    )
+    kv_cache_dtype: str | None = Field(None, description="vLLM/SGLang --kv-cache-dtype.")
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM --max-num-seqs.")
+    chunked_prefill: bool | None = Field(
+        None, description="vLLM: true adds --enable-chunked-prefill; none = engine default."
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=256, description="vLLM --max-num-batched-tokens (the prefill chunk)."
+    )
+    extra_args: tuple[str, ...] = Field((), description="More engine arguments, verbatim.")
+    env: dict[str, str] = Field({}, description="Engine environment (NCCL, allocator, ...).")
+    port: int = Field(8000, ge=1024, le=65535, description="API port (serving_port overrides).")
+    bind: str = Field(
+        "127.0.0.1", description="API address (serving_bind overrides); wider needs a key."
+    )
+    api_key_file: str | None = Field(
+        None, description="Operator-side API key file (serving_api_key_file overrides)."
+    )
+    fits: Fits = Field(description="The rigs it is known to work on.")
+    estimate: Estimate = Field(description="Memory the preflight checks for.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Recipe:
+        problems = _engine_problems(self) + _model_problems(self) + _env_problems(self)
+        try:
+            ipaddress.ip_address(self.bind)
+        except ValueError:
+            problems.append(f"bind {self.bind!r} is not an IP address")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def models(self) -> tuple[ModelPin, ...]:
+        return (self.model,) if self.draft is None else (self.model, self.draft)
+
+    def served_name(self) -> str:
+        return self.model.served_name or self.model.repo
+
+
+def _engine_problems(r: Recipe) -> list[str]:
+    problems = []
+    vllm_only = {
+        "max_num_seqs": r.max_num_seqs, "chunked_prefill": r.chunked_prefill,
+        "max_num_batched_tokens": r.max_num_batched_tokens, "speculative": r.speculative,
+    }
+    if r.engine != "vllm":
+        problems += [f"{key} is a vLLM setting" for key, v in vllm_only.items() if v is not None]
+    if r.engine == "llama.cpp":
+        if r.model.file is None:
+            problems.append("llama.cpp needs model.file (the GGUF file)")
+        if r.tensor_parallel_size != 1:
+            problems.append("llama.cpp splits layers over all cards itself: tensor_parallel_size 1")
+        for key in ("gpu_memory_utilization", "kv_cache_dtype"):
+            if getattr(r, key) is not None:
+                problems.append(f"{key} is not a llama.cpp setting")
+    else:
+        if r.cpu_only:
+            problems.append("cpu_only recipes are llama.cpp recipes")
+        if r.gpu_memory_utilization is None:
+            problems.append(f"{r.engine} needs gpu_memory_utilization (its default drifted)")
+        allowed = VLLM_KV_DTYPES if r.engine == "vllm" else SGLANG_KV_DTYPES
+        if r.kv_cache_dtype is not None and r.kv_cache_dtype not in allowed:
+            problems.append(f"kv_cache_dtype {r.kv_cache_dtype!r}; allowed: {', '.join(allowed)}")
+    if r.engine == "sglang" and r.model.served_name is not None:
+        problems.append("model.served_name: SGLang has no verified flag for it")
+    if r.chunked_prefill is False:
+        problems.append("chunked_prefill false has no verified flag; leave it unset")
+    if not r.cpu_only and (not r.fits.gpu_class or r.fits.gpu_count is None):
+        problems.append("a GPU recipe names fits.gpu_class and fits.gpu_count")
+    if r.fits.gpu_count is not None and r.tensor_parallel_size > r.fits.gpu_count:
+        problems.append(
+            f"tensor_parallel_size {r.tensor_parallel_size} > fits.gpu_count {r.fits.gpu_count}"
+        )
+    for arg in r.extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            problems.append(f"extra_args: {flag} is set by rigbook from the recipe's own keys")
+    return problems
+
+
+def _model_problems(r: Recipe) -> list[str]:
+    problems = []
+    spec = r.speculative
+    if spec is not None and spec.method == "draft_model" and r.draft is None:
+        problems.append("speculative method draft_model needs a draft model")
+    if r.draft is not None and (spec is None or spec.method != "draft_model"):
+        problems.append("a draft model is used only with speculative method draft_model")
+    if (
+        spec is not None and spec.method == "mtp" and r.tensor_parallel_size > 1
+        and r.fits.nvlink != "required"
+    ):
+        problems.append(
+            "MTP over PCIe bought nothing on dual cards without NVLink (56 vs 58 tok/s): "
+            "use a draft model, or fits.nvlink required"
+        )
+    if r.engine != "llama.cpp" and r.model.file is not None:
+        problems.append("model.file is for llama.cpp GGUF models")
+    return problems
+
+
+def _env_problems(r: Recipe) -> list[str]:
+    problems = []
+    for key, value in r.env.items():
+        if not _ENV_KEY.match(key):
+            problems.append(f"env: {key!r} is not an environment variable name")
+        elif key in OWN_ENV:
+            problems.append(f"env: {key} is set by rigbook")
+        if "\n" in value or '"' in value or "\\" in value:
+            problems.append(f"env: {key}: one line, no quotes or backslashes")
+    return problems
+
+
+# --- the catalogue ---------------------------------------------------------------------------
+
+
+def load_recipe(path: Path) -> Recipe:
+    """One recipe file; RigbookError names the file and every bad field."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise RigbookError(f"{path}: {e}") from None
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        lines = [
+            f"{path}: {'.'.join(str(p) for p in e['loc']) or 'recipe'}: "
+            + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        ]
+        raise RigbookError("\n".join(lines)) from None
+    if recipe.name != path.stem:
+        raise RigbookError(f"{path}: name {recipe.name!r} must be the file's stem {path.stem!r}")
+    return recipe
+
+
+def catalogue(extra_dirs: tuple[str, ...] = ()) -> dict[str, Recipe]:
+    """Every recipe by name: the shipped ones, then those in extra_dirs (no shadowing)."""
+    recipes: dict[str, Recipe] = {}
+    for folder in (RECIPES_DIR, *map(Path, extra_dirs)):
+        if not folder.is_dir():
+            raise RigbookError(f"serving_recipe_dirs: {folder} is not a directory")
+        for path in sorted(folder.glob("*.toml")):
+            recipe = load_recipe(path)
+            if recipe.name in recipes:
+                raise RigbookError(f"{path}: a recipe named {recipe.name!r} already exists")
+            recipes[recipe.name] = recipe
+    return recipes
+
+
+def recipe_for(rig: Rig, rig_name: str) -> Recipe:
+    """The rig's recipe (rig.recipe), checked against the rig; RigbookError if it does not fit."""
+    recipes = catalogue(rig.serving_recipe_dirs)
+    if rig.recipe not in recipes:
+        raise RigbookError(
+            f"{rig_name}: recipe: unknown recipe {rig.recipe!r}; allowed: {', '.join(recipes)}"
+        )
+    recipe = recipes[rig.recipe]
+    problems = fit_problems(recipe, rig)
+    if problems:
+        raise RigbookError(
+            f"{rig_name}: recipe {recipe.name} does not fit this rig:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+    return recipe
+
+
+def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
+    """Why a recipe does not fit a rig's host data (empty: it fits)."""
+    fits, problems = recipe.fits, []
+    if rig.platform not in fits.platforms:
+        problems.append(f"platform is {rig.platform}; the recipe fits {', '.join(fits.platforms)}")
+    venv = next((v for v in rig.venvs if v.name == recipe.venv), None)
+    if venv is None:
+        have = ", ".join(v.name for v in rig.venvs) or "none"
+        problems.append(f"venv {recipe.venv!r} is not in the rig's venvs (it has: {have})")
+    elif venv.engine != VENV_ENGINE[recipe.engine]:
+        problems.append(f"venv {venv.name} is a {venv.engine} venv; the recipe is {recipe.engine}")
+    if recipe.cpu_only:
+        return problems
+    if rig.gpu_class not in fits.gpu_class:
+        problems.append(
+            f"gpu_class is {rig.gpu_class}; the recipe fits {', '.join(fits.gpu_class)}"
+        )
+    if rig.gpu_count != fits.gpu_count:
+        problems.append(f"gpu_count is {rig.gpu_count}; the recipe needs {fits.gpu_count}")
+    if fits.nvlink == "required" and not rig.nvlink:
+        problems.append("the recipe needs NVLink (nvlink: true)")
+    if fits.nvlink == "forbidden" and rig.nvlink:
+        problems.append("the recipe is for rigs without NVLink (this rig has nvlink: true)")
+    return problems
+
+
+# --- rendering -------------------------------------------------------------------------------
+
+
+def snapshot_dir(cache: str, repo: str, revision: str) -> str:
+    """The snapshot folder of a repo at a commit in a Hugging Face hub cache."""
+    org, name = repo.split("/")
+    return f"{cache}/models--{org}--{name}/snapshots/{revision}"
+
+
+def pinned_revision(pin: ModelPin, rig: Rig, *, allow_placeholder: bool = False) -> str:
+    """The commit served: the rig's `models` entry for the repo wins over the recipe's."""
+    for spec in rig.models:
+        if spec.repo == pin.repo:
+            return spec.revision
+    if pin.placeholder and not allow_placeholder:
+        raise RigbookError(
+            f"models: the recipe pins no real commit of {pin.repo} (placeholder revision); "
+            f"add {{repo: {pin.repo}, revision: <40-hex commit>}} to the rig's models"
+        )
+    return pin.revision
+
+
+def model_path(pin: ModelPin, rig: Rig, *, allow_placeholder: bool = False) -> str:
+    """What the engine loads: the snapshot folder, or the GGUF file inside it."""
+    folder = snapshot_dir(
+        rig.models_cache, pin.repo, pinned_revision(pin, rig, allow_placeholder=allow_placeholder)
+    )
+    return f"{folder}/{pin.file}" if pin.file else folder
+
+
+def bind_of(recipe: Recipe, rig: Rig) -> str:
+    return rig.serving_bind or recipe.bind
+
+
+def port_of(recipe: Recipe, rig: Rig) -> int:
+    return rig.serving_port or recipe.port
+
+
+def is_loopback(bind: str) -> bool:
+    return ipaddress.ip_address(bind).is_loopback
+
+
+def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) -> list[str]:
+    """The exact command line the serving unit runs for this recipe on this rig.
+
+    The API key is never in it: the unit passes it in the environment (VLLM_API_KEY for vLLM,
+    API_KEY for llama-cpp-python's server).
+    """
+    venv = f"{venv_link(recipe.venv)}/bin"
+    path = model_path(recipe.model, rig, allow_placeholder=allow_placeholder)
+    host, port = bind_of(recipe, rig), str(port_of(recipe, rig))
+    if recipe.engine == "vllm":
+        argv = [
+            f"{venv}/vllm", "serve", path,
+            "--served-model-name", recipe.served_name(),
+            "--host", host, "--port", port,
+            "--tensor-parallel-size", str(recipe.tensor_parallel_size),
+            "--max-model-len", str(recipe.max_model_len),
+            "--gpu-memory-utilization", f"{recipe.gpu_memory_utilization:g}",
+        ]
+        if recipe.kv_cache_dtype is not None:
+            argv += ["--kv-cache-dtype", recipe.kv_cache_dtype]
+        if recipe.max_num_seqs is not None:
+            argv += ["--max-num-seqs", str(recipe.max_num_seqs)]
+        if recipe.chunked_prefill:
+            argv += ["--enable-chunked-prefill"]
+        if recipe.max_num_batched_tokens is not None:
+            argv += ["--max-num-batched-tokens", str(recipe.max_num_batched_tokens)]
+        if recipe.speculative is not None:
+            argv += ["--speculative-config", _speculative_json(recipe, rig, allow_placeholder)]
+        argv += ["--shutdown-timeout", str(VLLM_SHUTDOWN_TIMEOUT_S)]
+    elif recipe.engine == "sglang":
+        argv = [
+            f"{venv}/python", "-m", "sglang.launch_server", "--model-path", path,
+            "--host", host, "--port", port,
+            "--tp", str(recipe.tensor_parallel_size),
+            "--context-length", str(recipe.max_model_len),
+            "--mem-fraction-static", f"{recipe.gpu_memory_utilization:g}",
+        ]
+        if recipe.kv_cache_dtype is not None:
+            argv += ["--kv-cache-dtype", recipe.kv_cache_dtype]
+    else:
+        argv = [
+            f"{venv}/python", "-m", "llama_cpp.server", "--model", path,
+            "--model_alias", recipe.served_name(),
+            "--host", host, "--port", port,
+            "--n_ctx", str(recipe.max_model_len),
+            "--n_gpu_layers", "0" if recipe.cpu_only else "-1",
+        ]
+    return argv + list(recipe.extra_args)
+
+
+def _speculative_json(recipe: Recipe, rig: Rig, allow_placeholder: bool) -> str:
+    spec = recipe.speculative
+    config: dict[str, object] = {}
+    if spec.method == "draft_model":
+        config["model"] = model_path(recipe.draft, rig, allow_placeholder=allow_placeholder)
+    config["num_speculative_tokens"] = spec.num_speculative_tokens
+    config["method"] = spec.method
+    return json.dumps(config, separators=(",", ":"))
+
+
+def api_key_variable(recipe: Recipe) -> str | None:
+    """The environment variable the engine reads its API key from (None: no verified one)."""
+    return {"vllm": "VLLM_API_KEY", "llama.cpp": "API_KEY"}.get(recipe.engine)
+
+
+# --- docs ------------------------------------------------------------------------------------
+
+_DOC_INTRO = """\
+# Serving recipes
+
+<!-- Generated by `rigbook docs` from files/recipes/*.toml (roles/recipes.py); do not edit. -->
+
+A recipe is a model + engine + flags + environment known to work on a class of rig. A rig
+names one in its host data (`recipe: NAME`); `deploys/rig.py` and `deploys/serve.py` run it as
+the `rigbook-serve` systemd unit (docs/serving.md). Each command line below is rendered for a
+rig the recipe fits, with the default bind and port; the unit runs exactly this.
+
+Revisions shown as `{placeholder}` are placeholders: no real commit is pinned in the catalogue,
+so a rig must pin the repo in its `models` host data (`{{repo: ..., revision: <40 hex>}}`); the
+rig's pin always wins over the recipe's, and the models role pulls exactly that commit.
+"""
+
+
+def example_rig(recipe: Recipe) -> Rig:
+    """A rig the recipe fits (for the docs and the catalogue tests)."""
+    fits = recipe.fits
+    venv = {"name": recipe.venv, "engine": VENV_ENGINE[recipe.engine], "packages": ["x"]}
+    data = {
+        "platform": fits.platforms[0],
+        "gpu_class": fits.gpu_class[0] if fits.gpu_class else "rtx3090",
+        "gpu_count": fits.gpu_count or 1,
+        "nvlink": fits.nvlink == "required",
+        "power_profile": "stock",
+        "venvs": [venv],
+        "recipe": recipe.name,
+    }
+    if data["gpu_class"] == "other":
+        data["gpu_limits_watts"] = (100, 320)
+    return Rig.model_validate(data)
+
+
+def _recipe_section(recipe: Recipe) -> list[str]:
+    rig = example_rig(recipe)
+    fits = recipe.fits
+    lines = [f"## `{recipe.name}`\n", recipe.description.strip() + "\n"]
+    rows = [
+        ("engine", f"{recipe.engine} (venv `{recipe.venv}`)"),
+        ("fits", _fits_text(recipe)),
+    ]
+    for label, pin in (("model", recipe.model), ("draft", recipe.draft)):
+        if pin is not None:
+            rev = "placeholder" if pin.placeholder else f"`{pin.revision}`"
+            file = f", file `{pin.file}`" if pin.file else ""
+            rows.append((label, f"`{pin.repo}` at {rev}{file}, ~{pin.weights_gib:g} GiB"))
+    est = recipe.estimate
+    rows.append((
+        "estimate",
+        f"KV {est.kv_gib:g} GiB, {est.overhead_gib:g} GiB per card overhead, "
+        f"host RAM {est.host_ram_gib:g} GiB",
+    ))
+    env = {**recipe.env, **serving_environment(rig)}
+    if env:
+        rows.append(("environment", ", ".join(f"`{k}={v}`" for k, v in env.items())))
+    lines += ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), ""]
+    argv = engine_argv(recipe, rig, allow_placeholder=True)
+    lines += [
+        f"Command line ({fits.platforms[0]}, {rig.gpu_count}x {rig.gpu_class}):\n",
+        "    " + " \\\n        ".join(_command_lines(argv)),
+        "",
+    ]
+    return lines
+
+
+def _fits_text(recipe: Recipe) -> str:
+    fits = recipe.fits
+    if recipe.cpu_only:
+        return f"CPU only; {', '.join(fits.platforms)}"
+    nvlink = {"required": "NVLink required", "forbidden": "no NVLink", "any": "NVLink or not"}
+    return (
+        f"{fits.gpu_count}x {' / '.join(fits.gpu_class)}, {nvlink[fits.nvlink]}, "
+        f"{', '.join(fits.platforms)}"
+    )
+
+
+def _command_lines(argv: list[str]) -> list[str]:
+    """Shell words, a new line at each --option (its value stays with it)."""
+    lines: list[str] = []
+    for arg in argv:
+        if lines and not arg.startswith("--"):
+            lines[-1] += " " + _shell_word(arg)
+        else:
+            lines.append(_shell_word(arg))
+    return lines
+
+
+def _shell_word(arg: str) -> str:
+    return arg if re.match(r"^[\w@%+=:,./-]+$", arg) else "'" + arg.replace("'", "'\\''") + "'"
+
+
+def _schema_table(model: type[BaseModel], prefix: str = "") -> list[str]:
+    lines = []
+    for name, field in model.model_fields.items():
+        lines.append(f"| `{prefix}{name}` | {field.description or ''} |")
+    return lines
+
+
+def recipes_markdown() -> str:
+    """The whole docs/recipes.md text."""
+    recipes = catalogue()
+    parts = [_DOC_INTRO.format(placeholder=PLACEHOLDER_REVISION[:8] + "..."), "## Catalogue\n"]
+    parts += ["| recipe | engine | fits |", "| --- | --- | --- |"]
+    parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} |" for r in recipes.values()]
+    parts.append("")
+    for recipe in recipes.values():
+        parts += _recipe_section(recipe)
+    parts += ["## Recipe file keys\n", "| key | meaning |", "| --- | --- |"]
+    parts += _schema_table(Recipe)
+    for key, model in (
+        ("model.", ModelPin), ("speculative.", Speculative), ("fits.", Fits),
+        ("estimate.", Estimate),
+    ):
+        parts += _schema_table(model, key)
+    return "\n".join(parts) + "\n"
+
+
+def write_recipes_docs(path: Path = RECIPES_MD) -> Path:
+    path.write_text(recipes_markdown())
+    return path

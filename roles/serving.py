@@ -1,0 +1,720 @@
+"""Serving: the rig's recipe as one systemd unit, started only after preflights, proven healthy.
+
+One unit per rig, rigbook-serve.service, so two engines never share a GPU. It runs the
+recipe's command line (roles/recipes.py `engine_argv`) from its venv as the unprivileged user
+rigbook-serve, with an env file (HF_HUB_OFFLINE=1 and HF_HUB_CACHE: a missing model is a failed
+boot, not a silent download; the venv's CUDA_HOME; the recipe's NCCL and allocator settings;
+WSL2's expandable_segments:False). The API binds to serving_bind; an API key (required wider
+than loopback) reaches the engine from a root-only env file that systemd reads before it drops
+privileges: never on a command line. Stops are graceful (SIGTERM, vLLM --shutdown-timeout 30,
+TimeoutStopSec=120): vLLM unlinks its /dev/shm buffer only then.
+
+`serve_recipe` does it all in one operation, deciding when it executes (facts are read then):
+
+1. nothing differs and the unit runs: no change (a quick /v1/models check is reported);
+2. otherwise, when the engine must (re)start: preflights, before anything changes. The GPUs are
+   there (`nvidia-smi -L` works: if it fails the card is gone and nothing is ever restarted),
+   the model and draft are complete in the HF cache, the venv's engine is there, no other
+   engine runs, and the recipe's weights + KV estimate fits free VRAM and host RAM (counting
+   what others hold; what the running rigbook-serve holds is freed by the switch). A failure
+   names the check and by how much, and changes nothing: the old engine keeps running;
+3. the old engine is stopped gracefully, the files written, the new one started, and the
+   health check (files/serving/health.py, run on the rig) waits for /v1/models and one short
+   completion. A failure prints the unit's last journal lines, stops the unit (no crash loop
+   holding GPU memory) and fails the rig.
+
+docs/serving.md has the unit, the environment, the preflights and the health check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyinfra import host, logger, state
+from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
+from pyinfra.api.exceptions import FactProcessError
+from pyinfra.api.util import get_template
+from pyinfra.operations import files, server
+
+from roles import FILES
+from roles.errors import RigbookError
+from roles.facts import NVIDIA_SMI_PATHS, NvidiaGpus
+from roles.gpus import GpuProbe
+from roles.guards import GpuLostMark, GpuTopology, Topology, gpu_lost_reason, p2p_disable_problem
+from roles.messages import refuse, warn_once
+from roles.models import (
+    CacheState,
+    ModelCache,
+    Secret,
+    _connector_arguments,
+    refused,
+    secret_upload,
+    snapshot_status,
+)
+from roles.recipes import (
+    Recipe,
+    api_key_variable,
+    bind_of,
+    engine_argv,
+    is_loopback,
+    pinned_revision,
+    port_of,
+    recipe_for,
+)
+from roles.spec import ModelSpec, Rig
+from roles.venvs import (
+    VenvBuilds,
+    VenvState,
+    incompatibility,
+    launcher_environment,
+    staleness,
+    venv_link,
+)
+from roles.wsl import serving_environment
+
+UNIT_NAME = "rigbook-serve.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
+UNIT_TEMPLATE = FILES / "serving" / "rigbook-serve.service.j2"
+SERVE_USER = "rigbook-serve"
+SERVE_HOME = "/var/lib/rigbook-serve"
+CONF_DIR = "/etc/rigbook/serving"
+ENV_PATH = f"{CONF_DIR}/engine.env"
+KEY_PATH = f"{CONF_DIR}/api-key.env"
+SERVING_DIR = "/opt/rigbook/serving"
+HEALTH_PATH = f"{SERVING_DIR}/health.py"
+HEALTH_SOURCE = FILES / "serving" / "health.py"
+#: systemd's TimeoutStopSec: above vLLM's 30 s drain, as the seeds' units carry it.
+STOP_TIMEOUT_S = 120
+JOURNAL_LINES = 40
+GIB = 1024**3
+MIB = 1024**2
+
+#: Process command lines that are an inference engine (built from parts, so that the probe's
+#: own command line, which carries this list, never matches itself).
+ENGINE_MARKERS = (
+    ("vllm", " serve"), ("vllm", ".entrypoints"), ("sglang", ".launch_server"),
+    ("llama_cpp", ".server"), ("llama", "-server"),
+)
+
+
+def _sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+# --- the plan: everything decided from host data, before connecting ---------------------------
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What the rig should run, rendered from its host data and recipe (no rig state in it)."""
+
+    rig_name: str
+    rig: Rig
+    recipe: Recipe
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    bind: str
+    port: int
+    health_timeout_s: int
+    pins: tuple[ModelSpec, ...]
+    key: Secret | None = None  # the whole VAR=key line of the key env file
+
+    @property
+    def gpu(self) -> bool:
+        return not self.recipe.cpu_only
+
+    @property
+    def url(self) -> str:
+        """Where the health check on the rig itself reaches the API."""
+        if self.bind in ("0.0.0.0", "::"):
+            address = "127.0.0.1" if self.bind == "0.0.0.0" else "[::1]"
+        else:
+            address = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"http://{address}:{self.port}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.recipe.name} ({self.recipe.engine}, {self.recipe.served_name()})"
+
+
+def read_api_key(path: str) -> str:
+    """The API key in an operator-side file: one token, nothing else."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text().strip()
+    except OSError as error:
+        raise RigbookError(
+            f"serving_api_key_file: cannot read {file} on this machine ({error.strerror}); "
+            "allowed: a readable file holding one key"
+        ) from None
+    if not text or len(text.split()) != 1 or any(c in text for c in "\"'\\$%`"):
+        raise RigbookError(
+            f"serving_api_key_file: {file} must hold one key (one word, no quotes, backslashes, "
+            "$, % or backticks)"
+        )
+    return text
+
+
+def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:
+    """The recipe's, the platform's and rigbook's variables (the venv's own come first, read
+    from the rig when the operation executes: `roles.venvs.launcher_environment`)."""
+    env = dict(recipe.env)
+    env.update(serving_environment(rig))
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": rig.models_cache,
+        "RIGBOOK_RECIPE": recipe.name,
+    })
+    return env
+
+
+def serve_plan(rig: Rig, rig_name: str) -> ServePlan:
+    """The plan for a rig with a recipe; RigbookError names the rig, the field and the fix."""
+    recipe = recipe_for(rig, rig_name)
+    try:
+        argv = engine_argv(recipe, rig)
+        pins = tuple(_pin_spec(pin, rig) for pin in recipe.models)
+    except RigbookError as error:
+        raise RigbookError(f"{rig_name}: recipe {recipe.name}: {error}") from None
+    bind, port = bind_of(recipe, rig), port_of(recipe, rig)
+    key_file = rig.serving_api_key_file or recipe.api_key_file
+    if not is_loopback(bind) and key_file is None:
+        raise RigbookError(
+            f"{rig_name}: serving_bind: {bind} is wider than loopback and no API key is set; "
+            "set serving_api_key_file, or bind 127.0.0.1"
+        )
+    key = None
+    if key_file is not None:
+        variable = api_key_variable(recipe)
+        if variable is None:
+            raise RigbookError(
+                f"{rig_name}: serving_api_key_file: {recipe.engine} has no verified way to take "
+                "an API key outside its command line; bind it to 127.0.0.1 without a key"
+            )
+        try:
+            key = Secret(f"{variable}={read_api_key(key_file)}")
+        except RigbookError as error:
+            raise RigbookError(f"{rig_name}: {error}") from None
+    env = engine_environment(recipe, rig)
+    return ServePlan(
+        rig_name=rig_name, rig=rig, recipe=recipe, argv=tuple(argv), env=tuple(env.items()),
+        bind=bind, port=port, health_timeout_s=rig.serving_health_timeout_s, pins=pins, key=key,
+    )
+
+
+def _pin_spec(pin, rig: Rig) -> ModelSpec:
+    """The ModelSpec the cache must hold for a recipe's model (the rig's entry when it has one)."""
+    for spec in rig.models:
+        if spec.repo == pin.repo:
+            return spec
+    return ModelSpec(repo=pin.repo, revision=pinned_revision(pin, rig))
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+_SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+
+
+def systemd_word(arg: str) -> str:
+    """One argument as systemd's ExecStart= reads it back unchanged (% and $ are specifiers)."""
+    arg = arg.replace("%", "%%").replace("$", "$$")
+    if _SYSTEMD_SAFE.match(arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_unit(plan: ServePlan, smi: str | None) -> str:
+    """rigbook-serve.service for the plan; `smi` is the nvidia-smi that the unit runs -L with."""
+    template = get_template(str(UNIT_TEMPLATE), {"trim_blocks": True, "lstrip_blocks": True})
+    return template.render(
+        plan=plan, user=SERVE_USER, home=SERVE_HOME, env_path=ENV_PATH,
+        key_path=KEY_PATH if plan.key is not None else None, smi=smi if plan.gpu else None,
+        exec_start=" ".join(systemd_word(arg) for arg in plan.argv),
+        stop_timeout=STOP_TIMEOUT_S,
+    )
+
+
+def render_env(plan: ServePlan, launcher: Mapping[str, str] | None) -> str:
+    """engine.env: the venv's launcher environment, then the plan's variables (later wins).
+
+    Values are one line without quotes or backslashes (the recipe model checks its own).
+    """
+    lines = [
+        "# Managed by rigbook (roles/serving.py): the environment of rigbook-serve.service.",
+        f"# Recipe {plan.recipe.name}. The API key is not here (root-only {KEY_PATH}).",
+    ]
+    for key, value in {**(launcher or {}), **dict(plan.env)}.items():
+        lines.append(f"{key}={value}" if _SYSTEMD_SAFE.match(value) else f'{key}="{value}"')
+    return "\n".join(lines) + "\n"
+
+
+# --- the rig's serving state --------------------------------------------------------------------
+
+#: Runs on the rig with python3 (standard library only); argv: a JSON object of arguments.
+#: Prints one JSON object; read-only except for the quick /v1/models request.
+PROBE_SCRIPT = r"""
+import hashlib, json, os, shutil, subprocess, sys
+a = json.loads(sys.argv[1])
+out = {"files": {}, "engines": [], "unit_pids": [], "rss_kib": 0, "smi": None, "apps": None,
+       "answer": None, "entry": os.access(a["entry"], os.X_OK), "user": False}
+for line in open("/proc/meminfo"):
+    key, _, rest = line.partition(":")
+    if key in ("MemTotal", "MemAvailable"):
+        out[key] = int(rest.split()[0])
+for path in a["files"]:
+    try:
+        with open(path, "rb") as handle:
+            out["files"][path] = hashlib.sha256(handle.read()).hexdigest()
+    except OSError:
+        out["files"][path] = None
+show = subprocess.run(["systemctl", "show", a["unit"], "-p",
+                       "ActiveState,SubState,UnitFileState,LoadState"],
+                      capture_output=True, text=True).stdout
+out["unit"] = dict(l.split("=", 1) for l in show.splitlines() if "=" in l)
+try:
+    out["user"] = any(l.split(":")[0] == a["user"] for l in open("/etc/passwd"))
+except OSError:
+    pass
+mine, me = "/" + a["unit"], {os.getpid()}
+pid = os.getppid()
+while pid > 1:
+    me.add(pid)
+    try:
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        break
+markers = [x + y for x, y in a["markers"]]
+for name in os.listdir("/proc"):
+    if not name.isdigit() or int(name) in me:
+        continue
+    try:
+        cgroup = open(f"/proc/{name}/cgroup").read()
+        cmd = open(f"/proc/{name}/cmdline", "rb").read().replace(b"\0", b" ").decode(
+            "utf-8", "replace").strip()
+    except OSError:
+        continue
+    if any(line.endswith(mine) for line in cgroup.splitlines()):
+        out["unit_pids"].append(int(name))
+        try:
+            for line in open(f"/proc/{name}/status"):
+                if line.startswith("VmRSS:"):
+                    out["rss_kib"] += int(line.split()[1])
+        except OSError:
+            pass
+    elif cmd and any(m in cmd for m in markers):
+        out["engines"].append([int(name), cmd[:200]])
+if a["gpu"]:
+    found = [shutil.which("nvidia-smi")] + a["smi_paths"]
+    smi = next((p for p in found if p and os.access(p, os.X_OK)), None)
+    if smi:
+        try:
+            run = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+            out["smi"] = {"path": smi, "rc": run.returncode, "out": run.stdout + run.stderr}
+        except subprocess.TimeoutExpired:
+            out["smi"] = {"path": smi, "rc": 124, "out": "nvidia-smi -L did not answer in 60 s"}
+        if out["smi"]["rc"] == 0:
+            try:
+                run = subprocess.run([smi, "--query-compute-apps=gpu_uuid,pid,used_memory",
+                                      "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=60)
+                if run.returncode == 0:
+                    out["apps"] = [[c.strip() for c in l.split(",")]
+                                   for l in run.stdout.splitlines() if l.count(",") == 2]
+            except subprocess.TimeoutExpired:
+                pass
+if out["unit"].get("ActiveState") == "active" and os.path.exists(a["health"]):
+    cmd = [sys.executable, a["health"], "--once", "--url", a["url"]]
+    if a["key"]:
+        cmd += ["--key-file", a["key"]]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        out["answer"] = json.loads(run.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        out["answer"] = {"ok": False, "message": (run.stdout + run.stderr)[-300:]}
+print(json.dumps(out, sort_keys=True))
+"""
+
+
+@dataclass(frozen=True)
+class ServeState:
+    """What ServeProbe read on the rig."""
+
+    mem_total_kib: int
+    mem_available_kib: int
+    active: str  # systemd ActiveState of rigbook-serve ("inactive" when it does not exist)
+    sub: str
+    enabled: str  # UnitFileState ("" when the unit does not exist)
+    files: Mapping[str, str | None]  # path -> sha256, None when absent
+    user: bool
+    entry: bool  # the recipe's venv executable is there
+    unit_pids: tuple[int, ...] = ()
+    rss_kib: int = 0  # what the running rigbook-serve holds in host RAM
+    engines: tuple[tuple[int, str], ...] = ()  # other engine processes
+    smi: Mapping[str, object] | None = None  # {"path", "rc", "out"} of nvidia-smi -L
+    apps: tuple[tuple[str, int, int | None], ...] | None = None  # (GPU uuid, pid, MiB)
+    answer: Mapping[str, object] | None = None  # health.py --once, when the unit is active
+
+    @property
+    def running(self) -> bool:
+        return self.active == "active"
+
+
+class ServeProbe(FactBase[ServeState]):
+    """
+    The serving state of a rig: unit, files, memory, other engines, GPUs (nvidia-smi -L).
+
+    Runs ``PROBE_SCRIPT`` with python3; it prints one JSON object like::
+
+        {"MemAvailable": 7862000, "MemTotal": 16367000, "answer": null, "apps": null,
+         "engines": [], "entry": true, "files": {"/etc/systemd/system/rigbook-serve.service":
+         "3b9c...", "/etc/rigbook/serving/engine.env": null}, "rss_kib": 0, "smi": null,
+         "unit": {"ActiveState": "inactive", "LoadState": "not-found", "SubState": "dead",
+         "UnitFileState": ""}, "unit_pids": [], "user": false}
+    """
+
+    def command(self, args: str) -> StringCommand:
+        return StringCommand("python3", "-c", QuoteString(PROBE_SCRIPT), QuoteString(args))
+
+    def process(self, output: list[str]) -> ServeState:
+        return parse_probe("\n".join(output))
+
+
+def probe_args(plan: ServePlan) -> str:
+    """ServeProbe's argument: one JSON string (a fact's arguments must be hashable)."""
+    return json.dumps({
+        "unit": UNIT_NAME, "user": SERVE_USER, "entry": plan.argv[0],
+        "files": [UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH],
+        "markers": ENGINE_MARKERS, "gpu": plan.gpu, "smi_paths": list(NVIDIA_SMI_PATHS),
+        "health": HEALTH_PATH, "url": plan.url, "key": KEY_PATH if plan.key else None,
+    }, sort_keys=True)
+
+
+def parse_probe(text: str) -> ServeState:
+    try:
+        data = json.loads(text)
+        unit = data["unit"]
+        apps = None
+        if data.get("apps") is not None:
+            apps = tuple(
+                (uuid, int(pid), int(mib) if mib.isdigit() else None)
+                for uuid, pid, mib in data["apps"]
+            )
+        return ServeState(
+            mem_total_kib=int(data["MemTotal"]),
+            mem_available_kib=int(data["MemAvailable"]),
+            active=unit.get("ActiveState", "inactive"),
+            sub=unit.get("SubState", ""),
+            enabled=unit.get("UnitFileState", ""),
+            files=dict(data["files"]),
+            user=bool(data["user"]),
+            entry=bool(data["entry"]),
+            unit_pids=tuple(data["unit_pids"]),
+            rss_kib=int(data["rss_kib"]),
+            engines=tuple((int(pid), cmd) for pid, cmd in data["engines"]),
+            smi=data.get("smi"),
+            apps=apps,
+            answer=data.get("answer"),
+        )
+    except (ValueError, KeyError, TypeError) as error:
+        raise FactProcessError(f"the serving probe printed no usable JSON ({error}): "
+                               f"{text[:300]!r}") from None
+
+
+# --- preflight ----------------------------------------------------------------------------------
+
+
+def gib(value: float) -> str:
+    return f"{value:.1f} GiB"
+
+
+def gpu_gone(state_: ServeState) -> str | None:
+    """Why the GPUs cannot be trusted (nvidia-smi -L absent or failing), None when they can."""
+    smi = state_.smi
+    if smi is None:
+        return "no nvidia-smi on the rig (driver not installed)"
+    if smi["rc"] != 0:
+        out = " ".join(str(smi["out"]).split())[:200]
+        return (
+            f"{smi['path']} -L failed (exit {smi['rc']}: {out}): the card is gone or the driver "
+            "is broken; a model is never (re)started then: reboot the rig and check the Xids"
+        )
+    return None
+
+
+@dataclass
+class Preflight:
+    """Every failed check, by name, with the numbers."""
+
+    problems: list[str] = field(default_factory=list)
+
+    def fail(self, check: str, message: str) -> None:
+        self.problems.append(f"{check}: {message}")
+
+
+def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: CacheState,
+              venv: VenvState, topology: Topology | None = None) -> list[str]:
+    """Reasons not to start the plan's engine now (empty: go ahead). Reads no rig state itself.
+
+    `probe`, `gpus` (NvidiaGpus; None for a cpu_only recipe), `cache` (ModelCache), `venv`
+    (VenvBuilds of the recipe's venv) and `topology` (GpuTopology) are the facts as the
+    operation read them.
+    """
+    checks = Preflight()
+    recipe = plan.recipe
+    if plan.gpu:
+        why = gpu_gone(probe)
+        if why is None and (gpus is None or not gpus.ok):
+            why = f"nvidia-smi --query-gpu failed: {gpus.error if gpus else 'no nvidia-smi'}"
+        if why is not None:
+            checks.fail("gpus", why)
+        elif len(gpus.gpus) < recipe.tensor_parallel_size:
+            checks.fail("gpus", f"the recipe splits over {recipe.tensor_parallel_size} cards; "
+                                f"the rig shows {len(gpus.gpus)}")
+        p2p = p2p_disable_problem(dict(plan.env), plan.rig, topology)
+        if p2p is not None:
+            checks.fail("topology", p2p)
+    for pin, spec in zip(recipe.models, plan.pins, strict=True):
+        status = snapshot_status(cache, spec)
+        name = f"{spec.repo}@{spec.revision[:12]}"
+        if not status.complete:
+            checks.fail("model", f"{name} is not complete in {cache.cache}: {status.reason}; "
+                                 "add it to the rig's models and run deploys/models.py")
+        elif pin.file and pin.file not in cache.repos[spec.repo].snapshots[spec.revision]:
+            checks.fail("model", f"{name} has no {pin.file}")
+    _venv(checks, plan, probe, gpus, venv)
+    if probe.engines:
+        listed = "; ".join(f"pid {pid} `{cmd[:80]}`" for pid, cmd in probe.engines)
+        checks.fail("one engine", f"another engine runs outside {UNIT_NAME}: {listed}; stop it "
+                                  "first (never two big models at once)")
+    _host_ram(checks, plan, probe)
+    if plan.gpu and gpus is not None and gpus.ok and not any(
+        p.startswith("gpus:") for p in checks.problems
+    ):
+        _vram(checks, plan, probe, gpus)
+    return checks.problems
+
+
+def _venv(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe | None,
+          venv: VenvState) -> None:
+    name = plan.recipe.venv
+    if venv.manifest is None:
+        checks.fail("venv", f"{name} is not built ({venv_link(name)} -> {venv.target or 'nothing'})"
+                            ": deploys/rig.py or deploys/venvs.py builds it")
+        return
+    if not probe.entry:
+        checks.fail("venv", f"{name} has no {plan.argv[0]}: it is not a {plan.recipe.engine} venv")
+    if plan.gpu and gpus is not None and gpus.ok:
+        why = incompatibility(venv.manifest, gpus.driver_version) or staleness(
+            venv.manifest, gpus.driver_version
+        )
+        if why is not None:
+            checks.fail("venv", f"{name} is not current for the driver: {why}: run "
+                                "deploys/venvs.py")
+
+
+def _host_ram(checks: Preflight, plan: ServePlan, probe: ServeState) -> None:
+    need = plan.recipe.estimate.host_ram_gib
+    freed = probe.rss_kib / MIB if probe.running else 0.0
+    available = probe.mem_available_kib / MIB + freed
+    if need > available:
+        also = f" + {gib(freed)} the running {UNIT_NAME} frees" if freed else ""
+        checks.fail(
+            "host RAM",
+            f"the recipe needs {gib(need)}, {gib(available)} is available (MemAvailable "
+            f"{gib(probe.mem_available_kib / MIB)}{also}): short by {gib(need - available)}",
+        )
+
+
+def vram_need_gib(recipe: Recipe) -> float:
+    """Per card: the weights and KV split over the cards, plus the per-card overhead."""
+    cards = recipe.tensor_parallel_size
+    weights = sum(pin.weights_gib for pin in recipe.models)
+    return (weights + recipe.estimate.kv_gib) / cards + recipe.estimate.overhead_gib
+
+
+def _vram(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe) -> None:
+    recipe = plan.recipe
+    need = vram_need_gib(recipe)
+    ours = set(probe.unit_pids)
+    for gpu in sorted(gpus.gpus, key=lambda g: g.index)[: recipe.tensor_parallel_size]:
+        total = (gpu.memory_total_mib or 0) / 1024
+        used = (gpu.memory_used_mib or 0) / 1024
+        if probe.apps is not None:
+            mine = sum(mib or 0 for uuid, pid, mib in probe.apps
+                       if uuid == gpu.uuid and pid in ours) / 1024
+        else:  # no per-process numbers (WSL2): what a running rigbook-serve holds is freed
+            mine = used if probe.running else 0.0
+        others = max(used - mine, 0.0)
+        label = f"GPU {gpu.index} ({gpu.name})"
+        if recipe.gpu_memory_utilization is not None:
+            claim = recipe.gpu_memory_utilization * total
+            if need > claim:
+                checks.fail("VRAM", f"{label}: the recipe needs {gib(need)} per card but claims "
+                                    f"only {recipe.gpu_memory_utilization:g} x {gib(total)} = "
+                                    f"{gib(claim)}: short by {gib(need - claim)}")
+            elif others > total - claim:
+                checks.fail("VRAM", f"{label}: other processes hold {gib(others)}; the engine "
+                                    f"claims {gib(claim)} of {gib(total)}, leaving "
+                                    f"{gib(total - claim)}: short by "
+                                    f"{gib(others - (total - claim))}")
+        elif need > total - others:
+            checks.fail("VRAM", f"{label}: the recipe needs {gib(need)}, {gib(total - others)} "
+                                f"is free ({gib(others)} held by others): short by "
+                                f"{gib(need - (total - others))}")
+
+
+# --- health --------------------------------------------------------------------------------------
+
+def health_command(plan: ServePlan) -> StringCommand:
+    args = ["python3", HEALTH_PATH, "--url", plan.url, "--timeout", str(plan.health_timeout_s),
+            "--unit", UNIT_NAME]
+    if plan.key is not None:
+        args += ["--key-file", KEY_PATH]
+    return StringCommand(*args)
+
+
+def _last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        if line.strip().startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+def _await_health(state, host, plan: ServePlan, arguments: dict) -> bool:
+    """FunctionCommand body: wait for the API; on failure show the journal and stop the unit."""
+    _ok, output = host.run_shell_command(health_command(plan), **arguments)
+    result = _last_json(output.stdout) or {"ok": False, "message": output.stderr[-300:]}
+    if result.get("ok"):
+        logger.info(
+            f"{host.print_prefix}{plan.label} answers on {plan.url} after "
+            f"{result.get('seconds')} s: model {result.get('model')}, "
+            f"completion {result.get('completion')!r}"
+        )
+        return True
+    _ok, journal = host.run_shell_command(
+        StringCommand("journalctl", "-u", UNIT_NAME, "-n", str(JOURNAL_LINES), "--no-pager"),
+        **arguments,
+    )
+    host.run_shell_command(StringCommand("systemctl", "stop", UNIT_NAME), **arguments)
+    lines = journal.stdout
+    if plan.key is not None:
+        lines = plan.key.redact(lines).replace(plan.key.reveal().split("=", 1)[1], "***")
+    host.log_styled(
+        f"{plan.label} did not come up healthy on {plan.url} "
+        f"({result.get('stage', '?')}: {result.get('message')}). Last {JOURNAL_LINES} journal "
+        f"lines of {UNIT_NAME}:\n{lines}\n{UNIT_NAME} is stopped: this rig serves nothing now.",
+        fg="red", log_func=logger.error,
+    )
+    return False
+
+
+# --- the operation --------------------------------------------------------------------------------
+
+
+def _put(text: str, dest: str, mode: str = "644") -> Iterator:
+    yield from files.put._inner(src=io.StringIO(text), dest=dest, mode=mode)
+
+
+@operation()
+def serve_recipe(plan: ServePlan) -> Iterator:
+    """
+    Run the plan's recipe as rigbook-serve.service: preflight, graceful switch, health.
+
+    + plan: a ``ServePlan`` (``serve_plan(rig, name)``): recipe, command line, env, bind, key
+
+    Nothing differs and the unit is active: no change (the answer of one /v1/models request is
+    reported). Unit, env file or key changed, or the unit not running: the preflights run first
+    and a failure changes nothing; then the running engine is stopped (SIGTERM, graceful), the
+    files are written, the unit started and the health check waits for /v1/models and one
+    completion (serving_health_timeout_s). The user, directories and health script are
+    converged too, without a restart.
+    """
+    probe = host.get_fact(ServeProbe, args=probe_args(plan))
+    gpus = host.get_fact(NvidiaGpus) if plan.gpu else None
+    gone = (gpu_gone(probe) or gpu_lost_reason(host.get_fact(GpuLostMark))) if plan.gpu else None
+    smi = str(probe.smi["path"]) if probe.smi else (gpus.smi if gpus else "nvidia-smi")
+    unit_text = render_unit(plan, smi)
+    env_text = render_env(plan, launcher_environment(plan.recipe.venv))
+    wanted = {
+        UNIT_PATH: _sha(unit_text), ENV_PATH: _sha(env_text),
+        KEY_PATH: plan.key.sha256 if plan.key else None,
+        HEALTH_PATH: _sha(HEALTH_SOURCE.read_bytes()),
+    }
+    differs = {path for path, sha in wanted.items() if probe.files.get(path) != sha}
+    restart = bool(differs & {UNIT_PATH, ENV_PATH, KEY_PATH}) or not probe.running
+    where = f"{host.name}: {UNIT_NAME} ({plan.label})"
+
+    if gone is not None:
+        yield refuse(f"{where}: GPU check failed, nothing was changed: {gone}")
+        return
+    if restart:
+        cache = host.get_fact(ModelCache, cache=plan.rig.models_cache)
+        venv = host.get_fact(VenvBuilds, venv_name=plan.recipe.venv)
+        topology = host.get_fact(GpuTopology) if plan.gpu else None
+        problems = preflight(plan, probe, gpus, cache, venv, topology)
+        if problems:
+            message = (f"{where}: preflight failed, nothing was changed"
+                       + (f" ({UNIT_NAME} keeps running)" if probe.running else "") + ":\n"
+                       + "\n".join(f"  - {p}" for p in problems))
+            if not state.is_executing:
+                warn_once(message)
+            yield refuse(message)
+            return
+        if probe.running:
+            yield StringCommand("systemctl", "stop", UNIT_NAME)
+
+    if not probe.user:
+        yield from server.group._inner(SERVE_USER, system=True)
+        yield from server.user._inner(
+            SERVE_USER, group=SERVE_USER, home=SERVE_HOME, shell="/usr/sbin/nologin",
+            system=True, ensure_home=True,
+        )
+    if HEALTH_PATH in differs:
+        yield from files.put._inner(src=str(HEALTH_SOURCE), dest=HEALTH_PATH, mode="644")
+    if ENV_PATH in differs:
+        yield from _put(env_text, ENV_PATH)
+    if plan.key is not None and KEY_PATH in differs:
+        yield from secret_upload(plan.key, KEY_PATH)
+    elif plan.key is None and probe.files.get(KEY_PATH) is not None:
+        yield StringCommand("rm", "-f", KEY_PATH)
+    if UNIT_PATH in differs:
+        yield from _put(unit_text, UNIT_PATH)
+        yield StringCommand("systemctl", "daemon-reload")
+    if probe.enabled != "enabled":
+        yield StringCommand("systemctl", "enable", UNIT_NAME)
+    if restart:
+        yield StringCommand("systemctl", "start", UNIT_NAME)
+        yield FunctionCommand(_await_health, (plan, _connector_arguments()), {})
+        return
+    answer = probe.answer or {}
+    if answer.get("ok"):
+        host.noop(f"{UNIT_NAME} already runs {plan.label} and answers (model {answer['model']})")
+    else:
+        warn_once(f"{where} is active but /v1/models does not answer: {answer.get('message')} "
+                  f"(journalctl -u {UNIT_NAME})")
+        host.noop(f"{UNIT_NAME} already runs {plan.label}")
+
+
+# --- the role ------------------------------------------------------------------------------------
+
+
+@deploy("Serving")
+def serving(rig: Rig) -> None:
+    """Run the rig's recipe (rig.recipe) as rigbook-serve.service; no recipe: leave serving be."""
+    if rig.recipe is None:
+        return
+    try:
+        plan = serve_plan(rig, host.name)
+    except RigbookError as error:
+        refused(name="Check the serving recipe", message=str(error))
+        return
+    serve_recipe(name=f"Serve {plan.recipe.name} as {UNIT_NAME}", plan=plan)

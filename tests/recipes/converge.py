@@ -1,0 +1,11 @@
+"""TEST ONLY: the serving part of a converge on a sandbox rig: its venvs, then its recipe."""
+
+from pyinfra import host
+
+from roles.serving import serving
+from roles.spec import rig_of
+from roles.venvs import venvs
+
+rig = rig_of(host)
+venvs(rig)
+serving(rig)

@@ -1,0 +1,257 @@
+"""The recipe catalogue: every shipped recipe loads, fits its rig class, and renders exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from roles.errors import RigbookError
+from roles.recipes import (
+    PLACEHOLDER_REVISION,
+    RECIPES_DIR,
+    RECIPES_MD,
+    Recipe,
+    catalogue,
+    engine_argv,
+    example_rig,
+    fit_problems,
+    load_recipe,
+    recipe_for,
+    recipes_markdown,
+)
+from roles.serving import engine_environment
+from roles.spec import Rig
+from tests.conftest import ROOT
+
+TEST_RECIPES = str(ROOT / "tests" / "recipes")
+MAIN, DRAFT = "a" * 40, "b" * 40
+CACHE = "/var/lib/rigbook/hf/hub"
+VLLM = "/opt/rigbook/venvs/vllm-0.33/bin/vllm"
+QWEN32 = f"{CACHE}/models--Qwen--Qwen3-32B-AWQ/snapshots/{MAIN}"
+
+#: The exact command line of every shipped recipe, on a rig of its class that pins the model
+#: at MAIN (and the draft at DRAFT) in its `models` host data.
+EXPECTED = {
+    "dual-3090-tp2": [
+        VLLM, "serve", QWEN32, "--served-model-name", "Qwen/Qwen3-32B-AWQ",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "2",
+        "--max-model-len", "32768", "--gpu-memory-utilization", "0.95", "--max-num-seqs", "8",
+        "--shutdown-timeout", "30",
+    ],
+    "dual-3090-draft": [
+        VLLM, "serve", QWEN32, "--served-model-name", "Qwen/Qwen3-32B-AWQ",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "2",
+        "--max-model-len", "32768", "--gpu-memory-utilization", "0.95", "--max-num-seqs", "4",
+        "--speculative-config",
+        '{"model":"/var/lib/rigbook/hf/hub/models--Qwen--Qwen3-0.6B/snapshots/'
+        + DRAFT + '","num_speculative_tokens":5,"method":"draft_model"}',
+        "--shutdown-timeout", "30",
+    ],
+    "single-24g-long": [
+        VLLM, "serve", f"{CACHE}/models--Qwen--Qwen3-4B-Instruct-2507/snapshots/{MAIN}",
+        "--served-model-name", "Qwen/Qwen3-4B-Instruct-2507",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "1",
+        "--max-model-len", "131072", "--gpu-memory-utilization", "0.92",
+        "--kv-cache-dtype", "fp8_e5m2", "--max-num-seqs", "1",
+        "--max-num-batched-tokens", "16384", "--shutdown-timeout", "30",
+    ],
+    "llamacpp-single": [
+        "/opt/rigbook/venvs/llamacpp/bin/python", "-m", "llama_cpp.server",
+        "--model", f"{CACHE}/models--Qwen--Qwen3-14B-GGUF/snapshots/{MAIN}/Qwen3-14B-Q4_K_M.gguf",
+        "--model_alias", "Qwen/Qwen3-14B-GGUF", "--host", "127.0.0.1", "--port", "8000",
+        "--n_ctx", "32768", "--n_gpu_layers", "-1",
+    ],
+    "dual-20g-tp2": [
+        VLLM, "serve", QWEN32, "--served-model-name", "Qwen/Qwen3-32B-AWQ",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "2",
+        "--max-model-len", "32768", "--gpu-memory-utilization", "0.82",
+        "--kv-cache-dtype", "fp8_e5m2", "--max-num-seqs", "4", "--shutdown-timeout", "30",
+    ],
+    "wsl2-dual-3090-tp2": [
+        VLLM, "serve", QWEN32, "--served-model-name", "Qwen/Qwen3-32B-AWQ",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "2",
+        "--max-model-len", "32768", "--gpu-memory-utilization", "0.95", "--max-num-seqs", "8",
+        "--shutdown-timeout", "30",
+    ],
+}
+
+
+def pinned_rig(recipe: Recipe, **data) -> Rig:
+    """example_rig with the recipe's models pinned in host data (and any other keys)."""
+    models = [{"repo": recipe.model.repo, "revision": MAIN}]
+    if recipe.draft is not None:
+        models.append({"repo": recipe.draft.repo, "revision": DRAFT})
+    base = example_rig(recipe).model_dump(exclude_defaults=True)
+    return Rig.model_validate({**base, "models": models, **data})
+
+
+def recipe_data(**changes) -> dict:
+    """A valid vLLM recipe as TOML would give it, with changes."""
+    data = {
+        "name": "x", "description": "x", "engine": "vllm", "venv": "v",
+        "max_model_len": 4096, "gpu_memory_utilization": 0.9,
+        "model": {"repo": "o/m", "revision": MAIN, "weights_gib": 1},
+        "fits": {"gpu_class": ["rtx3090"], "gpu_count": 2, "platforms": ["debian"]},
+        "estimate": {"kv_gib": 1, "host_ram_gib": 8},
+    }
+    data.update(changes)
+    return data
+
+
+def test_the_catalogue_ships_the_recipes_the_seeds_describe():
+    recipes = catalogue()
+    assert set(recipes) == set(EXPECTED)
+    assert all(path.stem in recipes for path in RECIPES_DIR.glob("*.toml"))
+    assert not any(r.cpu_only for r in recipes.values()), "test recipes live under tests/"
+    tp2 = recipes["dual-3090-tp2"]
+    assert tp2.env["NCCL_P2P_DISABLE"] == "1" and tp2.fits.nvlink == "forbidden"
+    assert tp2.speculative is None  # no MTP head over PCIe
+    draft = recipes["dual-3090-draft"]
+    assert draft.speculative.method == "draft_model" and draft.draft.repo == "Qwen/Qwen3-0.6B"
+    twenty = recipes["dual-20g-tp2"]
+    assert (twenty.gpu_memory_utilization, twenty.kv_cache_dtype) == (0.82, "fp8_e5m2")
+    assert recipes["wsl2-dual-3090-tp2"].fits.platforms == ("wsl2",)
+    assert recipes["llamacpp-single"].engine == "llama.cpp"
+    assert recipes["single-24g-long"].max_model_len >= 131072
+    for recipe in recipes.values():  # every shipped pin is a marked placeholder
+        assert all(pin.revision == PLACEHOLDER_REVISION for pin in recipe.models)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_shipped_recipe_renders_its_exact_command_line(name):
+    recipe = catalogue()[name]
+    rig = pinned_rig(recipe)
+    assert fit_problems(recipe, rig) == []
+    assert engine_argv(recipe, rig) == EXPECTED[name]
+
+
+def test_speculative_config_is_the_json_vllm_documents():
+    recipe = catalogue()["dual-3090-draft"]
+    argv = engine_argv(recipe, pinned_rig(recipe))
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert config == {
+        "model": f"{CACHE}/models--Qwen--Qwen3-0.6B/snapshots/{DRAFT}",
+        "num_speculative_tokens": 5, "method": "draft_model",
+    }
+
+
+def test_bind_port_and_cache_come_from_host_data_when_set():
+    recipe = catalogue()["llamacpp-single"]
+    rig = pinned_rig(recipe, serving_bind="0.0.0.0", serving_port=9000,
+                     serving_api_key_file="/k", models_cache="/srv/hf")
+    argv = engine_argv(recipe, rig)
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert argv[argv.index("--port") + 1] == "9000"
+    assert argv[argv.index("--model") + 1].startswith("/srv/hf/models--Qwen--Qwen3-14B-GGUF/")
+    assert "--api-key" not in argv and "--api_key" not in argv
+
+
+def test_a_placeholder_pin_needs_the_rigs_models_entry():
+    recipe = catalogue()["dual-3090-tp2"]
+    with pytest.raises(RigbookError) as error:
+        engine_argv(recipe, example_rig(recipe))
+    assert "pins no real commit of Qwen/Qwen3-32B-AWQ" in str(error.value)
+    assert "add {repo: Qwen/Qwen3-32B-AWQ, revision: <40-hex commit>}" in str(error.value)
+
+
+def test_wsl2_recipes_get_the_allocator_setting_from_the_wsl_role():
+    recipe = catalogue()["wsl2-dual-3090-tp2"]
+    env = engine_environment(recipe, pinned_rig(recipe))
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    assert env["NCCL_P2P_DISABLE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    native = catalogue()["dual-3090-tp2"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in engine_environment(native, pinned_rig(native))
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    (recipe_data(flavour="x"), "flavour: Extra inputs are not permitted"),
+    (recipe_data(speculative={"method": "mtp", "num_speculative_tokens": 1},
+                 tensor_parallel_size=2), "MTP over PCIe bought nothing"),
+    (recipe_data(speculative={"method": "draft_model", "num_speculative_tokens": 5}),
+     "draft_model needs a draft model"),
+    (recipe_data(kv_cache_dtype="turboquant_3bit_nc"), "kv_cache_dtype 'turboquant_3bit_nc'"),
+    (recipe_data(gpu_memory_utilization=None), "vllm needs gpu_memory_utilization"),
+    (recipe_data(extra_args=["--port", "9"]), "extra_args: --port is set by rigbook"),
+    (recipe_data(extra_args=["--api-key=x"]), "extra_args: --api-key is set by rigbook"),
+    (recipe_data(env={"HF_HUB_OFFLINE": "0"}), "env: HF_HUB_OFFLINE is set by rigbook"),
+    (recipe_data(env={"A": 'x"y'}), "env: A: one line, no quotes"),
+    (recipe_data(engine="llama.cpp", gpu_memory_utilization=None),
+     "llama.cpp needs model.file"),
+    (recipe_data(engine="sglang", max_num_seqs=4), "max_num_seqs is a vLLM setting"),
+    (recipe_data(chunked_prefill=False), "chunked_prefill false has no verified flag"),
+    (recipe_data(tensor_parallel_size=4), "tensor_parallel_size 4 > fits.gpu_count 2"),
+    (recipe_data(bind="everywhere"), "bind 'everywhere' is not an IP address"),
+    (recipe_data(cpu_only=True), "cpu_only recipes are llama.cpp recipes"),
+])
+def test_bad_recipes_are_refused_with_the_field(tmp_path: Path, data, expected):
+    path = tmp_path / "x.toml"
+    path.write_text(_toml(data))
+    with pytest.raises(RigbookError) as error:
+        load_recipe(path)
+    assert expected in str(error.value) and str(path) in str(error.value)
+
+
+def test_a_recipe_is_named_after_its_file(tmp_path: Path):
+    path = tmp_path / "other.toml"
+    path.write_text(_toml(recipe_data()))
+    with pytest.raises(RigbookError, match="must be the file's stem 'other'"):
+        load_recipe(path)
+
+
+def _toml(data: dict, prefix: str = "") -> str:
+    """A tiny TOML writer for the test data (scalars, lists, one level of tables)."""
+    lines, tables = [], []
+    for key, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            lines.append(f"{key} = {json.dumps(value)}")
+    for key, value in tables:
+        lines.append(f"[{prefix}{key}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in value.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_fit_names_every_mismatch():
+    recipe = catalogue()["dual-3090-tp2"]
+    rig = Rig.model_validate({
+        "platform": "wsl2", "gpu_class": "rtx4090", "gpu_count": 1, "nvlink": True,
+        "venvs": [{"name": "vllm-0.33", "engine": "sglang", "packages": ["x"]}],
+    })
+    problems = fit_problems(recipe, rig)
+    assert problems == [
+        "platform is wsl2; the recipe fits ubuntu, debian",
+        "venv vllm-0.33 is a sglang venv; the recipe is vllm",
+        "gpu_class is rtx4090; the recipe fits rtx3090, rtx3090ti",
+        "gpu_count is 1; the recipe needs 2",
+        "the recipe is for rigs without NVLink (this rig has nvlink: true)",
+    ]
+    with pytest.raises(RigbookError) as error:
+        recipe_for(rig.model_copy(update={"recipe": "dual-3090-tp2"}), "rig7")
+    assert str(error.value).startswith("rig7: recipe dual-3090-tp2 does not fit this rig:\n")
+
+
+def test_unknown_recipe_lists_the_catalogue():
+    rig = example_rig(catalogue()["llamacpp-single"]).model_copy(update={"recipe": "nope"})
+    with pytest.raises(RigbookError) as error:
+        recipe_for(rig, "rig1")
+    assert "rig1: recipe: unknown recipe 'nope'; allowed: " in str(error.value)
+    assert "dual-3090-tp2" in str(error.value)
+
+
+def test_test_recipes_load_from_their_own_folder_without_shadowing(tmp_path: Path):
+    recipes = catalogue((TEST_RECIPES,))
+    assert {"tiny-cpu-a", "tiny-cpu-b", "tiny-cpu-badflag", "tiny-cpu-huge"} <= set(recipes)
+    assert recipes["tiny-cpu-a"].cpu_only
+    shadow = tmp_path / "dual-3090-tp2.toml"
+    shadow.write_text((RECIPES_DIR / "dual-3090-tp2.toml").read_text())
+    with pytest.raises(RigbookError, match="a recipe named 'dual-3090-tp2' already exists"):
+        catalogue((str(tmp_path),))
+
+
+def test_recipes_docs_are_generated_from_the_catalogue():
+    assert RECIPES_MD.read_text() == recipes_markdown(), "run `rigbook docs` to regenerate"
