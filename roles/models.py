@@ -30,14 +30,13 @@ docs/models.md has the cache layout, offline serving, tokens, fleet pulls and pr
 
 from __future__ import annotations
 
-import hashlib
 import io
 import ipaddress
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
 from pyinfra import host, logger, state
@@ -51,6 +50,7 @@ from pyinfra.operations import files, systemd
 from roles import FILES
 from roles.errors import RigbookError
 from roles.messages import notice, refuse, warn_once
+from roles.secrets import Secret, read_secret_file
 from roles.spec import ModelSpec, Rig
 from roles.tools import TOOLS_PYTHON, tools_venv
 
@@ -429,39 +429,6 @@ def pull_message(spec: ModelSpec, result: dict | None, stderr: str = "") -> str:
     return f"{where}: pull failed: {result.get('message', status)}"
 
 
-class Secret:
-    """A token that must not be printed: its repr and str are masked, its bytes go to a file."""
-
-    def __init__(self, value: str):
-        self._value = value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self.sha256)
-
-    @property
-    def data(self) -> bytes:
-        return self._value.encode() + b"\n"
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
-
-    def reveal(self) -> str:
-        return self._value
-
-    def redact(self, text: str) -> str:
-        """`text` with the token replaced by ***."""
-        return text.replace(self._value, "***") if self._value else text
-
-
 def redact(text: str, secret: Secret | None) -> str:
     return secret.redact(text) if secret is not None else text
 
@@ -525,19 +492,7 @@ def operator_token(rig: Rig, environ: Mapping[str, str] = os.environ) -> Secret 
     RigbookError when models_token_file cannot be read or does not hold one token.
     """
     if rig.models_token_file:
-        path = Path(rig.models_token_file).expanduser()
-        try:
-            text = path.read_text().strip()
-        except OSError as error:
-            raise RigbookError(
-                f"models_token_file: cannot read {path} on this machine ({error.strerror}); "
-                "allowed: a readable file holding one token"
-            ) from None
-        if not text or len(text.split()) != 1:
-            raise RigbookError(
-                f"models_token_file: {path} does not hold one token (it has "
-                f"{len(text.split())} words); allowed: one token on one line"
-            )
+        text = read_secret_file("models_token_file", rig.models_token_file, "token")
         return Secret(text)
     value = environ.get("HF_TOKEN", "").strip()
     return Secret(value) if value else None

@@ -34,7 +34,6 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
@@ -67,6 +66,7 @@ from roles.recipes import (
     port_of,
     recipe_for,
 )
+from roles.secrets import read_secret_file
 from roles.spec import ModelSpec, Rig
 from roles.venvs import (
     VenvBuilds,
@@ -144,21 +144,8 @@ class ServePlan:
 
 
 def read_api_key(path: str) -> str:
-    """The API key in an operator-side file: one token, nothing else."""
-    file = Path(path).expanduser()
-    try:
-        text = file.read_text().strip()
-    except OSError as error:
-        raise RigbookError(
-            f"serving_api_key_file: cannot read {file} on this machine ({error.strerror}); "
-            "allowed: a readable file holding one key"
-        ) from None
-    if not text or len(text.split()) != 1 or any(c in text for c in "\"'\\$%`"):
-        raise RigbookError(
-            f"serving_api_key_file: {file} must hold one key (one word, no quotes, backslashes, "
-            "$, % or backticks)"
-        )
-    return text
+    """The API key in an operator-side file: one word that needs no quoting in an env file."""
+    return read_secret_file("serving_api_key_file", path, "key", forbidden="\"'\\$%`")
 
 
 def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 
 from pyinfra.api import Config, FunctionCommand, Inventory, State, StringCommand
+from pyinfra.api.command import FileUploadCommand
 from pyinfra.context import ctx_host, ctx_state
 
 
@@ -61,6 +62,16 @@ def run_op(op, facts: dict, *args, name: str = "rig1", executing: bool = False, 
 def shell(commands) -> list[str]:
     """The shell commands among what an operation yielded."""
     return [c.get_raw_value() for c in commands if isinstance(c, StringCommand)]
+
+
+def describe(command) -> str:
+    """One line per yielded command: the shell text, an upload's destination, a call's name."""
+    if isinstance(command, FileUploadCommand):
+        return f"upload {command.dest}"
+    if isinstance(command, FunctionCommand):
+        return f"call {command.function.__name__}"
+    assert isinstance(command, StringCommand), command
+    return command.get_raw_value()
 
 
 def execute(command: FunctionCommand, fake: FakeHost) -> bool:

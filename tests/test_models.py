@@ -447,7 +447,7 @@ def test_operator_token_sources(tmp_path):
     cfg = rig(models_token_file=str(path))
     assert operator_token(cfg, {"HF_TOKEN": TOKEN}).reveal() == "hf_fromfile"  # the file wins
     path.write_text("two words\n")
-    with pytest.raises(RigbookError, match="does not hold one token"):
+    with pytest.raises(RigbookError, match="must hold one token"):
         operator_token(cfg, {})
     with pytest.raises(RigbookError, match="cannot read .*nope"):
         operator_token(rig(models_token_file=str(tmp_path / "nope")), {})

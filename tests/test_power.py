@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand
 from rich.console import Console
 
 from roles.errors import RigbookError
@@ -30,7 +29,7 @@ from roles.power import (
     render_unit,
 )
 from roles.spec import Rig
-from tests.opkit import FakeHost, run_op
+from tests.opkit import FakeHost, describe, run_op
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
@@ -211,15 +210,6 @@ def test_docs_show_the_unit_and_the_refusal_as_the_code_writes_them():
 
 def power_op(op, rig: Rig, facts: dict, executing: bool = False) -> tuple[list, FakeHost]:
     return run_op(op, facts, rig, executing=executing)
-
-
-def describe(command) -> str:
-    if isinstance(command, FileUploadCommand):
-        return f"upload {command.dest}"
-    if isinstance(command, FunctionCommand):
-        return f"call {command.function.__name__}"
-    assert isinstance(command, StringCommand), command
-    return command.get_raw_value()
 
 
 def unit_facts(probe, unit_text: str | None = None, enabled: bool = False) -> dict:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from pyinfra.api import FunctionCommand, StringCommand
-from pyinfra.api.command import FileUploadCommand
+from pyinfra.api import FunctionCommand
 
 from roles.errors import RigbookError
 from roles.gpus import Gpu, GpuProbe
@@ -38,7 +37,7 @@ from roles.serving import (
 from roles.spec import Rig
 from roles.venvs import VenvLayout, VenvState
 from tests.conftest import ROOT
-from tests.opkit import FakeHost, execute, local_fact, run_op
+from tests.opkit import FakeHost, describe, execute, local_fact, run_op
 from tests.tinymodel import N_LAYER, cache_layout, revision_of, vocabulary, write_tiny_gguf
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")
@@ -365,15 +364,6 @@ def op_facts(probe: ServeState, gpus=GPUS, cache=FULL_CACHE, venv=VENV_OK, dirs=
         "Sha1File": lambda path: None, "Md5File": lambda path: None,
         "Sha256File": lambda path: None,
     }
-
-
-def describe(command) -> str:
-    if isinstance(command, FileUploadCommand):
-        return f"upload {command.dest}"
-    if isinstance(command, FunctionCommand):
-        return f"call {command.function.__name__}"
-    assert isinstance(command, StringCommand), command
-    return command.get_raw_value()
 
 
 def launcher_of(layout: VenvLayout) -> dict:
