@@ -4,7 +4,8 @@
 
 Wraps pyinfra's SSH connector so that every remote command (facts and operations alike), file
 transfer and connection is counted per host; the counts go to the JSON file named by
-RIGBOOK_BENCH_COUNTS when the CLI exits. Nothing else about the run changes.
+RIGBOOK_BENCH_COUNTS when the CLI exits, and with RIGBOOK_BENCH_COMMANDS the text of every
+remote command to that file. Nothing else about the run changes.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ from pyinfra.connectors.ssh import SSHConnector
 from pyinfra_cli.main import main
 
 COUNTS: dict[str, Counter] = defaultdict(Counter)
+#: With RIGBOOK_BENCH_COMMANDS set, every remote command's text too (to see where time goes).
+COMMANDS: dict[str, list[str]] = defaultdict(list)
 
 
 def _counted(method, kind: str):
     @wraps(method)
     def wrapper(self, *args, **kwargs):
         COUNTS[self.host.name][kind] += 1
+        if kind == "commands" and os.environ.get("RIGBOOK_BENCH_COMMANDS"):
+            command = args[0] if args else kwargs.get("command")
+            COMMANDS[self.host.name].append(getattr(command, "get_raw_value", lambda: command)())
         return method(self, *args, **kwargs)
 
     return wrapper
@@ -43,6 +49,10 @@ def _write_counts() -> None:
     if path:
         with open(path, "w") as out:
             json.dump({host: dict(counts) for host, counts in COUNTS.items()}, out, indent=2)
+    path = os.environ.get("RIGBOOK_BENCH_COMMANDS")
+    if path:
+        with open(path, "w") as out:
+            json.dump(COMMANDS, out, indent=2)
 
 
 if __name__ == "__main__":

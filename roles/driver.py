@@ -691,12 +691,20 @@ def _persistence(rig: Rig):
             path=PERSISTENCED_DROPIN, present=False,
         )
     systemd.daemon_reload(name="systemctl daemon-reload (drop-in changed)", _if=dropin.did_change)
+    # Restart decided at execution (_if), not with dropin.will_change: that would read the
+    # drop-in's facts once more at plan time on every run.
     systemd.service(
         name="nvidia-persistenced started",
         service=PERSISTENCED,
         running=True,
-        restarted=dropin.will_change,
         _if=lambda: not pending_reboot(),
+    )
+    systemd.service(
+        name="nvidia-persistenced restarted (drop-in changed)",
+        service=PERSISTENCED,
+        running=True,
+        restarted=True,
+        _if=[dropin.did_change, lambda: not pending_reboot()],
     )
 
 

@@ -644,7 +644,10 @@ def guards(rig: Rig) -> None:
         systemd.service(
             name=f"{WATCH_UNIT} enabled and running", service=WATCH_UNIT, running=True,
             enabled=True,
-            restarted=xid_copy.will_change or watch.will_change or watch_unit.will_change,
+        )
+        systemd.service(  # decided at execution: will_change would re-read the files' facts
+            name=f"{WATCH_UNIT} restarted (its files changed)", service=WATCH_UNIT,
+            running=True, restarted=True, _if=any_changed(xid_copy, watch, watch_unit),
         )
     topology_report(name="GPU topology", rig=rig)
 
