@@ -28,7 +28,6 @@ from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 from tests.hubstub import huge_repo, tiny_repo
 from tests.test_models import ensure_wheels
 
-READY = ROOT / ".sandbox-ready"
 DEPLOY = "deploys/models.py"
 STUB_DIR = "/run/rigbook-hubstub"
 STUB_UNIT = "rigbook-hubstub"
@@ -37,10 +36,7 @@ CACHE = "/var/lib/rigbook/hf/hub"
 TOKEN = "hf_rigbookE2EfakeTOKEN7c1d2e3f4a5b6c7d"
 TINY, HUGE = tiny_repo(), huge_repo()
 
-pytestmark = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(not READY.exists(), reason="the sandbox is not finished (.sandbox-ready)"),
-]
+pytestmark = pytest.mark.sandbox
 
 
 def model(repo) -> dict:

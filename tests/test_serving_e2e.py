@@ -43,7 +43,6 @@ from roles.venvs import VENVS_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 from tests.tinymodel import FILE, REPO, cache_layout, revision_of, write_tiny_gguf
 
-READY = ROOT / ".sandbox-ready"
 CONVERGE = "tests/recipes/converge.py"
 SWITCH = "deploys/serve.py"
 LLAMA = "llama-cpp-python==0.3.36"
@@ -59,10 +58,7 @@ CACHE = "/var/lib/rigbook/hf/hub"
 SERVE_OP = "Serving | Serve {} as rigbook-serve.service"
 KEY = "rigbook-e2e-key-7f3a"
 
-pytestmark = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(not READY.exists(), reason="the sandbox is not finished (.sandbox-ready)"),
-]
+pytestmark = pytest.mark.sandbox
 
 
 def pip(*args: str, timeout: int = 600, env: dict | None = None) -> None:

@@ -17,19 +17,15 @@ import pytest
 from roles.inventory import load_rigs
 from roles.tuning import READ_ONLY_NOTE, SYSCTL_CONF, size_bytes
 from roles.wsl import GRAPHICS_DRIVERS, REG_EXE
-from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 
-READY = ROOT / ".sandbox-ready"
 DEPLOY = "tests/deploys/tuning_host.py"
 WATCHES = Path("/proc/sys/fs/inotify/max_user_watches")
 INSTANCES = Path("/proc/sys/fs/inotify/max_user_instances")
 ADMIN = "/etc/rigbook-sim/windows-admin"
 TDR_FILES = "/mnt/c/Users/rig/rigbook-tdr"
 
-pytestmark = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(not READY.exists(), reason="the sandbox is not finished (.sandbox-ready)"),
-]
+pytestmark = pytest.mark.sandbox
 
 
 def changed(run, text: str) -> list[str]:

@@ -26,9 +26,8 @@ from roles.inventory import load_rigs
 from roles.sandbox import wheelhouse
 from roles.tools import TOOLS_PINS, TOOLS_VENV
 from roles.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
-from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 
-READY = ROOT / ".sandbox-ready"
 CONVERGE = "deploys/rig.py"
 REBUILD = "deploys/venvs.py"
 NAME = "demo"
@@ -38,10 +37,7 @@ DRIVER_PACKAGES = ("libnvidia-ml1", "nvidia-kernel-open-dkms", "nvidia-open", "n
 VENV_OP = f"Python venvs | Venv {NAME}"
 ENV_OP = f"Python venvs | Launcher environment {env_file(NAME)}"
 
-pytestmark = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(not READY.exists(), reason="the sandbox is not finished (.sandbox-ready)"),
-]
+pytestmark = pytest.mark.sandbox
 
 
 def venv_specs(pin: str) -> list[dict]:

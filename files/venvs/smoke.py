@@ -1,4 +1,5 @@
-# rigbook venv smoke test: run by the NEW venv's own Python before the stable symlink moves to it.
+# rigbook venv smoke test: run by the NEW venv's own Python (-I: isolated, so nothing from the
+# working directory or PYTHON* variables leaks in) before the stable symlink moves to it.
 # Imports the engine (or the first package), checks torch against the driver, and only then writes
 # rigbook-manifest.json into the venv: a build with a manifest is a build that passed.
 # argv[1]: JSON from roles/venvs.py (smoke_input); stdout goes to the build log.
