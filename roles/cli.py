@@ -75,6 +75,34 @@ def add_status_command(commands: argparse._SubParsersAction) -> None:
     status.set_defaults(func=show_status)
 
 
+def bench_compare(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from roles.verify import chart_png, compare_rows, compare_table, load_runs, results_dir
+
+    runs = load_runs()
+    if not compare_rows(runs, args.rig):
+        which = f" of rig {args.rig}" if args.rig else ""
+        raise RigbookError(f"no verify results{which} in {results_dir()}; run deploys/verify.py")
+    Console(width=160).print(compare_table(runs, args.rig))
+    if args.png:
+        with open(args.png, "wb") as out:
+            out.write(chart_png(runs, args.rig))
+        print(f"wrote {args.png}")
+    return 0
+
+
+def add_bench_commands(commands: argparse._SubParsersAction) -> None:
+    group = commands.add_parser("bench", help="verify and benchmark results (deploys/verify.py)")
+    actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
+    compare = actions.add_parser(
+        "compare", help="table of the latest run per rig/recipe/driver/cap, or one rig's runs"
+    )
+    compare.add_argument("--rig", help="every stored run of this rig, oldest first")
+    compare.add_argument("--png", help="also write a bar chart of decode tok/s to this file")
+    compare.set_defaults(func=bench_compare)
+
+
 def write_docs(args: argparse.Namespace) -> None:
     print(f"wrote {write_host_data_docs()} and docs/recipes.md")
 
@@ -90,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sandbox_commands(commands)
     add_docs_command(commands)
     add_status_command(commands)
+    add_bench_commands(commands)
     return parser
 
 

@@ -275,6 +275,51 @@ class Rig(_Model):
                 )
         return self
 
+    # -- verify (roles/verify.py, deploys/verify.py) -------------------------------------------
+    verify_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+$",
+        description="Where this machine reaches the rig's API (e.g. an SSH tunnel); none = "
+        "http://<serving_bind or the rig's SSH address>:<port>.",
+    )
+    verify_prefill_tokens: int = Field(
+        15000, ge=16, description="Run option: prompt size (tokens) the prefill step sends."
+    )
+    verify_needle_depths: tuple[float, ...] = Field(
+        (0.1, 0.5, 0.9), min_length=1,
+        description="Where the needle sits in its haystack (0 = start, 1 = end), one probe each.",
+    )
+    verify_needle_fill: float = Field(
+        0.9, gt=0, le=1, description="Haystack size as a share of the context (max_model_len)."
+    )
+    verify_needle_exact: bool = Field(
+        True,
+        description="The needle must be answered back exactly (real models); false = the probe "
+        "must only be accepted and complete (random-weights test models).",
+    )
+    verify_context_len: int | None = Field(
+        None, ge=256, description="Context the ladder expects; none = the recipe's max_model_len."
+    )
+    verify_bench_warmups: int = Field(2, ge=0, le=20, description="Unmeasured runs per prompt.")
+    verify_bench_runs: int = Field(5, ge=1, le=50, description="Measured runs per prompt.")
+    verify_bench_tokens: int = Field(
+        256, ge=8, le=8192, description="Tokens each bench run generates (min = max)."
+    )
+    verify_bench_concurrency: int = Field(
+        4, ge=1, le=64, description="Streams at once in the concurrent bench (1 = skip it)."
+    )
+    verify_timeout_s: int = Field(
+        300, ge=5, le=3600, description="Limit of one request (the longest prefill included)."
+    )
+
+    @field_validator("verify_needle_depths")
+    @classmethod
+    def _needle_depths(cls, depths: tuple[float, ...]) -> tuple[float, ...]:
+        for depth in depths:
+            if not 0 <= depth <= 1:
+                raise ValueError(f"depth {depth} is outside 0..1 (0 = start, 1 = end)")
+        return depths
+
     # -- models (Hugging Face cache) ----------------------------------------------------------
     models_cache: str = Field(
         "/var/lib/rigbook/hf/hub",

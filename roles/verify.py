@@ -1,0 +1,814 @@
+"""Verify and benchmark a serving rig from the operator's machine, over the rig's API address.
+
+A ladder of checks, stopped at the first failure with its evidence (what was expected, what came
+back): `health` (/health when the engine has it, then /v1/models lists the recipe's served
+name), `chat` (one short chat completion with an OpenAI answer shape), `prefill` (a prompt of
+verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
+verify_needle_fill of the context is asked back, exact match when verify_needle_exact; and a
+prompt beyond the context must be REJECTED with the engine's context error) and `bench` (a
+fixed narrative and a fixed code prompt, streamed: time to first token and decode tokens/s,
+median and range, single stream and at verify_bench_concurrency).
+
+Prompt sizes are in tokens of the served model: the ladder calibrates words -> tokens with two
+small requests (the usage the engine reports), so no tokenizer is needed here.
+
+Every run is stored as JSON (`VerifyRun`) under results_dir()/<rig>/<recipe>/<driver>/<cap>/,
+history kept; `rigbook bench compare` tables them (and draws a PNG). docs/verify.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import statistics
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import requests
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pyinfra import host, logger
+from pyinfra.api import FunctionCommand, deploy, operation
+
+from roles.errors import RigbookError
+
+LADDER = ("health", "chat", "prefill", "needle", "bench")
+#: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
+CONTEXT_ERROR = re.compile(
+    r"maximum context length|context window|context length|maximum model length", re.I
+)
+#: Room left for the answer and the question around a haystack (tokens).
+ANSWER_TOKENS = 16
+#: Characters of an unexpected answer kept in a failure.
+EVIDENCE_CHARS = 300
+
+NARRATIVE_PROMPT = (
+    "Write a short story about a lighthouse keeper who finds an old radio that receives "
+    "messages from the future. Describe the sea, the weather and the keeper's daily routine."
+)
+CODE_PROMPT = (
+    "Write a Python function that reads a CSV file of GPU power readings (timestamp, gpu "
+    "index, watts) and returns the mean and peak watts per GPU, with type hints and a docstring."
+)
+BENCH_PROMPTS = {"narrative": NARRATIVE_PROMPT, "code": CODE_PROMPT}
+HAYSTACK = (
+    "The rig hums in the corner of the workshop while the fans turn slowly and the night "
+    "goes on outside. A kettle boils, the clock ticks, and the model answers every question "
+    "that the operator sends across the network from the other room. "
+).split()
+
+
+# --- what to verify ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ladder's knobs (host data verify_*)."""
+
+    prefill_tokens: int = 15000
+    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    needle_fill: float = 0.9
+    needle_exact: bool = True
+    context_len: int | None = None
+    bench_warmups: int = 2
+    bench_runs: int = 5
+    bench_tokens: int = 256
+    bench_concurrency: int = 4
+    timeout_s: float = 300
+
+
+@dataclass(frozen=True)
+class Target:
+    """One rig's running recipe as the operator's machine reaches it."""
+
+    rig: str
+    recipe: str
+    engine: str
+    served_name: str
+    max_model_len: int
+    url: str
+    key: str | None = field(default=None, repr=False)
+
+
+class StepFailed(Exception):
+    """A ladder step failed: which step, what was expected, what came back."""
+
+    def __init__(self, step: str, expected: str, got: str) -> None:
+        super().__init__(f"{step}: expected {expected}; got {got}")
+        self.step, self.expected, self.got = step, expected, truncate(got)
+
+
+def truncate(text: str, limit: int = EVIDENCE_CHARS) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+# --- results ---------------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Stat(_Model):
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stat:
+        return cls(median=statistics.median(values), min=min(values), max=max(values))
+
+    def text(self, digits: int = 1) -> str:
+        return f"{self.median:.{digits}f} [{self.min:.{digits}f}-{self.max:.{digits}f}]"
+
+
+class Step(_Model):
+    name: Literal["health", "chat", "prefill", "needle", "bench"]
+    ok: bool
+    seconds: float
+    detail: str = ""
+    expected: str | None = None
+    got: str | None = None
+
+
+class BenchFigures(_Model):
+    """One prompt at one concurrency: per stream TTFT and decode tok/s, and all streams' sum."""
+
+    prompt: Literal["narrative", "code"]
+    concurrency: int
+    runs: int
+    tokens: int
+    ttft_s: Stat
+    decode_tps: Stat
+    aggregate_tps: Stat
+
+
+class VerifyRun(_Model):
+    """One verify run of one rig, stored as JSON on the operator's machine."""
+
+    schema_version: Literal[1] = 1
+    rig: str
+    recipe: str
+    engine: str
+    served_model: str
+    url: str
+    driver: str | None
+    caps_w: tuple[float, ...]
+    started: datetime
+    seconds: float
+    ok: bool
+    failed_step: str | None = None
+    steps: tuple[Step, ...]
+    bench: tuple[BenchFigures, ...] = ()
+    settings: dict[str, object]
+
+    @property
+    def cap_label(self) -> str:
+        return "/".join(f"{w:g}" for w in self.caps_w) if self.caps_w else "none"
+
+    def failure(self) -> Step | None:
+        return next((s for s in self.steps if not s.ok), None)
+
+
+def results_dir() -> Path:
+    """RIGBOOK_VERIFY_DIR, else ~/.local/share/rigbook/verify."""
+    env = os.environ.get("RIGBOOK_VERIFY_DIR")
+    return Path(env) if env else Path.home() / ".local" / "share" / "rigbook" / "verify"
+
+
+def _part(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text) or "_"
+
+
+def run_path(run: VerifyRun, root: Path | None = None) -> Path:
+    """<root>/<rig>/<recipe>/driver-<version>/cap-<watts>/<started>.json (history kept)."""
+    stamp = run.started.strftime("%Y%m%dT%H%M%S.%fZ")
+    return ((root or results_dir()) / _part(run.rig) / _part(run.recipe)
+            / f"driver-{_part(run.driver or 'none')}" / f"cap-{_part(run.cap_label)}"
+            / f"{stamp}.json")
+
+
+def save_run(run: VerifyRun, root: Path | None = None) -> Path:
+    path = run_path(run, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run.model_dump_json(indent=2) + "\n")
+    return path
+
+
+def load_runs(root: Path | None = None) -> list[VerifyRun]:
+    """Every stored run, oldest first; a file that does not validate is an error naming it."""
+    runs = []
+    for path in sorted((root or results_dir()).glob("*/*/*/*/*.json")):
+        try:
+            runs.append(VerifyRun.model_validate_json(path.read_text()))
+        except (OSError, ValidationError) as error:
+            raise RigbookError(f"{path}: not a verify result: {truncate(str(error))}") from None
+    return sorted(runs, key=lambda r: r.started)
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+class Client:
+    """The rig's OpenAI-compatible API with bounded timeouts."""
+
+    def __init__(self, target: Target, timeout_s: float) -> None:
+        self.target, self.timeout = target, timeout_s
+        self.session = requests.Session()
+        if target.key:
+            self.session.headers["Authorization"] = f"Bearer {target.key}"
+
+    def get(self, path: str) -> requests.Response:
+        return self.session.get(self.target.url + path, timeout=(10, 30))
+
+    def post(self, path: str, body: dict, *, stream: bool = False) -> requests.Response:
+        return self.session.post(self.target.url + path, json=body, stream=stream,
+                                 timeout=(10, self.timeout))
+
+    def chat(self, content: str, max_tokens: int, **extra) -> requests.Response:
+        body = {"model": self.target.served_name, "max_tokens": max_tokens, "temperature": 0,
+                "seed": 0, "messages": [{"role": "user", "content": content}], **extra}
+        return self.post("/v1/chat/completions", body, stream=bool(extra.get("stream")))
+
+
+def _json(response: requests.Response) -> dict:
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    return data if isinstance(data, dict) else {}
+
+
+def _said(response: requests.Response) -> str:
+    return f"HTTP {response.status_code}: {response.text}"
+
+
+def answer_shape_problem(data: dict) -> str | None:
+    """Why a chat completion body is not an OpenAI answer (None: it is)."""
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return "no choices"
+    first = choices[0] if isinstance(choices[0], dict) else {}
+    message = first.get("message")
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return "choices[0].message is not an assistant message"
+    if not isinstance(message.get("content"), str):
+        return "choices[0].message.content is not text"
+    if not isinstance(first.get("finish_reason"), str):
+        return "choices[0].finish_reason is missing"
+    usage = data.get("usage")
+    if not isinstance(usage, dict) or not all(
+        isinstance(usage.get(k), int) for k in ("prompt_tokens", "completion_tokens")
+    ):
+        return "usage.prompt_tokens / usage.completion_tokens are missing"
+    if usage["prompt_tokens"] < 1:
+        return "usage.prompt_tokens is 0"
+    return None
+
+
+# --- prompts of a size ------------------------------------------------------------------
+
+
+def haystack_words(count: int, needle: str | None = None, depth: float = 0.5) -> str:
+    """`count` words of filler, with `needle` (a sentence) at `depth` (0 start, 1 end)."""
+    words = [HAYSTACK[i % len(HAYSTACK)] for i in range(max(count, 0))]
+    if needle is not None:
+        words.insert(round(depth * len(words)), needle)
+    return " ".join(words)
+
+
+@dataclass(frozen=True)
+class Sizer:
+    """prompt tokens = base + per_word x words, fitted from two requests to the engine."""
+
+    base: float
+    per_word: float
+
+    def words(self, tokens: int) -> int:
+        return max(int((tokens - self.base) / self.per_word), 1)
+
+
+def calibrate(client: Client) -> Sizer:
+    counts, tokens = (8, 32), []
+    for count in counts:
+        response = client.chat(haystack_words(count), max_tokens=1)
+        usage = _json(response).get("usage") or {}
+        if response.status_code != 200 or not isinstance(usage.get("prompt_tokens"), int):
+            raise StepFailed("prefill", f"usage.prompt_tokens for a {count}-word prompt",
+                             _said(response))
+        tokens.append(usage["prompt_tokens"])
+    per_word = max((tokens[1] - tokens[0]) / (counts[1] - counts[0]), 0.1)
+    return Sizer(base=tokens[0] - per_word * counts[0], per_word=per_word)
+
+
+# --- streaming arithmetic -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One streamed answer: time to first token, tokens, decode rate after the first token."""
+
+    started: float
+    first: float
+    last: float
+    tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first - self.started
+
+    @property
+    def decode_tps(self) -> float:
+        span = self.last - self.first
+        return (self.tokens - 1) / span if self.tokens > 1 and span > 0 else 0.0
+
+
+def sample_of(started: float, events: list[tuple[float, str]], usage_tokens: int | None) -> Sample:
+    """From the content chunks' arrival times; the engine's usage count wins over chunk counts."""
+    if not events:
+        raise ValueError("the stream carried no content")
+    tokens = usage_tokens if usage_tokens else len(events)
+    return Sample(started=started, first=events[0][0], last=events[-1][0], tokens=tokens)
+
+
+def read_stream(response: requests.Response, clock: Callable[[], float] = time.monotonic,
+                ) -> tuple[list[tuple[float, str]], int | None]:
+    """(arrival time, text) of each content chunk of an SSE chat stream, and usage tokens.
+
+    A chunk whose content is "" still carries a token (llama.cpp holds back the bytes of an
+    unfinished UTF-8 character); a role-only or finish chunk carries none.
+    """
+    events, usage, head = [], None, []
+    for raw in response.iter_lines():
+        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if len(head) < 3:
+            head.append(line)
+        if not line or not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        chunk = json.loads(payload)
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if isinstance(text, str):
+                events.append((clock(), text))
+        if isinstance(chunk.get("usage"), dict):
+            usage = chunk["usage"].get("completion_tokens") or usage
+    if not events:
+        raise ValueError(f"no content chunks in the stream, which began: {' | '.join(head)}")
+    return events, usage
+
+
+def stream_once(client: Client, prompt: str, tokens: int) -> Sample:
+    extra: dict = {"stream": True, "stream_options": {"include_usage": True}}
+    # a fixed answer length: min_tokens (vLLM, llama-cpp-python) or ignore_eos (SGLang)
+    extra.update({"ignore_eos": True} if client.target.engine == "sglang" else
+                 {"min_tokens": tokens})
+    started = time.monotonic()
+    with client.chat(prompt, max_tokens=tokens, **extra) as response:
+        if response.status_code != 200:
+            raise StepFailed("bench", "HTTP 200 and a token stream", _said(response))
+        try:
+            events, usage = read_stream(response)
+        except ValueError as error:
+            raise StepFailed("bench", "a stream of tokens", str(error)) from None
+    return sample_of(started, events, usage)
+
+
+def figures(prompt: str, concurrency: int, runs: list[list[Sample]]) -> BenchFigures:
+    """Median and range over the measured runs; aggregate = all streams' tokens / wall time."""
+    streams = [s for run in runs for s in run]
+    aggregate = [
+        sum(s.tokens for s in run) / max(max(s.last for s in run) - min(s.started for s in run),
+                                         1e-9)
+        for run in runs
+    ]
+    return BenchFigures(
+        prompt=prompt, concurrency=concurrency, runs=len(runs),
+        tokens=int(statistics.median(s.tokens for s in streams)),
+        ttft_s=Stat.of([s.ttft_s for s in streams]),
+        decode_tps=Stat.of([s.decode_tps for s in streams]),
+        aggregate_tps=Stat.of(aggregate),
+    )
+
+
+# --- the ladder ----------------------------------------------------------------------------------
+
+
+class Ladder:
+    """The steps, in order, against one target."""
+
+    def __init__(self, target: Target, settings: Settings) -> None:
+        self.target, self.settings = target, settings
+        self.client = Client(target, settings.timeout_s)
+        self.context = settings.context_len or target.max_model_len
+        self.bench: list[BenchFigures] = []
+        self._sizer: Sizer | None = None
+
+    @property
+    def sizer(self) -> Sizer:
+        if self._sizer is None:
+            self._sizer = calibrate(self.client)
+        return self._sizer
+
+    def health(self) -> str:
+        try:
+            health = self.client.get("/health")
+        except requests.RequestException as error:
+            raise StepFailed("health", f"an answer from {self.target.url}", repr(error)) from None
+        if health.status_code not in (200, 404):  # 404: the engine has no /health route
+            raise StepFailed("health", "GET /health -> 200", _said(health))
+        models = self.client.get("/v1/models")
+        ids = [m.get("id") for m in _json(models).get("data") or [] if isinstance(m, dict)]
+        if models.status_code != 200:
+            raise StepFailed("health", "GET /v1/models -> 200", _said(models))
+        if self.target.served_name not in ids:
+            raise StepFailed("health", f"/v1/models to list {self.target.served_name!r}",
+                             f"{ids!r}")
+        return f"/health {health.status_code}, /v1/models lists {self.target.served_name}"
+
+    def chat(self) -> str:
+        response = self.client.chat("Reply with the single word OK.", max_tokens=16)
+        data = _json(response)
+        problem = "not HTTP 200" if response.status_code != 200 else answer_shape_problem(data)
+        if problem:
+            raise StepFailed("chat", f"an OpenAI chat completion ({problem})", _said(response))
+        content = data["choices"][0]["message"]["content"]
+        return f"answered {truncate(content, 60)!r} ({data['usage']['completion_tokens']} tokens)"
+
+    def prefill(self) -> str:
+        want = self.settings.prefill_tokens
+        started = time.monotonic()
+        response = self.client.chat(haystack_words(self.sizer.words(want)), max_tokens=1)
+        data = _json(response)
+        if response.status_code != 200 or answer_shape_problem(data):
+            raise StepFailed("prefill", f"a ~{want}-token prompt to complete", _said(response))
+        took = time.monotonic() - started
+        got = data["usage"]["prompt_tokens"]
+        return f"{got} prompt tokens in {took:.2f} s ({got / took:.0f} tok/s prefill)"
+
+    def _haystack_request(self, tokens: int, needle: str | None, depth: float,
+                          question: str) -> requests.Response:
+        """A haystack of about `tokens` prompt tokens in all (needle and question counted)."""
+        fixed = 0.0
+        if needle is not None:  # measure what the needle and the question add on their own
+            alone = self.client.chat(f"{needle}\n\n{question}", max_tokens=1)
+            usage = _json(alone).get("usage") or {}
+            if alone.status_code != 200 or not isinstance(usage.get("prompt_tokens"), int):
+                raise StepFailed("needle", "usage.prompt_tokens of the bare question",
+                                 _said(alone))
+            fixed = usage["prompt_tokens"] - self.sizer.base
+        text = haystack_words(self.sizer.words(int(tokens - fixed)), needle, depth)
+        return self.client.chat(f"{text}\n\n{question}", max_tokens=ANSWER_TOKENS)
+
+    def needle(self) -> str:
+        fill = int(self.settings.needle_fill * self.context) - 2 * ANSWER_TOKENS
+        rng = random.Random()
+        notes = []
+        for depth in self.settings.needle_depths:
+            code = str(rng.randrange(1_000_000, 10_000_000))
+            response = self._haystack_request(
+                fill, f"The secret number of the rig is {code}.", depth,
+                "What is the secret number of the rig? Answer with the number only.",
+            )
+            data = _json(response)
+            where = f"the needle at depth {depth:g} of a ~{fill}-token context"
+            if response.status_code != 200 or answer_shape_problem(data):
+                raise StepFailed("needle", f"{where} to be accepted and answered "
+                                           f"(context {self.context})", _said(response))
+            answer = data["choices"][0]["message"]["content"]
+            if self.settings.needle_exact and not re.search(rf"\b{code}\b", answer):
+                raise StepFailed("needle", f"{where} answered with {code}", repr(answer))
+            notes.append(f"{depth:g}: {data['usage']['prompt_tokens']} tok "
+                         + ("recalled" if self.settings.needle_exact else "accepted"))
+        beyond = int(self.context * 1.25)
+        response = self._haystack_request(beyond, None, 0, "Say OK.")
+        message = response.text
+        if response.status_code < 400 or not CONTEXT_ERROR.search(message):
+            raise StepFailed("needle", f"a ~{beyond}-token prompt (beyond the {self.context}-token"
+                                       " context) rejected with a context-length error",
+                             _said(response))
+        notes.append(f"{beyond} tok rejected (HTTP {response.status_code})")
+        return "; ".join(notes)
+
+    def bench_(self) -> str:
+        s = self.settings
+        levels = [1] + ([s.bench_concurrency] if s.bench_concurrency > 1 else [])
+        skipped = ""
+        if self.target.engine == "llama.cpp" and len(levels) > 1:
+            # llama-cpp-python's server runs one request at a time and a new request cuts the
+            # running stream short (its interrupt_requests, on by default): nothing to measure
+            levels, skipped = [1], "; concurrent bench skipped (llama.cpp: one stream at a time)"
+        for name, prompt in BENCH_PROMPTS.items():
+            for _ in range(s.bench_warmups):
+                stream_once(self.client, prompt, s.bench_tokens)
+            for level in levels:
+                runs = []
+                with ThreadPoolExecutor(max_workers=level) as pool:
+                    for _ in range(s.bench_runs):
+                        jobs = [pool.submit(stream_once, self.client, prompt, s.bench_tokens)
+                                for _ in range(level)]
+                        runs.append([job.result() for job in jobs])
+                self.bench.append(figures(name, level, runs))
+        return "; ".join(
+            f"{f.prompt} x{f.concurrency}: {f.decode_tps.text()} tok/s, TTFT "
+            f"{f.ttft_s.text(3)} s" + (f", all {f.aggregate_tps.median:.1f} tok/s"
+                                        if f.concurrency > 1 else "")
+            for f in self.bench
+        ) + skipped
+
+    def steps(self) -> Iterator[tuple[str, Callable[[], str]]]:
+        yield "health", self.health
+        yield "chat", self.chat
+        yield "prefill", self.prefill
+        yield "needle", self.needle
+        yield "bench", self.bench_
+
+
+def run_ladder(target: Target, settings: Settings, *, driver: str | None = None,
+               caps_w: tuple[float, ...] = (),
+               log: Callable[[str], None] = lambda line: None) -> VerifyRun:
+    """Every step in order until the first failure; returns the run (ok or not) to store."""
+    ladder = Ladder(target, settings)
+    started, clock = datetime.now(UTC), time.monotonic()
+    steps: list[Step] = []
+    for name, step in ladder.steps():
+        begun = time.monotonic()
+        try:
+            detail = step()
+        except StepFailed as failed:
+            steps.append(Step(name=name, ok=False, seconds=time.monotonic() - begun,
+                              detail=f"{failed.step}: failed", expected=failed.expected,
+                              got=failed.got))
+            break
+        except (requests.RequestException, ValueError) as error:
+            steps.append(Step(name=name, ok=False, seconds=time.monotonic() - begun,
+                              detail="request failed", expected="an answer from the engine",
+                              got=truncate(repr(error))))
+            break
+        steps.append(Step(name=name, ok=True, seconds=time.monotonic() - begun, detail=detail))
+        log(f"{name}: ok, {detail}")
+    failed = next((s for s in steps if not s.ok), None)
+    return VerifyRun(
+        rig=target.rig, recipe=target.recipe, engine=target.engine,
+        served_model=target.served_name, url=target.url, driver=driver, caps_w=caps_w,
+        started=started, seconds=round(time.monotonic() - clock, 3), ok=failed is None,
+        failed_step=failed.name if failed else None, steps=tuple(steps),
+        bench=tuple(ladder.bench),
+        settings=json.loads(json.dumps({**settings.__dict__, "context": ladder.context})),
+    )
+
+
+def failure_message(run: VerifyRun) -> str:
+    """What a failed run says: the step, the rig, what was expected and what came back."""
+    step = run.failure()
+    if step is None:
+        return f"{run.rig}: {run.recipe} passed every step"
+    return (f"{run.rig}: verify of {run.recipe} ({run.url}) failed at step {step.name}: "
+            f"expected {step.expected}; got {step.got}")
+
+
+# --- compare ---------------------------------------------------------------------------------
+
+
+def _bench(run: VerifyRun, prompt: str, concurrency: int) -> BenchFigures | None:
+    return next((b for b in run.bench if b.prompt == prompt and
+                 (b.concurrency == 1) == (concurrency == 1)), None)
+
+
+def compare_rows(runs: list[VerifyRun], rig: str | None = None) -> list[VerifyRun]:
+    """Across rigs: the latest run per rig, recipe, driver and cap; one rig: all its runs."""
+    if rig is not None:
+        return [r for r in runs if r.rig == rig]
+    latest: dict[tuple, VerifyRun] = {}
+    for run in runs:
+        latest[(run.rig, run.recipe, run.driver, run.caps_w)] = run
+    return sorted(latest.values(), key=lambda r: (r.rig, r.recipe, r.started))
+
+
+def compare_table(runs: list[VerifyRun], rig: str | None = None):
+    """A rich Table of the rows compare_rows picks."""
+    from rich.table import Table
+
+    title = f"verify runs of {rig}" if rig else "latest verify run per rig, recipe, driver, cap"
+    table = Table(title=title)
+    for column in ("rig", "recipe", "driver", "cap W", "when (UTC)", "ladder",
+                   "narrative tok/s", "code tok/s", "TTFT s", "xN all tok/s"):
+        table.add_column(column, justify="right" if "tok" in column or "TTFT" in column
+                         else "left")
+    for run in compare_rows(runs, rig):
+        cells = []
+        for prompt in ("narrative", "code"):
+            single = _bench(run, prompt, 1)
+            cells.append(single.decode_tps.text() if single else "-")
+        single = _bench(run, "narrative", 1)
+        cells.append(single.ttft_s.text(3) if single else "-")
+        many = _bench(run, "narrative", 2)
+        cells.append(f"x{many.concurrency} {many.aggregate_tps.text()}" if many else "-")
+        ladder = "pass" if run.ok else f"FAIL {run.failed_step}"
+        table.add_row(run.rig, run.recipe, run.driver or "none", run.cap_label,
+                      run.started.strftime("%Y-%m-%d %H:%M:%S"), ladder, *cells)
+    return table
+
+
+# --- a PNG bar chart without plotting libraries ------------------------------------------
+
+#: 3x5 glyphs (rows of 3 bits) for chart labels.
+_GLYPHS = {
+    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7),
+    "4": (5, 5, 7, 1, 1), "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1),
+    "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7), ".": (0, 0, 0, 0, 2), "-": (0, 0, 7, 0, 0),
+    "/": (1, 1, 2, 4, 4), " ": (0, 0, 0, 0, 0), "a": (2, 5, 7, 5, 5), "b": (6, 5, 6, 5, 6),
+    "c": (7, 4, 4, 4, 7), "d": (6, 5, 5, 5, 6), "e": (7, 4, 6, 4, 7), "f": (7, 4, 6, 4, 4),
+    "g": (7, 4, 5, 5, 7), "h": (5, 5, 7, 5, 5), "i": (7, 2, 2, 2, 7), "j": (1, 1, 1, 5, 7),
+    "k": (5, 5, 6, 5, 5), "l": (4, 4, 4, 4, 7), "m": (5, 7, 7, 5, 5), "n": (6, 5, 5, 5, 5),
+    "o": (7, 5, 5, 5, 7), "p": (7, 5, 7, 4, 4), "q": (7, 5, 5, 7, 1), "r": (6, 5, 6, 5, 5),
+    "s": (7, 4, 7, 1, 7), "t": (7, 2, 2, 2, 2), "u": (5, 5, 5, 5, 7), "v": (5, 5, 5, 5, 2),
+    "w": (5, 5, 7, 7, 5), "x": (5, 5, 2, 5, 5), "y": (5, 5, 2, 2, 2), "z": (7, 1, 2, 4, 7),
+}
+
+
+def png_bytes(width: int, height: int, pixels: list[bytearray]) -> bytes:
+    """An RGB PNG (8 bits per channel) of rows of width*3 bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
+    return (b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+class _Canvas:
+    def __init__(self, width: int, height: int) -> None:
+        self.width, self.height = width, height
+        self.rows = [bytearray(b"\xff" * width * 3) for _ in range(height)]
+
+    def rect(self, x0: int, y0: int, x1: int, y1: int, rgb: tuple[int, int, int]) -> None:
+        for y in range(max(y0, 0), min(y1, self.height)):
+            row = self.rows[y]
+            for x in range(max(x0, 0), min(x1, self.width)):
+                row[3 * x: 3 * x + 3] = bytes(rgb)
+
+    def text(self, x: int, y: int, text: str, scale: int = 2) -> None:
+        for char in text.lower():
+            for dy, bits in enumerate(_GLYPHS.get(char, _GLYPHS[" "])):
+                for dx in range(3):
+                    if bits & (4 >> dx):
+                        self.rect(x + dx * scale, y + dy * scale, x + (dx + 1) * scale,
+                                  y + (dy + 1) * scale, (0, 0, 0))
+            x += 4 * scale
+
+
+COLOURS = {"narrative": (52, 101, 164), "code": (245, 121, 0)}
+
+
+def chart_png(runs: list[VerifyRun], rig: str | None = None) -> bytes:
+    """Bars of single-stream decode tok/s (median; narrative blue, code orange), one group per
+    compared row, labelled rig/recipe and the value."""
+    rows = compare_rows(runs, rig)
+    values = [[(p, _bench(r, p, 1)) for p in ("narrative", "code")] for r in rows]
+    peak = max((b.decode_tps.median for row in values for _, b in row if b), default=1.0) or 1.0
+    bar, gap, top, plot = 28, 36, 34, 220
+    width = max(40 + len(rows) * (2 * bar + gap), 320)
+    height = top + plot + 70
+    canvas = _Canvas(width, height)
+    canvas.text(8, 4, "decode tok/s, 1 stream (median)")
+    canvas.rect(20, top + plot, width - 10, top + plot + 1, (0, 0, 0))
+    for i, (run, row) in enumerate(zip(rows, values, strict=True)):
+        x = 30 + i * (2 * bar + gap)
+        for j, (prompt, figures_) in enumerate(row):
+            if figures_ is None:
+                continue
+            h = int(plot * figures_.decode_tps.median / peak)
+            canvas.rect(x + j * bar, top + plot - h, x + (j + 1) * bar - 2, top + plot,
+                        COLOURS[prompt])
+            canvas.text(x + j * bar, top + plot - h - 12, f"{figures_.decode_tps.median:.0f}", 1)
+        canvas.text(x, top + plot + 6, run.rig[: (2 * bar + gap) // 8], 2)
+        canvas.text(x, top + plot + 20, run.recipe[: (2 * bar + gap) // 4], 1)
+        canvas.text(x, top + plot + 30, run.started.strftime("%m-%d %H.%M"), 1)
+    return png_bytes(width, height, canvas.rows)
+
+
+# --- the deploy: one rig at a time, at execution time ------------------------------------------
+
+
+def settings_of(rig) -> Settings:
+    return Settings(
+        prefill_tokens=rig.verify_prefill_tokens, needle_depths=rig.verify_needle_depths,
+        needle_fill=rig.verify_needle_fill, needle_exact=rig.verify_needle_exact,
+        context_len=rig.verify_context_len, bench_warmups=rig.verify_bench_warmups,
+        bench_runs=rig.verify_bench_runs, bench_tokens=rig.verify_bench_tokens,
+        bench_concurrency=rig.verify_bench_concurrency, timeout_s=rig.verify_timeout_s,
+    )
+
+
+def api_url(rig, rig_name: str, address: str, bind: str, port: int) -> str:
+    """Where this machine reaches the API: verify_url, the bind address, or the SSH address."""
+    import ipaddress
+
+    if rig.verify_url:
+        return rig.verify_url
+    ip = ipaddress.ip_address(bind)
+    if ip.is_loopback:
+        raise RigbookError(
+            f"{rig_name}: serving_bind: the API listens on {bind} only, which this machine "
+            "cannot reach; set verify_url (e.g. http://127.0.0.1:PORT through an SSH tunnel), "
+            "or bind the rig's address with serving_api_key_file"
+        )
+    host_ = address if ip.is_unspecified else bind
+    return f"http://[{host_}]:{port}" if ":" in host_ else f"http://{host_}:{port}"
+
+
+def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
+    """The target and settings of a rig with a recipe; RigbookError names the field and range."""
+    from roles.recipes import bind_of, port_of, recipe_for
+    from roles.serving import read_api_key
+
+    recipe = recipe_for(rig, rig_name)
+    settings = settings_of(rig)
+    context = settings.context_len or recipe.max_model_len
+    if settings.prefill_tokens + ANSWER_TOKENS > context:
+        raise RigbookError(
+            f"{rig_name}: verify_prefill_tokens: {settings.prefill_tokens} does not fit the "
+            f"{context}-token context of {recipe.name}; allowed: 16..{context - ANSWER_TOKENS}"
+        )
+    key_file = rig.serving_api_key_file or recipe.api_key_file
+    try:
+        key = read_api_key(key_file) if key_file else None
+    except RigbookError as error:
+        raise RigbookError(f"{rig_name}: {error}") from None
+    url = api_url(rig, rig_name, address, bind_of(recipe, rig), port_of(recipe, rig))
+    target = Target(rig=rig_name, recipe=recipe.name, engine=recipe.engine,
+                    served_name=recipe.served_name(), max_model_len=recipe.max_model_len,
+                    url=url, key=key)
+    return target, settings
+
+
+def _hardware(host) -> tuple[str | None, tuple[float, ...]]:
+    """Driver version and enforced power caps as the rig reports them now (none: no GPUs)."""
+    from roles.facts import NvidiaGpus
+
+    probe = host.get_fact(NvidiaGpus)
+    if probe is None or not probe.ok:
+        return None, ()
+    caps = tuple(float(g.power_limit_w) for g in probe.gpus if g.power_limit_w is not None)
+    return probe.driver_version, caps
+
+
+def _verify(state, host, target: Target, settings: Settings, root: Path | None) -> bool:
+    """FunctionCommand body: run the ladder, store the run, fail this rig alone on a failure."""
+    driver, caps = _hardware(host)
+    run = run_ladder(target, settings, driver=driver, caps_w=caps,
+                     log=lambda line: logger.info(f"{host.print_prefix}verify {line}"))
+    path = save_run(run, root)
+    if run.ok:
+        logger.info(f"{host.print_prefix}{target.recipe} passed the verify ladder in "
+                    f"{run.seconds:.1f} s; stored {path}")
+        return True
+    host.log_styled(f"{failure_message(run)}\nStored {path}", fg="red", log_func=logger.error)
+    return False
+
+
+@operation(is_idempotent=False)
+def verify_serving(target: Target, settings: Settings, root: str | None = None):
+    """
+    Run the verify ladder against a rig's running recipe from this machine; store the run.
+
+    + target: a ``Target`` (``verify_plan``): URL, served name, context, API key
+    + settings: the ladder's ``Settings`` (host data verify_*)
+    + root: results folder; none = ``results_dir()`` (RIGBOOK_VERIFY_DIR)
+
+    Changes nothing on the rig: it sends requests to its API when the deploy executes and
+    writes one JSON file here. A failed step fails this rig only.
+    """
+    yield FunctionCommand(_verify, (target, settings, Path(root) if root else None), {})
+
+
+@deploy("Verify")
+def verify(rig) -> None:
+    """Verify the rig's running recipe (deploy-level: plans one operation for this host)."""
+    from roles.models import refused
+
+    if rig.recipe is None:
+        refused(name="Check the serving recipe",
+                message=f"{host.name}: recipe: no recipe to verify; pass --data recipe=NAME")
+        return
+    address = host.data.get("ssh_hostname") or host.name
+    try:
+        target, settings = verify_plan(rig, host.name, address)
+    except RigbookError as error:
+        refused(name="Check the verify settings", message=str(error))
+        return
+    verify_serving(name=f"Verify {target.recipe} on {target.url}", target=target,
+                   settings=settings)

@@ -1,0 +1,276 @@
+"""The verify ladder against a tiny fake OpenAI server on 127.0.0.1 (a thread of this test).
+
+The fake counts one token per word (+4 for the chat wrapper), rejects prompts at or beyond its
+context with llama-cpp-python's own message, streams one word per SSE chunk, and can be told
+to serve another model name, answer in a wrong shape, or accept any length.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from roles import cli
+from roles.errors import RigbookError
+from roles.spec import parse_rig
+from roles.verify import (
+    Settings,
+    Target,
+    VerifyRun,
+    api_url,
+    compare_rows,
+    compare_table,
+    failure_message,
+    load_runs,
+    read_stream,
+    run_ladder,
+    sample_of,
+    save_run,
+    verify_plan,
+)
+
+KEY = "k-123"
+SMALL = Settings(prefill_tokens=100, needle_depths=(0.1, 0.9), needle_fill=0.9,
+                 needle_exact=True, bench_warmups=1, bench_runs=2, bench_tokens=8,
+                 bench_concurrency=2, timeout_s=10)
+
+
+class Fake:
+    model = "org/served"
+    context = 512
+    shape_ok = True
+    reject = True
+    recall = True
+
+
+class Handler(BaseHTTPRequestHandler):
+    fake = Fake
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, code: int, body: dict | str, kind: str = "application/json") -> None:
+        data = (json.dumps(body) if isinstance(body, dict) else body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self._send(404, {"detail": "Not Found"})
+        if self.headers.get("Authorization") != f"Bearer {KEY}":
+            return self._send(401, {"error": "bad key"})
+        self._send(200, {"object": "list", "data": [{"id": self.fake.model}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        content = body["messages"][0]["content"]
+        prompt = len(content.split()) + 4
+        if self.fake.reject and prompt >= self.fake.context:
+            return self._send(400, {"error": {"message": (
+                f"This model's maximum context length is {self.fake.context} tokens. However, "
+                f"you requested {prompt} tokens")}})
+        code = re.search(r"secret number of the rig is (\d+)", content)
+        answer = code.group(1) if code and self.fake.recall else "OK"
+        if body.get("stream"):
+            words = [f"w{i} " for i in range(body["max_tokens"])]
+            lines = [json.dumps({"choices": [{"delta": {"content": w}}]}) for w in words]
+            lines.append(json.dumps({"choices": [], "usage": {"completion_tokens": len(words)}}))
+            text = "".join(f"data: {line}\n\n" for line in lines) + "data: [DONE]\n\n"
+            return self._send(200, text, "text/event-stream")
+        if not self.fake.shape_ok:
+            return self._send(200, {"choices": [{"text": answer}]})
+        self._send(200, {
+            "object": "chat.completion", "model": self.fake.model,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": answer}}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 1},
+        })
+
+
+@pytest.fixture
+def server():
+    class Local(Fake):
+        pass
+
+    handler = type("H", (Handler,), {"fake": Local})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield Local, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def target(url: str, context: int = 512) -> Target:
+    return Target(rig="rigA", recipe="tiny", engine="vllm", served_name="org/served",
+                  max_model_len=context, url=url, key=KEY)
+
+
+def test_whole_ladder_passes(server):
+    fake, url = server
+    run = run_ladder(target(url), SMALL, driver="580.95.05", caps_w=(290.0, 290.0))
+    assert run.ok, failure_message(run)
+    assert [s.name for s in run.steps] == ["health", "chat", "prefill", "needle", "bench"]
+    prefill = run.steps[2].detail
+    assert re.match(r"\d+ prompt tokens", prefill) and 90 <= int(prefill.split()[0]) <= 100
+    assert "0.1: " in run.steps[3].detail and "recalled" in run.steps[3].detail
+    assert "640 tok rejected (HTTP 400)" in run.steps[3].detail
+    assert {(b.prompt, b.concurrency) for b in run.bench} == {
+        ("narrative", 1), ("narrative", 2), ("code", 1), ("code", 2)}
+    assert all(b.tokens == 8 and b.runs == 2 for b in run.bench)
+    # llama-cpp-python cuts a running stream short when another request comes: single only
+    one = run_ladder(Target(**{**target(url).__dict__, "engine": "llama.cpp"}), SMALL)
+    assert {b.concurrency for b in one.bench} == {1}
+    assert "concurrent bench skipped (llama.cpp: one stream at a time)" in one.steps[4].detail
+
+
+def test_wrong_model_name_stops_at_health(server):
+    fake, url = server
+    fake.model = "org/other"
+    run = run_ladder(target(url), SMALL)
+    assert not run.ok and run.failed_step == "health" and len(run.steps) == 1
+    message = failure_message(run)
+    assert "rigA: verify of tiny" in message and "failed at step health" in message
+    assert "expected /v1/models to list 'org/served'; got ['org/other']" in message
+
+
+def test_bad_key_and_dead_engine(server):
+    fake, url = server
+    run = run_ladder(Target(**{**target(url).__dict__, "key": "wrong"}), SMALL)
+    assert run.failed_step == "health" and "HTTP 401" in run.steps[0].got
+    dead = run_ladder(target("http://127.0.0.1:1"), SMALL)
+    assert dead.failed_step == "health" and "ConnectionError" in dead.steps[0].got
+
+
+def test_bad_answer_shape_stops_at_chat(server):
+    fake, url = server
+    fake.shape_ok = False
+    run = run_ladder(target(url), SMALL)
+    assert run.failed_step == "chat"
+    step = run.failure()
+    assert step.expected == "an OpenAI chat completion (choices[0].message is not an assistant " \
+                            "message)"
+    assert step.got.startswith('HTTP 200: {"choices": [{"text": "OK"}]}')
+
+
+def test_needle_recall_exact_or_plumbing_only(server):
+    fake, url = server
+    fake.recall = False
+    run = run_ladder(target(url), SMALL)
+    assert run.failed_step == "needle" and "answered with" in run.failure().expected
+    assert run.failure().got == "'OK'"
+    plumbing = run_ladder(target(url), Settings(**{**SMALL.__dict__, "needle_exact": False}))
+    assert plumbing.ok and "accepted" in plumbing.steps[3].detail
+
+
+def test_context_beyond_the_engine_is_rejected_and_reported(server):
+    fake, url = server
+    # the ladder believes 1024 tokens; the engine holds 512: the needle probe is rejected
+    run = run_ladder(target(url), Settings(**{**SMALL.__dict__, "context_len": 1024}))
+    step = run.failure()
+    assert run.failed_step == "needle"
+    assert "to be accepted and answered (context 1024)" in step.expected
+    assert "HTTP 400" in step.got and "maximum context length is 512 tokens" in step.got
+    # an engine that accepts anything fails the beyond-context rejection check
+    fake.reject = False
+    run = run_ladder(target(url), SMALL)
+    assert run.failed_step == "needle"
+    assert "rejected with a context-length error" in run.failure().expected
+    assert run.failure().got.startswith("HTTP 200")
+
+
+def test_stream_arithmetic():
+    events = [(10.5, "a"), (10.6, "b"), (10.7, "c"), (11.5, "d")]
+    sample = sample_of(10.0, events, None)
+    assert sample.ttft_s == pytest.approx(0.5) and sample.tokens == 4
+    assert sample.decode_tps == pytest.approx(3 / 1.0)
+    # the engine's usage count wins over chunks (several tokens in a chunk)
+    assert sample_of(10.0, events, 7).decode_tps == pytest.approx(6.0)
+    assert sample_of(10.0, [(10.2, "x")], None).decode_tps == 0.0
+    with pytest.raises(ValueError):
+        sample_of(10.0, [], 3)
+
+    class Response:
+        def iter_lines(self):
+            yield from ['data: {"choices":[{"delta":{"role":"assistant"}}]}', "",
+                        'data: {"choices":[{"delta":{"content":"Hi"}}]}', ": ping",
+                        'data: {"choices":[{"delta":{"content":" there"}}]}',
+                        'data: {"choices":[],"usage":{"completion_tokens":3}}', "data: [DONE]",
+                        'data: {"choices":[{"delta":{"content":"late"}}]}']
+    ticks = iter([1.0, 2.0])
+    assert read_stream(Response(), clock=lambda: next(ticks)) == ([(1.0, "Hi"), (2.0, " there")],
+                                                                 3)
+
+    class Empty:
+        def iter_lines(self):
+            yield from [b'data: {"choices":[{"delta":{"role":"assistant"}}]}', b"data: [DONE]"]
+    with pytest.raises(ValueError, match=r"no content chunks in the stream, which began: data: "):
+        read_stream(Empty())
+
+
+def test_results_json_and_compare(server, tmp_path: Path, monkeypatch, capsys):
+    fake, url = server
+    monkeypatch.setenv("RIGBOOK_VERIFY_DIR", str(tmp_path))
+    first = run_ladder(target(url), SMALL, driver="580.95.05", caps_w=(290.0,))
+    second = run_ladder(target(url), SMALL, driver="580.95.05", caps_w=(290.0,))
+    fake.model = "org/other"
+    other = run_ladder(Target(**{**target(url).__dict__, "rig": "rigB"}), SMALL, driver=None)
+    paths = [save_run(r) for r in (first, second, other)]
+    assert paths[0].relative_to(tmp_path).parts[:4] == ("rigA", "tiny", "driver-580.95.05",
+                                                        "cap-290")
+    assert VerifyRun.model_validate_json(paths[0].read_text()) == first
+    runs = load_runs()
+    assert len(runs) == 3
+    assert [r.started for r in compare_rows(runs)] == [second.started, other.started]
+    assert len(compare_rows(runs, "rigA")) == 2
+    # the CLI: a table across rigs and a PNG
+    png = tmp_path / "chart.png"
+    assert cli.main(["bench", "compare", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "rigA" in out and "rigB" in out and "FAIL health" in out and "pass" in out
+    assert "x2" in out and "580.95.05" in out
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and b"IEND" in data[-12:]
+    assert cli.main(["bench", "compare", "--rig", "nope"]) == 1
+    assert compare_table(runs, "rigA").row_count == 2
+    # a damaged file is named
+    bad = paths[0].with_name("broken.json")
+    bad.write_text('{"rig": 1}')
+    with pytest.raises(RigbookError, match="broken.json: not a verify result"):
+        load_runs()
+
+
+def rig(**data):
+    base = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
+            "recipe": "tiny-cpu-a", "serving_recipe_dirs": [str(Path("tests/recipes").resolve())],
+            "venvs": [{"name": "tiny-cpu", "engine": "llama-cpp-python", "packages": ["x"]}]}
+    return parse_rig("rigA", {**base, **data})
+
+
+def test_plan_from_host_data(tmp_path: Path):
+    key = tmp_path / "key"
+    key.write_text(KEY + "\n")
+    wide = rig(serving_bind="0.0.0.0", serving_api_key_file=str(key), verify_prefill_tokens=300,
+               verify_needle_exact=False)
+    target_, settings = verify_plan(wide, "rigA", "10.231.1.2")
+    assert target_.url == "http://10.231.1.2:8100" and target_.key == KEY
+    assert target_.served_name == "local/tiny" and target_.max_model_len == 512
+    assert settings.prefill_tokens == 300 and settings.needle_exact is False
+    with pytest.raises(RigbookError, match=r"verify_prefill_tokens: 15000 does not fit the "
+                                           r"512-token context of tiny-cpu-a; allowed: 16\.\.496"):
+        verify_plan(rig(serving_bind="0.0.0.0", serving_api_key_file=str(key)), "rigA", "x")
+    with pytest.raises(RigbookError, match="listens on 127.0.0.1 only"):
+        verify_plan(rig(verify_prefill_tokens=300), "rigA", "10.0.0.1")
+    tunnel = rig(verify_prefill_tokens=300, verify_url="http://127.0.0.1:18100")
+    assert verify_plan(tunnel, "rigA", "x")[0].url == "http://127.0.0.1:18100"
+    assert api_url(wide, "rigA", "h", "192.168.1.5", 8000) == "http://192.168.1.5:8000"
+    with pytest.raises(RigbookError, match=r"verify_needle_depths.0: Value error|depth 1.5"):
+        rig(verify_needle_depths=[1.5])

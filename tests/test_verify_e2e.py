@@ -1,0 +1,122 @@
+"""Verify end to end on the dual-3090 sandbox rig (rig1): the ladder against a REAL engine.
+
+The engine is llama-cpp-python's server on CPU serving the tiny random-weights GGUF from the
+test recipe tiny-cpu-a (context 512), set up exactly as tests/test_serving_e2e.py does (its
+helpers are imported). It binds 0.0.0.0 with an API key, so this machine reaches it at the
+rig's own address, as an operator's machine reaches a rig on the LAN. One story:
+
+1. deploys/verify.py with small sizes: the whole ladder passes (the needle step checks the
+   plumbing: accepted at each depth, rejected beyond the context); the run is stored as JSON;
+2. a ladder told the context is 1024 fails at the needle step with the engine's own error;
+3. with the engine stopped, the ladder fails at its first step;
+4. `rigbook bench compare` tables the runs and writes a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from roles import cli
+from roles.serving import UNIT_NAME
+from roles.verify import load_runs
+from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from tests.test_serving_e2e import (
+    CACHE,
+    CONF_DIR,
+    CONVERGE,
+    KEY,
+    UNIT_PATH,
+    VENVS_DIR,
+    data_args,
+    place_model,
+    wheelhouse_for_llama,
+)
+from tests.tinymodel import FILE, revision_of, write_tiny_gguf
+
+VERIFY = "deploys/verify.py"
+
+pytestmark = pytest.mark.sandbox
+SMALL = {
+    "verify_prefill_tokens": "300", "verify_needle_depths": "[0.1, 0.5, 0.9]",
+    "verify_needle_exact": "false", "verify_bench_warmups": "1", "verify_bench_runs": "3",
+    "verify_bench_tokens": "24", "verify_bench_concurrency": "2", "verify_timeout_s": "60",
+}
+
+
+def extra(**more: str) -> list[str]:
+    args = []
+    for key, value in {**SMALL, **more}.items():
+        args += ["--data", f"{key}={value}"]
+    return args
+
+
+def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
+    wheelhouse_for_llama()
+    rig = sandbox["rig1"]
+    results = tmp_path / "results"
+    monkeypatch.setenv("RIGBOOK_VERIFY_DIR", str(results))
+    gguf = write_tiny_gguf(tmp_path / FILE)
+    revision = revision_of(gguf)
+    place_model(rig, gguf, revision)
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    base = data_args("tiny-cpu-a", revision, key_file)
+
+    def verify(**more: str):
+        return run_pyinfra(SANDBOX_INVENTORY, VERIFY, *base, *extra(**more))
+
+    try:
+        up = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, *base)
+        assert up.returncode == 0, up.explain()
+
+        # 1. the whole ladder passes, and the run is stored
+        ok = verify()
+        print(ok.stderr)
+        assert ok.returncode == 0, ok.explain()
+        assert "tiny-cpu-a passed the verify ladder" in ok.stderr
+        runs = load_runs()
+        assert len(runs) == 1 and runs[0].ok and runs[0].rig == "rig1"
+        run = runs[0]
+        assert [s.name for s in run.steps] == ["health", "chat", "prefill", "needle", "bench"]
+        assert run.url == f"http://{rig['address']}:8100" and run.served_model == "local/tiny"
+        needle = run.steps[3].detail
+        assert needle.count("accepted") == 3 and "tok rejected (HTTP 400)" in needle
+        assert {(b.prompt, b.concurrency) for b in run.bench} == {("narrative", 1), ("code", 1)}
+        assert "concurrent bench skipped (llama.cpp: one stream at a time)" in run.steps[4].detail
+        assert all(b.tokens == 24 and b.decode_tps.median > 0 for b in run.bench)
+        stored = next(results.glob("rig1/tiny-cpu-a/*/*/*.json"))
+        assert json.loads(stored.read_text())["ok"] is True
+
+        # 2. the ladder believes 1024 tokens: the engine (n_ctx 512) rejects the needle probe
+        beyond = verify(verify_context_len="1024")
+        assert beyond.returncode != 0
+        print(beyond.stderr)
+        assert "rig1: verify of tiny-cpu-a" in beyond.stderr
+        assert "failed at step needle" in beyond.stderr
+        assert "(context 1024)" in beyond.stderr
+        assert "This model's maximum context length is 512 tokens" in beyond.stderr
+
+        # 3. the engine stopped: the first step fails
+        rig_ssh(rig, f"systemctl stop {UNIT_NAME}")
+        dead = verify()
+        print(dead.stderr)
+        assert dead.returncode != 0
+        assert "failed at step health" in dead.stderr and "ConnectionError" in dead.stderr
+        assert [r.failed_step for r in load_runs()] == [None, "needle", "health"]
+
+        # 4. the compare table and the chart
+        capsys.readouterr()
+        png = tmp_path / "bench.png"
+        assert cli.main(["bench", "compare", "--rig", "rig1", "--png", str(png)]) == 0
+        table = capsys.readouterr().out
+        with capsys.disabled():
+            print(table)
+        assert table.count("rig1") >= 3 and "FAIL needle" in table and "FAIL health" in table
+        assert png.read_bytes().startswith(b"\x89PNG")
+    finally:
+        rig_ssh(rig, f"systemctl disable --now {UNIT_NAME}; rm -rf {UNIT_PATH} {CONF_DIR} "
+                     f"{CACHE}/models--local--tiny {VENVS_DIR}/tiny-cpu {VENVS_DIR}/tiny-cpu-* "
+                     f"{VENVS_DIR}/tiny-cpu.env; systemctl daemon-reload", check=False)
