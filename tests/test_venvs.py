@@ -550,7 +550,7 @@ def test_missing_or_changed_venv_is_built_with_the_driver_in_its_manifest():
         commands, host = run_op(venv_build, facts(state), r, spec())
         (script,) = shell(commands)
         assert "six==1.16.0" in script and "RIGBOOK_SMOKE_PY" in script
-        argument = script.split('"$d/bin/python" - ', 1)[1].split(' >>"$log"', 1)[0]
+        argument = script.split('"$d/bin/python" -I - ', 1)[1].split(' >>"$log"', 1)[0]
         smoke = json.loads(shlex.split(argument)[0])
         assert (smoke["driver"], smoke["cuda"], smoke["gpus"]) == ("580.95.05", "13.0", 2)
     # Replacing a build with no services named: say what to restart.

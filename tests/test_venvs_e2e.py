@@ -115,7 +115,7 @@ def test_venv_build_swap_fail_stale_rebuild(sandbox):
     installed = smi_driver(rig1)
     if installed not in (None, OLD):  # an earlier test left another driver running
         switch_driver(rig1, OLD)
-    rig_ssh(rig1, "rm -rf /opt/rigbook")
+    rig_ssh(rig1, "rm -rf /opt/rigbook/venvs /opt/rigbook/tools")  # guards stay: serving needs them
     bumped = False
     try:
         # 1. First converge: tools venv, then the venv built, smoke-tested, swapped in.
@@ -217,4 +217,4 @@ def test_venv_build_swap_fail_stale_rebuild(sandbox):
     finally:
         if bumped:  # leave the rig at the inventory's driver, for whatever runs next
             switch_driver(rig1, OLD)
-        rig_ssh(rig1, "rm -rf /opt/rigbook", check=False)
+        rig_ssh(rig1, "rm -rf /opt/rigbook/venvs /opt/rigbook/tools", check=False)
