@@ -130,7 +130,7 @@ def test_other_lines_are_not_xids(line):
 
 
 def test_the_h200_hosts_own_driver_lines_are_not_xids():
-    """dmesg lines of the lent H200 host (driver 580.159.04), captured by rigbook status."""
+    """dmesg lines of a real H200 host (driver 580.159.04), captured by rigbook status."""
     boot = [
         "[    0.437256] nvidia: loading out-of-tree module taints kernel.",
         "[    0.531264] NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  "
