@@ -4,9 +4,12 @@ Operators look before they touch anything, so this reads and never changes. It l
 inventory the way a deploy does (roles/inventory.py: every host validated into a `Rig`),
 connects to every rig in parallel over the same pyinfra connectors (SSH, @local), reads the
 facts the roles themselves decide on (roles/facts.py, apt.py, driver.py, power.py, tuning.py,
-wsl.py, and the few below that no role needs), and compares them with what each role would
-converge to, through the roles' own helpers: the cap a GPU gets is power.py's, the sysctl
-values tuning.py's, the TDR values wsl.py's. Nothing is decided twice.
+wsl.py, guards.py, venvs.py, models.py, serving.py, and the few below that no role needs), and
+compares them with what each role would converge to, through the roles' own helpers: the cap a
+GPU gets is power.py's, the sysctl values tuning.py's, the TDR values wsl.py's, a venv's
+staleness venvs.py's, a snapshot's completeness models.py's, the serving plan and probe
+serving.py's. Nothing is decided twice. Venvs, the HF cache and the serving unit are read only
+on rigs that declare them.
 
 Three layers, so tests feed real captured output to the same code:
 
@@ -17,7 +20,8 @@ Three layers, so tests feed real captured output to the same code:
 - showing (`status_table`, `--json`): a rich table, or `FleetStatus` as JSON.
 
 Exit status: 0 every rig as declared, 1 drift, 2 a rig unreachable or a GPU gone (nvidia-smi
-fails, or Xid 79 / 154 since the last boot). docs/status.md explains every column.
+fails, Xid 79 / 154 since the last boot, or the Xid watch's GPU-lost mark is set).
+docs/status.md explains every column.
 
 GPU facts come from nvidia-smi (roles.facts.NvidiaGpus): NVML through rigbook's own Python on
 the rig (roles/gpus.py --probe) is not used here, since a rig need not have rigbook installed.
@@ -26,6 +30,7 @@ the rig (roles/gpus.py --probe) is not used here, since a rig need not have rigb
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from collections import Counter
@@ -42,7 +47,7 @@ from pyinfra.api.connect import disconnect_all
 from pyinfra.api.exceptions import ConnectError, FactProcessError, NoGroupError
 from pyinfra.api.facts import get_fact
 from pyinfra.context import ctx_state
-from pyinfra.facts.files import FileContents
+from pyinfra.facts.files import FileContents, FindInFile
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
@@ -63,8 +68,21 @@ from roles.facts import NvidiaGpus
 from roles.gpus import Gpu, GpuProbe
 from roles.guards import GpuLost, GpuLostMark, gpu_lost_reason
 from roles.inventory import load_inventory
+from roles.models import (
+    CacheState,
+    ModelCache,
+    human,
+    label,
+    prune_listing,
+    snapshot_status,
+    unreferenced,
+)
 from roles.power import TOLERANCE_W, UNIT_NAME, UNIT_PATH, asked_cap, watts
-from roles.spec import Rig
+from roles.serving import ENV_PATH as SERVE_ENV_PATH
+from roles.serving import HEALTH_PATH, ServePlan, ServeProbe, ServeState, probe_args, serve_plan
+from roles.serving import UNIT_NAME as SERVE_UNIT
+from roles.serving import UNIT_PATH as SERVE_UNIT_PATH
+from roles.spec import ModelSpec, Rig, VenvSpec
 from roles.tuning import (
     FSTAB,
     SHM,
@@ -79,6 +97,14 @@ from roles.tuning import (
     shm_differs,
     size_bytes,
     sysctl_values,
+)
+from roles.venvs import (
+    VenvBuilds,
+    VenvState,
+    incompatibility,
+    spec_hash,
+    staleness,
+    venv_link,
 )
 from roles.wsl import (
     GRAPHICS_DRIVERS,
@@ -345,6 +371,10 @@ class RigFacts:
     disks: list[Disk] = field(default_factory=list)
     klog: KernelLog | None = None
     gpu_lost: GpuLost | None = None
+    venvs: dict[str, VenvState] = field(default_factory=dict)  # by venv name
+    cache: CacheState | None = None
+    serving: ServeState | None = None
+    serving_recipe: list[str] | None = None  # RIGBOOK_RECIPE= lines of engine.env; None: no file
     unread: dict[str, str] = field(default_factory=dict)
 
 
@@ -367,11 +397,52 @@ FACT_LABELS = {
     "stale_present": "leftover files",
     "registry": "Windows registry (TDR)",
     "profiles": "Windows profiles (.wslconfig)",
+    "cache": "HF cache (models_cache)",
+    "serving": f"serving state ({SERVE_UNIT})",
+    "serving_recipe": SERVE_ENV_PATH,
 }
+#: Plan names of facts read once per item ("venvs:<name>"): RigFacts dict field -> label.
+_PER_ITEM = {"venvs": "venv {}"}
+#: The engine.env line that names the recipe the unit runs (roles/serving.py writes it).
+_RECIPE_LINE = "RIGBOOK_RECIPE="
 
 
-def fact_plan(rig: Rig) -> list[tuple[str, type[FactBase], dict[str, Any]]]:
-    """(RigFacts field, fact, its arguments) for one rig, in the order they are read."""
+def fact_label(name: str) -> str:
+    """What a fact_plan name is, in words ("venvs:demo" -> "venv demo")."""
+    kind, _, item = name.partition(":")
+    return _PER_ITEM[kind].format(item) if item else FACT_LABELS[name]
+
+
+def store_fact(facts: RigFacts, name: str, value: Any) -> None:
+    """Put one fact's value in its RigFacts field ("venvs:demo" -> facts.venvs["demo"])."""
+    kind, _, item = name.partition(":")
+    if item:
+        getattr(facts, kind)[item] = value
+    else:
+        setattr(facts, name, value)
+
+
+def plan_serving(rig: Rig, name: str) -> tuple[ServePlan | None, str | None]:
+    """(the serving role's plan, None) for a rig with a recipe, or (None, why it has none).
+
+    The plan is the role's own (roles/serving.py serve_plan): recipe from the catalogue, fit
+    checks, bind address, port and API key file, all on this machine; (None, None) without a
+    recipe.
+    """
+    if rig.recipe is None:
+        return None, None
+    try:
+        return serve_plan(rig, name), None
+    except RigbookError as error:  # one line: a fit error lists its problems on several
+        return None, " ".join(str(error).removeprefix(f"{name}: ").split())
+
+
+def fact_plan(rig: Rig, name: str = "rig") -> list[tuple[str, type[FactBase], dict[str, Any]]]:
+    """(RigFacts field, fact, its arguments) for one rig, in the order they are read.
+
+    Venvs, the HF cache and the serving unit are read only when the rig declares venvs,
+    models or a recipe (a recipe's models are in the cache too).
+    """
     plan: list[tuple[str, type[FactBase], dict[str, Any]]] = [
         ("probe", NvidiaGpus, {}),
         ("installed", DpkgInstalled, {}),
@@ -394,6 +465,15 @@ def fact_plan(rig: Rig) -> list[tuple[str, type[FactBase], dict[str, Any]]]:
         plan.append(("registry", RegistryValues,
                      {"key": GRAPHICS_DRIVERS, "names": tuple(tdr_values(rig))}))
         plan.append(("profiles", WindowsProfiles, {}))
+    for spec in rig.venvs:
+        plan.append((f"venvs:{spec.name}", VenvBuilds, {"venv_name": spec.name}))
+    if rig.models or rig.recipe:
+        plan.append(("cache", ModelCache, {"cache": rig.models_cache}))
+    serve, _ = plan_serving(rig, name)
+    if serve is not None:
+        plan.append(("serving", ServeProbe, {"args": probe_args(serve)}))
+        plan.append(("serving_recipe", FindInFile,
+                     {"path": SERVE_ENV_PATH, "pattern": f"^{_RECIPE_LINE}"}))
     return plan
 
 
@@ -402,7 +482,10 @@ def fact_plan(rig: Rig) -> list[tuple[str, type[FactBase], dict[str, Any]]]:
 Level = Literal["warn", "drift", "gone"]
 RigState = Literal["as-declared", "drift", "gpu-gone", "unreachable"]
 _RANK = {"warn": 0, "drift": 1, "gone": 2}
-NOT_MANAGED = "not managed yet"
+VenvCondition = Literal[
+    "current", "stale", "incompatible", "spec-changed", "missing", "not-rigbook", "unknown"
+]
+ModelState = Literal["complete", "partial", "missing", "unknown"]
 
 
 class _Model(BaseModel):
@@ -506,13 +589,58 @@ class KernelLogStatus(_Model):
     xids: list[XidEvent]
 
 
-class ServingStatus(_Model):
-    """Declared in host data; no role builds them yet, so nothing is read from the rig."""
+class VenvStatus(_Model):
+    """One declared venv as the rig has it (roles/venvs.py: symlink, build, manifest)."""
 
-    venvs: list[str]
-    models: list[str]
-    recipe: str | None
-    state: str = NOT_MANAGED
+    name: str
+    state: VenvCondition
+    build: str | None = None  # the build the symlink points at
+    built_driver: str | None = None  # the driver its manifest says it was built for
+    running_driver: str | None = None
+    spec_hash: str | None = None  # what the inventory's spec hashes to now
+    built_spec_hash: str | None = None
+    reason: str = ""  # why it is not current ("" when it is)
+
+
+class ModelStatus(_Model):
+    """One pinned snapshot in the HF cache: from the rig's models or its recipe's pins."""
+
+    repo: str
+    revision: str
+    source: Literal["models", "recipe"]
+    state: ModelState
+    files: int = 0  # files in rigbook's manifest of that snapshot (0: none)
+    bytes: int = 0
+    missing_files: int | None = None  # missing or wrong-size files; None: not known
+    reason: str = ""
+
+
+class CachedRepoStatus(_Model):
+    repo: str
+    bytes: int
+
+
+class CacheStatus(_Model):
+    """The rig's HF cache: where it is, and the repos in it that models does not list."""
+
+    path: str
+    exists: bool
+    unlisted: list[CachedRepoStatus]
+    prune: bool  # models_prune: the converge removes the unlisted repos
+
+
+class ServingStatus(_Model):
+    """The declared recipe and what rigbook-serve.service does (roles/serving.py's probe)."""
+
+    recipe: str
+    running_recipe: str | None = None  # RIGBOOK_RECIPE of the unit's engine.env
+    url: str | None = None  # where the probe reached the API, on the rig itself
+    unit: str | None = None  # systemd ActiveState (active, failed, inactive, activating ...)
+    sub: str | None = None
+    enabled: str | None = None
+    healthy: bool | None = None  # None: not checked (the unit is not active)
+    health: str | None = None  # the model it serves, or why it does not answer
+    other_engines: list[str] = []
 
 
 class RigStatus(_Model):
@@ -531,7 +659,11 @@ class RigStatus(_Model):
     wsl: WslStatus | None = None
     disks: list[DiskStatus] = []
     kernel_log: KernelLogStatus | None = None
-    serving: ServingStatus
+    gpu_lost: str | None = None  # the Xid watch's GPU-lost mark (roles/guards.py), if set
+    venvs: list[VenvStatus] = []
+    models: list[ModelStatus] = []
+    models_cache: CacheStatus | None = None
+    serving: ServingStatus | None = None
     findings: list[Finding] = []
 
     @model_validator(mode="after")
@@ -579,19 +711,21 @@ class _Findings(list):
             self.append(finding)
 
 
-def _serving(rig: Rig) -> ServingStatus:
-    return ServingStatus(
-        venvs=[venv.name for venv in rig.venvs],
-        models=[f"{model.repo}@{model.revision[:12]}" for model in rig.models],
-        recipe=rig.recipe,
-    )
+def _declared(rig: Rig) -> dict[str, Any]:
+    """Venvs, models and recipe as the inventory declares them, with nothing read ("unknown")."""
+    return {
+        "venvs": [VenvStatus(name=spec.name, state="unknown") for spec in rig.venvs],
+        "models": [ModelStatus(repo=spec.repo, revision=spec.revision, source="models",
+                               state="unknown") for spec in rig.models],
+        "serving": ServingStatus(recipe=rig.recipe) if rig.recipe else None,
+    }
 
 
 def unreachable_status(name: str, rig: Rig, why: str) -> RigStatus:
     """The status of a rig that could not be reached: only what the inventory declares."""
     return RigStatus(
         name=name, state="unreachable", platform=rig.platform, gpu_class=rig.gpu_class,
-        gpu_count=rig.gpu_count, error=why, serving=_serving(rig),
+        gpu_count=rig.gpu_count, error=why, **_declared(rig),
         findings=[Finding(level="gone", area="connection", reason=f"could not be reached: {why}")],
     )
 
@@ -600,7 +734,7 @@ def _unread(facts: RigFacts, found: _Findings, *names: str) -> bool:
     """True (and a drift finding) when any of these facts could not be read."""
     missing = [name for name in names if name in facts.unread]
     for name in missing:
-        found.add("drift", "facts", f"could not read {FACT_LABELS[name]}: {facts.unread[name]}")
+        found.add("drift", "facts", f"could not read {fact_label(name)}: {facts.unread[name]}")
     return bool(missing)
 
 
@@ -878,8 +1012,167 @@ def _check_xids(facts: RigFacts, gpus: tuple[Gpu, ...], found: _Findings) -> Ker
     return KernelLogStatus(source=log.source, error=log.error, xids=events)
 
 
+def _live_driver(facts: RigFacts) -> str | None:
+    """The driver a venv meets, as roles/venvs.py live_driver() sees it: None without GPUs."""
+    probe = facts.probe
+    return probe.driver_version if probe is not None and probe.ok and probe.gpus else None
+
+
+def venv_status(
+    rig: Rig, spec: VenvSpec, state: VenvState, driver: str | None, found: _Findings
+) -> VenvStatus:
+    """One venv: current, or why not, in the order the venvs role decides (venvs.decide)."""
+    link = venv_link(spec.name)
+    digest = spec_hash(spec, rig)
+    manifest = state.manifest
+    known = {
+        "name": spec.name, "build": state.target_build, "running_driver": driver,
+        "spec_hash": digest, "built_driver": manifest.get("driver") if manifest else None,
+        "built_spec_hash": manifest.get("spec_hash") if manifest else None,
+    }
+    broken = incompatibility(manifest, driver)
+    stale = staleness(manifest, driver)
+    if state.not_link:
+        kind, why = "not-rigbook", f"{link} exists and is not rigbook's symlink: move it away"
+    elif manifest is None:
+        built = (f"{link} -> {state.target}, which is not a finished build" if state.target
+                 else "not built")
+        kind, why = "missing", f"{built}: deploys/rig.py builds it"
+    elif manifest.get("spec_hash") != digest:
+        kind, why = "spec-changed", (f"spec changed ({manifest.get('spec_hash')} -> {digest}): "
+                                     "deploys/rig.py rebuilds it")
+    elif broken is not None:
+        kind, why = "incompatible", (f"cannot run: {broken}: run deploys/venvs.py (and check "
+                                     "the pins against the driver)")
+    elif stale is not None:
+        kind, why = "stale", f"stale: {stale}: run deploys/venvs.py"
+    else:
+        return VenvStatus(state="current", **known)
+    found.add("drift", "venvs", f"venv {spec.name}: {why}")
+    return VenvStatus(state=kind, reason=why, **known)
+
+
+def _check_venvs(rig: Rig, facts: RigFacts, found: _Findings) -> list[VenvStatus]:
+    driver = _live_driver(facts)
+    rows = []
+    for spec in rig.venvs:
+        state = facts.venvs.get(spec.name)
+        if _unread(facts, found, f"venvs:{spec.name}") or state is None:
+            rows.append(VenvStatus(name=spec.name, state="unknown"))
+        else:
+            rows.append(venv_status(rig, spec, state, driver, found))
+    return rows
+
+
+def _check_models(
+    rig: Rig, facts: RigFacts, serve: ServePlan | None, found: _Findings
+) -> tuple[list[ModelStatus], CacheStatus | None]:
+    """Each pinned snapshot complete, partial or missing (models.snapshot_status), and the
+    cached repos models does not list (models.unreferenced), as the models role sees them."""
+    listed = {spec.repo for spec in rig.models}
+    wanted: list[tuple[ModelSpec, Literal["models", "recipe"]]] = [
+        (spec, "models") for spec in rig.models
+    ]
+    if serve is not None:  # the recipe's pins the rig's models do not cover
+        wanted += [(spec, "recipe") for spec in serve.pins if spec.repo not in listed]
+    cache = facts.cache
+    if _unread(facts, found, "cache") or cache is None:
+        return [ModelStatus(repo=spec.repo, revision=spec.revision, source=source,
+                            state="unknown") for spec, source in wanted], None
+    rows = []
+    for spec, source in wanted:
+        status = snapshot_status(cache, spec)
+        known = {"repo": spec.repo, "revision": spec.revision, "source": source,
+                 "files": status.files, "bytes": status.bytes}
+        if status.complete:
+            rows.append(ModelStatus(state="complete", **known))
+            continue
+        repo = cache.repos.get(spec.repo)
+        kind = "partial" if repo is not None and repo.snapshots.get(spec.revision) else "missing"
+        missing = len(status.missing) + len(status.wrong_size) if status.files else None
+        why = status.reason.removeprefix("partial: ")
+        fix = ("run deploys/models.py" if source == "models"
+               else "add it to the rig's models and run deploys/models.py")
+        what = "model" if source == "models" else f"recipe {rig.recipe}: model"
+        found.add("drift", "models", f"{what} {label(spec)} {kind}: {why}; {fix}")
+        rows.append(ModelStatus(state=kind, missing_files=missing, reason=why, **known))
+    extra = unreferenced(cache, listed)
+    if extra:
+        listing = prune_listing(extra)
+        if rig.models_prune:
+            found.add("drift", "models", f"cached but not in models: {listing}; models_prune is "
+                                         "true: deploys/rig.py or deploys/models.py removes them")
+        else:
+            found.add("warn", "models", f"cached but not in models: {listing}; models_prune: "
+                                        "true removes them")
+    return rows, CacheStatus(
+        path=cache.cache, exists=cache.exists, prune=rig.models_prune,
+        unlisted=[CachedRepoStatus(repo=repo.repo, bytes=repo.bytes) for repo in extra],
+    )
+
+
+def running_recipe(lines: list[str] | None) -> str | None:
+    """The recipe named by engine.env's RIGBOOK_RECIPE= line (FindInFile's value), if any."""
+    for line in lines or ():
+        if line.startswith(_RECIPE_LINE):
+            return line[len(_RECIPE_LINE):].strip().strip('"') or None
+    return None
+
+
+def _check_serving(
+    rig: Rig, facts: RigFacts, serve: ServePlan | None, error: str | None, found: _Findings
+) -> ServingStatus | None:
+    """The declared recipe against rigbook-serve.service: installed for it, enabled, active,
+    answering /v1/models (roles/serving.py's probe, run on the rig), and alone."""
+    if rig.recipe is None:
+        return None
+    if serve is None:
+        found.add("drift", "serving", f"{error}: nothing of it was read from the rig")
+        return ServingStatus(recipe=rig.recipe)
+    if _unread(facts, found, "serving", "serving_recipe") or facts.serving is None:
+        return ServingStatus(recipe=rig.recipe, url=serve.url)
+    probe = facts.serving
+    running = running_recipe(facts.serving_recipe)
+    if probe.files.get(SERVE_UNIT_PATH) is None:
+        found.add("drift", "serving",
+                  f"no {SERVE_UNIT}: recipe {rig.recipe} is not set up; run deploys/serve.py")
+    else:
+        if running != rig.recipe:
+            found.add("drift", "serving", f"{SERVE_UNIT} is set up for recipe {running or '?'}, "
+                                          f"inventory {rig.recipe}: run deploys/serve.py")
+        if probe.enabled != "enabled":
+            found.add("drift", "serving", f"{SERVE_UNIT} is {probe.enabled or 'not enabled'}, "
+                                          "not enabled: it does not start at boot")
+        if not probe.running:
+            found.add("drift", "serving",
+                      f"{SERVE_UNIT} is {probe.active} ({probe.sub}): recipe {rig.recipe} is not "
+                      f"served; journalctl -u {SERVE_UNIT}, then deploys/serve.py")
+    healthy, health = None, None
+    if probe.running:
+        answer = probe.answer or {}
+        healthy = bool(answer.get("ok"))
+        if healthy:
+            health = f"serves {answer.get('model')}"
+        else:
+            health = str(answer.get("message") or f"not checked: no {HEALTH_PATH} on the rig")
+            found.add("drift", "serving", f"{serve.url}/v1/models does not answer: {health}")
+    others = [f"pid {pid} {cmd}" for pid, cmd in probe.engines]
+    for pid, cmd in probe.engines:
+        found.add("drift", "serving",
+                  f"another engine runs outside {SERVE_UNIT}: pid {pid} `{cmd[:80]}`")
+    return ServingStatus(
+        recipe=rig.recipe, running_recipe=running, url=serve.url, unit=probe.active,
+        sub=probe.sub, enabled=probe.enabled or None, healthy=healthy, health=health,
+        other_engines=others,
+    )
+
+
 def build_rig_status(name: str, rig: Rig, facts: RigFacts) -> RigStatus:
-    """What one rig is doing and every way it differs from its host data (pure)."""
+    """What one rig is doing and every way it differs from its host data.
+
+    Pure but for the serving plan, which reads the recipe catalogue (and the API key file) on
+    this machine, as a deploy does.
+    """
     found = _Findings()
     gpus = _check_gpus(rig, facts, found)
     driver = _check_driver(rig, facts, found)
@@ -898,11 +1191,16 @@ def build_rig_status(name: str, rig: Rig, facts: RigFacts) -> RigStatus:
     lost = None if _unread(facts, found, "gpu_lost") else gpu_lost_reason(facts.gpu_lost)
     if lost:  # the Xid watch's mark (roles/guards.py): serving refuses to start on this boot
         found.add("gone", "faults", lost)
+    venvs = _check_venvs(rig, facts, found)
+    serve, serve_error = plan_serving(rig, name)
+    models, cache = _check_models(rig, facts, serve, found)
+    serving = _check_serving(rig, facts, serve, serve_error, found)
     return RigStatus(
         name=name, state=state_of(found), platform=rig.platform, gpu_class=rig.gpu_class,
         gpu_count=rig.gpu_count, gpus=gpu_rows, driver=driver, power_unit=unit_status,
         sysctl=sysctl, shm=shm, stale_files=stale, wsl=wsl, disks=disks, kernel_log=kernel_log,
-        serving=_serving(rig), findings=list(found),
+        gpu_lost=lost, venvs=venvs, models=models, models_cache=cache, serving=serving,
+        findings=list(found),
     )
 
 
@@ -917,7 +1215,7 @@ _STATE_TEXT = {
 }
 COLUMNS = (
     "rig", "state", "GPU", "driver", "persist.", "cap W\nwant/unit/live", "tuning", "WSL TDR",
-    "disk free", "GPU faults", "venvs / models / recipe",
+    "disk free", "GPU faults", "venvs / models / serving",
 )
 
 
@@ -1005,15 +1303,66 @@ def _xid_summary(log: KernelLogStatus, index: int | None) -> str:
     return "\n".join(lines)
 
 
-def _serving_text(rig: RigStatus) -> str:
-    serving = rig.serving
-    declared = [
-        f"venvs: {', '.join(serving.venvs)}" if serving.venvs else "",
-        f"models: {len(serving.models)}" if serving.models else "",
-        f"recipe: {serving.recipe}" if serving.recipe else "",
-    ]
-    text = "\n".join(line for line in declared if line) or "none declared"
-    return f"{text}\n({serving.state})"
+def _venv_text(venv: VenvStatus) -> str:
+    if venv.state == "stale":
+        return (f"venv {venv.name}: stale (built for driver {venv.built_driver or 'none'}, "
+                f"running {venv.running_driver})")
+    if venv.state == "incompatible":
+        return f"venv {venv.name}: incompatible (error 804)"
+    if venv.state == "current" and venv.running_driver is None:
+        return f"venv {venv.name}: built (driver {venv.built_driver or 'none'}; live unknown)"
+    return f"venv {venv.name}: {venv.state.replace('-', ' ')}"
+
+
+def _model_text(model: ModelStatus) -> str:
+    state = model.state
+    if state == "complete":
+        state = f"complete, {human(model.bytes)}"
+    elif state == "partial" and model.missing_files:
+        state = f"partial ({model.missing_files} file(s) missing)"
+    where = " (recipe)" if model.source == "recipe" else ""
+    return f"model {model.repo}{where}: {state}"
+
+
+def _recipe_text(serving: ServingStatus) -> str:
+    running = (f" (unit: {serving.running_recipe})"
+               if serving.running_recipe not in (None, serving.recipe) else "")
+    state = serving.unit or "?"
+    if serving.unit == "active":
+        state += ", healthy" if serving.healthy else ", NOT answering"
+    elif serving.sub and serving.unit is not None:
+        state += f" ({serving.sub})"
+    return f"recipe {serving.recipe}{running}: {state}"
+
+
+def _serving_cell(rig: RigStatus) -> Text:
+    """A line per venv, model and the recipe, each coloured by its own state."""
+    def level_of(*areas: str) -> str | None:
+        levels = [f.level for f in rig.findings if f.area in areas]
+        return _STYLE[max(levels, key=_RANK.__getitem__)] if levels else None
+
+    lines: list[tuple[str, str | None]] = []
+    for venv in rig.venvs:
+        bad = venv.state not in ("current", "unknown")
+        lines.append((_venv_text(venv), _STYLE["drift"] if bad else None))
+    for model in rig.models:
+        bad = model.state in ("partial", "missing")
+        lines.append((_model_text(model), _STYLE["drift"] if bad else None))
+    cache = rig.models_cache
+    if cache is not None and cache.unlisted:
+        size = human(sum(repo.bytes for repo in cache.unlisted))
+        lines.append((f"+{len(cache.unlisted)} cached repo(s) not in models, {size}",
+                      _STYLE["drift" if cache.prune else "warn"]))
+    if rig.serving is not None:
+        lines.append((_recipe_text(rig.serving), level_of("serving")))
+    if not lines:
+        return Text("none declared")
+    if rig.state == "unreachable":
+        lines.append(("(not read)", None))
+    text = Text()
+    for position, (line, style) in enumerate(lines):
+        text.append(("\n" if position else "") + line, style=style or "")
+    return text
 
 
 def _mark(level: str) -> str:
@@ -1044,7 +1393,7 @@ def status_table(fleet: FleetStatus) -> Table:
         head = Text(f"{rig.name}\n{rig.platform} {rig.gpu_class} x{rig.gpu_count}")
         if rig.state == "unreachable":
             table.add_row(head, Text(text, style=style), Text(rig.error or "", style=style),
-                          *[""] * (len(COLUMNS) - 4), _serving_text(rig))
+                          *[""] * (len(COLUMNS) - 4), _serving_cell(rig))
             continue
         for position, gpu in enumerate(rig.gpus or [None]):
             first = position == 0
@@ -1068,6 +1417,8 @@ def status_table(fleet: FleetStatus) -> Table:
             if gpu is not None and first and rig.kernel_log and rig.kernel_log.source:
                 unmapped = _xid_summary(rig.kernel_log, None)  # cards nvidia-smi lost
                 faults += f"\nno GPU listed: {unmapped}" if unmapped else ""
+            if first and rig.gpu_lost:  # the Xid watch's mark is about the rig
+                faults = f"GPU-lost mark set\n{faults}"
             table.add_row(
                 head if first else "",
                 Text(text, style=style) if first else "",
@@ -1079,7 +1430,7 @@ def status_table(fleet: FleetStatus) -> Table:
                 _cell(_wsl_text(rig), anywhere("wsl", "platform")) if first else "",
                 _cell(_disk_text(rig), anywhere("disk")) if first else "",
                 _cell(faults, here("faults")),
-                _serving_text(rig) if first else "",
+                _serving_cell(rig) if first else "",
             )
     return table
 
@@ -1158,7 +1509,7 @@ def _read_facts(
 ) -> RigFacts:
     """Every fact of fact_plan(rig), one after the other; a failing one is noted in unread."""
     facts = RigFacts()
-    for name, fact, kwargs in fact_plan(rig):
+    for name, fact, kwargs in fact_plan(rig, host.name):
         on_fact(name)
         before = len(log.lines[host.name])
         try:
@@ -1171,7 +1522,7 @@ def _read_facts(
         if errors:
             facts.unread[name] = "; ".join(errors[-3:])
         else:
-            setattr(facts, name, value)
+            store_fact(facts, name, value)
     return facts
 
 
@@ -1194,7 +1545,8 @@ def gather(
 
     def one(host) -> None:
         rig = rigs[host.name]
-        task = progress.add_task(f"{host.name}: connecting", total=len(fact_plan(rig)) + 1)
+        steps = len(fact_plan(rig, host.name)) + 1
+        task = progress.add_task(f"{host.name}: connecting", total=steps)
         try:
             host.connect(show_errors=False, raise_exceptions=True)
         except Exception as e:  # ConnectError, or a connector that cannot even start (no key)
@@ -1213,7 +1565,7 @@ def gather(
         facts = _read_facts(
             state, host, rig, log,
             lambda name: progress.update(
-                task, description=f"{host.name}: {FACT_LABELS[name]}", advance=1
+                task, description=f"{host.name}: {fact_label(name)}", advance=1
             ),
         )
         results[host.name] = build_rig_status(host.name, rig, facts)
@@ -1240,6 +1592,8 @@ def status(inventory_file: str, limit: list[str] | None, as_json: bool) -> int:
     if as_json:
         sys.stdout.write(fleet.model_dump_json(indent=2) + "\n")
     else:
-        out = Console(width=None if sys.stdout.isatty() else 200)
+        # a terminal's width, or COLUMNS; piped without COLUMNS, wide enough for the table
+        wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
+        out = Console(width=None if wide else 200)
         out.print(render(fleet))
     return fleet.exit_code

@@ -22,14 +22,21 @@ import pytest
 from pydantic import ValidationError
 from pyinfra.api import Inventory
 from pyinfra.api.util import get_template
+from pyinfra.facts.files import FindInFile
 from rich.console import Console
 
+from roles import venvs as venvs_role
 from roles.apt import AptHolds, DpkgInstalled
 from roles.driver import LoadedDriverVersion
 from roles.errors import RigbookError
 from roles.facts import NvidiaGpus
 from roles.gpus import Gpu, GpuProbe
+from roles.guards import gpu_lost_reason, parse_gpu_lost
+from roles.models import ModelCache
 from roles.power import desired_caps, render_unit
+from roles.serving import ENV_PATH as SERVE_ENV_PATH
+from roles.serving import HEALTH_PATH, KEY_PATH, ServeProbe, probe_args, render_env, serve_plan
+from roles.serving import UNIT_PATH as SERVE_UNIT_PATH
 from roles.spec import Rig
 from roles.status import (
     FleetStatus,
@@ -51,7 +58,10 @@ from roles.status import (
 )
 from roles.status import _limit as limit_hosts
 from roles.tuning import SYSCTL_TEMPLATE, fstab_line, parse_live_sysctls, parse_shm
+from roles.venvs import MANIFEST, LiveDriver, VenvBuilds, build_name, smoke_input, spec_hash
 from roles.wsl import RegProbe, WindowsProfile, WslSignals
+from tests.opkit import local_fact
+from tests.test_models import FILES_A, make_repo
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
@@ -149,10 +159,10 @@ def drifts(status: RigStatus, level: str = "drift") -> list[tuple[str, str | Non
     return [(f.area, f.gpu, f.reason) for f in status.findings if f.level == level]
 
 
-def table_text(*rigs: RigStatus) -> str:
+def table_text(*rigs: RigStatus, width: int = 200) -> str:
     fleet = FleetStatus(inventory="inventory/test.py", rigs=list(rigs),
                         exit_code=fleet_exit_code(rigs))
-    console = Console(width=200, record=True, file=io.StringIO())
+    console = Console(width=width, record=True, file=io.StringIO())
     console.print(render(fleet))
     return console.export_text()
 
@@ -510,24 +520,259 @@ def test_wsl2_low_memory_is_a_warning_and_platform_mismatch_is_drift():
     assert [area for area, _, _ in drifts(declared_debian)] == ["platform"]
 
 
-# --- serving, JSON -------------------------------------------------------------------------
+# --- venvs, models, serving, JSON ---------------------------------------------------------
 
 
-def test_serving_is_declared_only():
-    rig = dual_3090(
-        venvs=[{"name": "vllm-033", "engine": "vllm", "packages": ["vllm==0.33.0"]}],
-        models=[{"repo": "Qwen/Qwen3-32B-AWQ", "revision": "a" * 40}],
-        recipe="qwen3-32b-awq",
+VENV = {"engine": "none", "python": "3.11", "packages": ["six==1.16.0"]}
+REV_A, REV_B = "a" * 40, "b" * 40
+STAMP = "20261129T000000Z"
+
+
+def write_build(root: Path, rig: Rig, name: str, driver: str | None, *, digest: str | None = None,
+                cuda_runtime: str | None = None, finished: bool = True) -> str:
+    """A build of venv `name` under root as files/venvs/build.sh.j2 leaves it: its folder, the
+    manifest smoke.py writes (json, indent 1) from venvs.smoke_input, and the stable symlink."""
+    spec = next(v for v in rig.venvs if v.name == name)
+    digest = digest or spec_hash(spec, rig)
+    build = build_name(name, digest, STAMP)
+    folder = root / build
+    folder.mkdir(parents=True)
+    if finished:
+        given = smoke_input(spec, rig, digest, build, LiveDriver(driver, "13.0", 2),
+                            root=str(root))
+        manifest = {
+            "rigbook_manifest": 1, **{key: given[key] for key in (
+                "name", "engine", "build", "spec_hash", "spec", "source", "driver", "cuda",
+                "services")},
+            "python": "3.11.2", "packages": {"six": "1.16.0"}, "cuda_runtime": cuda_runtime,
+            "cuda_devices": None, "smoke_import": "six", "built_at": "2026-11-29T00:00:00Z",
+        }
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (root / name).symlink_to(folder)
+    return build
+
+
+def read_venvs(rig: Rig, facts: RigFacts) -> RigFacts:
+    """VenvBuilds run here for every venv of the rig (VENVS_DIR patched to a temp dir)."""
+    for spec in rig.venvs:
+        facts.venvs[spec.name] = local_fact(VenvBuilds, venv_name=spec.name)
+    return facts
+
+
+def test_venvs_current_stale_incompatible_changed_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(venvs_role, "VENVS_DIR", str(tmp_path))
+    names = ["ok", "old", "cu132", "changed", "cut", "absent", "mine"]
+    rig = dual_3090(venvs=[{"name": name, **VENV} for name in names])
+    ok = write_build(tmp_path, rig, "ok", "580.95.05")
+    write_build(tmp_path, rig, "old", "580.76.05")
+    write_build(tmp_path, rig, "cu132", "580.95.05", cuda_runtime="13.2")
+    write_build(tmp_path, rig, "changed", "580.95.05", digest="0123456789ab")
+    cut = write_build(tmp_path, rig, "cut", "580.95.05", finished=False)
+    (tmp_path / "mine").mkdir()  # someone's own venv where rigbook's symlink goes
+    status = build_rig_status("rig1", rig, read_venvs(rig, converged_dual(rig)))
+    assert [(v.name, v.state) for v in status.venvs] == [
+        ("ok", "current"), ("old", "stale"), ("cu132", "incompatible"),
+        ("changed", "spec-changed"), ("cut", "missing"), ("absent", "missing"),
+        ("mine", "not-rigbook"),
+    ]
+    first = status.venvs[0]
+    assert (first.build, first.built_driver, first.running_driver) == (ok, "580.95.05",
+                                                                       "580.95.05")
+    assert first.spec_hash == first.built_spec_hash == spec_hash(rig.venvs[0], rig)
+    digest = spec_hash(rig.venvs[3], rig)
+    assert [reason for area, _, reason in drifts(status) if area == "venvs"] == [
+        "venv old: stale: built for driver 580.76.05, running 580.95.05: run deploys/venvs.py",
+        "venv cu132: cannot run: its CUDA 13.2 runtime needs driver >= 595.45.04, running "
+        "580.95.05 (CUDA error 804): run deploys/venvs.py (and check the pins against the "
+        "driver)",
+        f"venv changed: spec changed (0123456789ab -> {digest}): deploys/rig.py rebuilds it",
+        f"venv cut: {tmp_path}/cut -> {tmp_path}/{cut}, which is not a finished build: "
+        "deploys/rig.py builds it",
+        "venv absent: not built: deploys/rig.py builds it",
+        f"venv mine: {tmp_path}/mine exists and is not rigbook's symlink: move it away",
+    ]
+    assert status.state == "drift"
+    text = table_text(status, width=400)
+    for line in ("venv ok: current", "venv old: stale (built for driver 580.76.05, running "
+                 "580.95.05)", "venv cu132: incompatible (error 804)",
+                 "venv changed: spec changed", "venv absent: missing", "venv mine: not rigbook"):
+        assert line in text, line
+    # nvidia-smi gone: staleness cannot be judged, the GPU finding says why; the build is shown
+    blind = build_rig_status("rig1", rig, replace(read_venvs(rig, converged_dual(rig)),
+                                                  probe=None))
+    assert [v.state for v in blind.venvs][:2] == ["current", "current"]
+    assert "venv old: built (driver 580.76.05; live unknown)" in table_text(blind, width=400)
+
+
+def test_models_complete_partial_missing_and_unlisted(tmp_path):
+    make_repo(tmp_path, "org/complete", REV_A, FILES_A)
+    partial = make_repo(tmp_path, "org/partial", REV_B, FILES_A)
+    (partial / "snapshots" / REV_B / "model.safetensors").unlink()  # an interrupted pull
+    make_repo(tmp_path, "org/unlisted", REV_A, {"config.json": b"{}\n"})
+    models = [{"repo": "org/complete", "revision": REV_A},
+              {"repo": "org/partial", "revision": REV_B},
+              {"repo": "org/missing", "revision": REV_A}]
+    rig = dual_3090(models_cache=str(tmp_path), models=models)
+    facts = converged_dual(rig)
+    facts.cache = local_fact(ModelCache, cache=str(tmp_path))  # the role's own script, run here
+    status = build_rig_status("rig1", rig, facts)
+    assert [(m.repo, m.state, m.files, m.missing_files) for m in status.models] == [
+        ("org/complete", "complete", 3, None), ("org/partial", "partial", 3, 1),
+        ("org/missing", "missing", 0, None),
+    ]
+    assert [reason for area, _, reason in drifts(status) if area == "models"] == [
+        f"model org/partial@{REV_B[:12]} partial: missing model.safetensors; run "
+        "deploys/models.py",
+        f"model org/missing@{REV_A[:12]} missing: not in the cache {tmp_path}; run "
+        "deploys/models.py",
+    ]
+    unlisted = [reason for area, _, reason in drifts(status, "warn") if area == "models"]
+    assert unlisted == ["cached but not in models: 1 repo(s), 0.00 MiB: org/unlisted "
+                        "(0.00 MiB); models_prune: true removes them"]
+    assert status.models_cache.unlisted[0].repo == "org/unlisted"
+    text = table_text(status, width=400)
+    assert "model org/complete: complete" in text
+    assert "model org/partial: partial (1 file(s) missing)" in text
+    assert "model org/missing: missing" in text
+    assert "+1 cached repo(s) not in models, 0.00 MiB" in text
+    # with models_prune the converge removes them: not as declared until it has
+    pruning = build_rig_status("rig1", dual_3090(models_cache=str(tmp_path), models=models[:1],
+                                                 models_prune=True), facts)
+    assert [(area, reason.split(";")[0]) for area, _, reason in drifts(pruning)] == [
+        ("models", "cached but not in models: 2 repo(s), 0.00 MiB: org/partial (0.00 MiB), "
+                   "org/unlisted (0.00 MiB)")]
+
+
+def tiny_rig(tmp_path: Path, recipe: str = "tiny-cpu-a", **data) -> Rig:
+    """A rig with the test catalogue's CPU recipe, its venv and its model (tests/recipes)."""
+    return dual_3090(
+        venvs=[{"name": "tiny-cpu", "engine": "llama-cpp-python", "python": "3.11",
+                "packages": ["llama-cpp-python[server]==0.3.36"]}],
+        models=[{"repo": "local/tiny", "revision": REV_A}], models_cache=str(tmp_path / "hub"),
+        serving_recipe_dirs=[str(ROOT / "tests" / "recipes")], recipe=recipe, **data,
     )
-    status = build_rig_status("rig1", rig, converged_dual(rig))
-    assert status.serving.model_dump() == {
-        "venvs": ["vllm-033"], "models": [f"Qwen/Qwen3-32B-AWQ@{'a' * 12}"],
-        "recipe": "qwen3-32b-awq", "state": "not managed yet",
-    }
-    assert status.state == "as-declared"
-    text = table_text(status)
-    assert "venvs: vllm-033" in text and "not managed yet" in text
 
+
+def probe_output(active: str = "active", sub: str = "running", enabled: str = "enabled",
+                 answer: dict | None = None, engines: tuple = ()) -> list[str]:
+    """ServeProbe's output as PROBE_SCRIPT prints it (one JSON line, sorted keys)."""
+    files = {path: "5" * 64 for path in (SERVE_UNIT_PATH, SERVE_ENV_PATH, HEALTH_PATH)}
+    return [json.dumps({
+        "MemAvailable": 20000000, "MemTotal": 24596720, "answer": answer, "apps": None,
+        "engines": [list(e) for e in engines], "entry": True, "files": {**files, KEY_PATH: None},
+        "rss_kib": 51200 if active == "active" else 0, "smi": None,
+        "unit": {"ActiveState": active, "LoadState": "loaded", "SubState": sub,
+                 "UnitFileState": enabled},
+        "unit_pids": [812] if active == "active" else [], "user": True,
+    }, sort_keys=True)]
+
+
+def recipe_lines(rig: Rig, folder: Path) -> list[str] | None:
+    """FindInFile(^RIGBOOK_RECIPE=), run here on the engine.env serving.render_env writes."""
+    env = folder / "engine.env"
+    env.write_text(render_env(serve_plan(rig, "rig1"), None))
+    return local_fact(FindInFile, path=str(env), pattern="^RIGBOOK_RECIPE=")
+
+
+HEALTHY = {"ok": True, "model": "tiny", "seconds": 0.0}
+REFUSED = {"ok": False, "stage": "models", "seconds": 0.0,
+           "message": "/v1/models: <urlopen error [Errno 111] Connection refused>"}
+
+
+def test_serving_recipe_unit_state_and_health(tmp_path, monkeypatch):
+    monkeypatch.setattr(venvs_role, "VENVS_DIR", str(tmp_path / "venvs"))
+    rig = tiny_rig(tmp_path)
+    write_build(tmp_path / "venvs", rig, "tiny-cpu", "580.95.05")
+    make_repo(tmp_path / "hub", "local/tiny", REV_A, {"tiny.gguf": b"GGUF" * 64})
+    base = read_venvs(rig, converged_dual(rig))
+    base.cache = local_fact(ModelCache, cache=str(tmp_path / "hub"))
+
+    def serving(probe: list[str], recipe_of: Rig = rig, **changes) -> RigStatus:
+        facts = replace(base, serving=ServeProbe().process(probe),
+                        serving_recipe=recipe_lines(recipe_of, tmp_path), **changes)
+        return build_rig_status("rig1", rig, facts)
+
+    def reasons(status: RigStatus) -> list[str]:
+        return [reason for area, _, reason in drifts(status) if area == "serving"]
+
+    healthy = serving(probe_output(answer=HEALTHY))
+    assert healthy.state == "as-declared", healthy.findings
+    assert healthy.serving.model_dump() == {
+        "recipe": "tiny-cpu-a", "running_recipe": "tiny-cpu-a", "url": "http://127.0.0.1:8100",
+        "unit": "active", "sub": "running", "enabled": "enabled", "healthy": True,
+        "health": "serves tiny", "other_engines": [],
+    }
+    assert [(m.repo, m.state) for m in healthy.models] == [("local/tiny", "complete")]
+    text = table_text(healthy, width=400)
+    assert "venv tiny-cpu: current" in text and "recipe tiny-cpu-a: active, healthy" in text
+
+    failed = serving(probe_output(active="failed", sub="failed"))
+    assert reasons(failed) == [
+        "rigbook-serve.service is failed (failed): recipe tiny-cpu-a is not served; "
+        "journalctl -u rigbook-serve.service, then deploys/serve.py"]
+    assert failed.serving.healthy is None
+    assert "recipe tiny-cpu-a: failed (failed)" in table_text(failed, width=400)
+
+    deaf = serving(probe_output(answer=REFUSED))
+    assert reasons(deaf) == ["http://127.0.0.1:8100/v1/models does not answer: /v1/models: "
+                             "<urlopen error [Errno 111] Connection refused>"]
+    assert "recipe tiny-cpu-a: active, NOT answering" in table_text(deaf, width=400)
+
+    other = serving(probe_output(answer=HEALTHY, enabled="disabled"),
+                    recipe_of=tiny_rig(tmp_path, recipe="tiny-cpu-b"))
+    assert reasons(other) == [
+        "rigbook-serve.service is set up for recipe tiny-cpu-b, inventory tiny-cpu-a: run "
+        "deploys/serve.py",
+        "rigbook-serve.service is disabled, not enabled: it does not start at boot"]
+    assert "recipe tiny-cpu-a (unit: tiny-cpu-b): active, healthy" in table_text(other,
+                                                                                 width=400)
+
+    engine = (4242, "/usr/bin/python3 -m vllm.entrypoints.openai.api_server --model x")
+    two = serving(probe_output(answer=HEALTHY, engines=(engine,)))
+    assert reasons(two) == ["another engine runs outside rigbook-serve.service: pid 4242 "
+                            f"`{engine[1]}`"]
+    assert two.serving.other_engines == [f"pid 4242 {engine[1]}"]
+
+    # The serving role's probe run for real on this machine, where nothing is set up.
+    plan = serve_plan(rig, "rig1")
+    bare = replace(base, serving=local_fact(ServeProbe, args=probe_args(plan)),
+                   serving_recipe=local_fact(FindInFile, path=str(tmp_path / "no.env"),
+                                             pattern="^RIGBOOK_RECIPE="))
+    unset = build_rig_status("rig1", rig, bare)
+    assert reasons(unset) == ["no rigbook-serve.service: recipe tiny-cpu-a is not set up; run "
+                              "deploys/serve.py"]
+    assert unset.serving.running_recipe is None and unset.serving.healthy is None
+
+
+def test_a_recipe_that_cannot_be_planned_is_drift_and_not_probed(tmp_path):
+    rig = tiny_rig(tmp_path, recipe="no-such-recipe")
+    assert not {"serving", "serving_recipe"} & {name for name, _, _ in fact_plan(rig, "rig1")}
+    status = build_rig_status("rig1", rig, converged_dual(rig))
+    (reason,) = [reason for area, _, reason in drifts(status) if area == "serving"]
+    assert reason.startswith("recipe: unknown recipe 'no-such-recipe'; allowed: ")
+    assert reason.endswith("tiny-cpu-huge: nothing of it was read from the rig")
+    assert status.serving.model_dump()["unit"] is None
+    unfit = tiny_rig(tmp_path, recipe="dual-3090-tp2")  # a vllm recipe, a llama venv
+    (reason,) = [r for area, _, r in drifts(build_rig_status("rig1", unfit, converged_dual(unfit)))
+                 if area == "serving"]
+    assert reason.startswith("recipe dual-3090-tp2 does not fit this rig: - venv 'vllm-0.33' is "
+                             "not in the rig's venvs")
+
+
+def test_gpu_lost_mark_and_an_unreachable_rigs_declared_items():
+    mark = parse_gpu_lost(["GPU lost: do not restart serving",
+                           "2026-11-29T10:11:12+0000 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, "
+                           "pid=0, GPU has fallen off the bus."])
+    lost = build_rig_status("rig1", dual_3090(), replace(converged_dual(), gpu_lost=mark))
+    assert lost.state == "gpu-gone" and lost.gpu_lost == gpu_lost_reason(mark)
+    assert "GPU-lost mark set" in table_text(lost, width=400)
+    rig = dual_3090(venvs=[{"name": "demo", **VENV}], models=[{"repo": "org/m",
+                                                              "revision": REV_A}])
+    down = unreachable_status("rig2", rig, "Could not connect")
+    assert [(v.name, v.state) for v in down.venvs] == [("demo", "unknown")]
+    assert [(m.repo, m.state) for m in down.models] == [("org/m", "unknown")]
+    text = table_text(down, width=400)
+    assert "venv demo: unknown" in text and "(not read)" in text
 
 def test_json_round_trip_and_the_model_refuses_what_does_not_add_up():
     rigs = [build_rig_status("rig1", dual_3090(), converged_dual()),
@@ -663,6 +908,19 @@ def test_fact_plan_follows_the_host_data():
     wsl = {name: kwargs for name, _, kwargs in fact_plan(wsl_rig(wsl_tdr_disable=True))}
     assert wsl["registry"]["names"] == ("TdrDelay", "TdrDdiDelay", "TdrLevel")
     assert "stale_present" in [name for name, _, _ in fact_plan(dual_3090())]
+    # venvs, the HF cache and the serving unit only where the rig declares them
+    assert not [name for name in plain if name.startswith(("venvs:", "cache", "serving"))]
+    venvs = dual_3090(venvs=[{"name": "a", **VENV}, {"name": "b", **VENV}])
+    assert [(name, kwargs) for name, _, kwargs in fact_plan(venvs)][-2:] == [
+        ("venvs:a", {"venv_name": "a"}), ("venvs:b", {"venv_name": "b"})]
+    models = dual_3090(models=[{"repo": "org/m", "revision": REV_A}])
+    assert fact_plan(models)[-1] == ("cache", ModelCache, {"cache": "/var/lib/rigbook/hf/hub"})
+    rig = tiny_rig(Path("/srv"))
+    serving = {name: (fact, kwargs) for name, fact, kwargs in fact_plan(rig, "rig1")}
+    assert serving["serving"] == (ServeProbe, {"args": probe_args(serve_plan(rig, "rig1"))})
+    assert serving["serving_recipe"] == (
+        FindInFile, {"path": SERVE_ENV_PATH, "pattern": "^RIGBOOK_RECIPE="})
+    assert "cache" in serving and "venvs:tiny-cpu" in serving
 
 
 def test_limit_names_hosts_groups_and_globs():

@@ -4,30 +4,45 @@ One story, in order: converge every rig (deploys/rig.py), then status says every
 declared (exit 0); a cap changed by hand on one GPU of rig1 is drift on that GPU (exit 1); a rig
 whose sshd is stopped is reported unreachable while the others are still read (exit 2). The
 JSON is validated against the pydantic model each time. status() is called from a small script
-(as `rigbook status` will call it), in its own process, as a user runs it.
+(as `rigbook status` calls it), in its own process, as a user runs it.
+
+A second story gives rig1 a small venv (from the wheelhouse, as tests/test_venvs_e2e.py does)
+and a model through an inventory file that adds host data to inventory/sandbox.py: the venv
+is current, then stale once its manifest names another driver; the model, absent from the HF
+cache, is drift, and a cached repo that models does not list is a warning.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
 import pytest
 
+from roles.spec import Rig
 from roles.status import FleetStatus
+from roles.venvs import MANIFEST, VENVS_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.test_venvs_e2e import fill_wheelhouse
 
 pytestmark = pytest.mark.sandbox
 
 
 def rigbook_status(*limit: str, as_json: bool = True) -> subprocess.CompletedProcess:
+    return rigbook_status_of(SANDBOX_INVENTORY, *limit, as_json=as_json)
+
+
+def rigbook_status_of(inventory: str, *limit: str, as_json: bool = True
+                      ) -> subprocess.CompletedProcess:
     script = (
         "import sys; from roles.status import status; "
-        f"sys.exit(status({SANDBOX_INVENTORY!r}, {list(limit) or None!r}, {as_json!r}))"
+        f"sys.exit(status({inventory!r}, {list(limit) or None!r}, {as_json!r}))"
     )
+    # piped, the table takes COLUMNS when set (pytest sets it for its own terminal)
     return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
 
 
 def fleet_of(done: subprocess.CompletedProcess) -> FleetStatus:
@@ -105,3 +120,78 @@ def test_status_as_declared_drift_and_unreachable(sandbox):
     done = rigbook_status(victim)
     assert done.returncode == 0, explain(done)
     assert states(fleet_of(done)) == {victim: "as-declared"}
+
+
+# --- venvs and the HF cache, read from a rig that declares them --------------------------------
+
+VENV = "statusdemo"
+PIN = "six==1.16.0"
+ABSENT = ("rigbook-test/absent", "e" * 40)
+UNLISTED = "models--rigbook-test--unlisted"
+CACHE = Rig.model_fields["models_cache"].default
+#: The sandbox inventory with extra host data for rig1 (the other rigs as they are).
+EXTRA_INVENTORY = '''
+import inventory.sandbox as _sandbox
+
+sandbox_rigs = [(name, {{**data, **{extra!r}}}) if name == "rig1" else (name, data)
+                for name, data in _sandbox.sandbox_rigs]
+'''
+
+
+def inventory_with(folder, name: str, **extra) -> str:
+    """An inventory file: inventory/sandbox.py with `extra` host data on rig1."""
+    path = folder / f"{name}.py"
+    path.write_text(EXTRA_INVENTORY.format(extra=extra))
+    return str(path)
+
+
+def test_status_reads_venvs_and_the_models_cache(sandbox, tmp_path):
+    """A venv built by the converge is current; made stale (its manifest names another driver)
+    it is drift with the rebuild to run; a declared model not in the cache is drift and a cached
+    repo that models does not list is a warning, both read by the models role's own probe."""
+    rig1 = sandbox["rig1"]
+    fill_wheelhouse()
+    venvs = [{"name": VENV, "engine": "none", "python": "3.11", "packages": [PIN]}]
+    with_venv = inventory_with(tmp_path, "venv", venvs=venvs)
+    try:
+        built = run_pyinfra(with_venv, "deploys/rig.py", "--limit", "rig1")
+        assert built.returncode == 0, built.explain()
+
+        done = rigbook_status_of(with_venv, "rig1")
+        assert done.returncode == 0, explain(done)
+        (rig,) = fleet_of(done).rigs
+        (venv,) = rig.venvs
+        assert venv.state == "current", rig.findings
+        assert venv.built_driver == venv.running_driver == "580.95.05"
+        assert venv.build.startswith(f"{VENV}-{venv.spec_hash}-")
+
+        manifest = f"{VENVS_DIR}/{VENV}/{MANIFEST}"
+        rig_ssh(rig1, "python3 -c \"import json, sys; m = json.load(open(sys.argv[1])); "
+                      "m['driver'] = '580.76.05'; json.dump(m, open(sys.argv[1], 'w'))\" "
+                      f"{manifest}")
+        rig_ssh(rig1, f"mkdir -p {CACHE}/{UNLISTED}/blobs && "
+                      f"head -c 4096 /dev/zero > {CACHE}/{UNLISTED}/blobs/0")
+        declared = inventory_with(tmp_path, "declared", venvs=venvs, models=[
+            {"repo": ABSENT[0], "revision": ABSENT[1]}])
+        done = rigbook_status_of(declared, "rig1")
+        assert done.returncode == 1, explain(done)
+        (rig,) = fleet_of(done).rigs
+        assert [(v.name, v.state, v.built_driver) for v in rig.venvs] == [
+            (VENV, "stale", "580.76.05")]
+        assert [(m.repo, m.state) for m in rig.models] == [(ABSENT[0], "missing")]
+        assert [(f.level, f.area, f.reason) for f in rig.findings
+                if f.area in ("venvs", "models")] == [
+            ("drift", "venvs", f"venv {VENV}: stale: built for driver 580.76.05, running "
+                               "580.95.05: run deploys/venvs.py"),
+            ("drift", "models", f"model {ABSENT[0]}@{ABSENT[1][:12]} missing: not in the cache "
+                                f"{CACHE}; run deploys/models.py"),
+            ("warn", "models", "cached but not in models: 1 repo(s), 0.00 MiB: "
+                               "rigbook-test/unlisted (0.00 MiB); models_prune: true removes "
+                               "them"),
+        ]
+        table = rigbook_status_of(declared, "rig1", as_json=False)
+        assert table.returncode == 1, explain(table)
+        assert f"x venv {VENV}: stale: built for driver 580.76.05" in table.stdout, explain(table)
+    finally:
+        rig_ssh(rig1, f"rm -rf {VENVS_DIR}/{VENV} {VENVS_DIR}/{VENV}-* {VENVS_DIR}/.{VENV}* "
+                      f"{VENVS_DIR}/{VENV}.env {CACHE}/{UNLISTED}", check=False)
