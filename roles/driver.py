@@ -39,7 +39,7 @@ from pyinfra.operations.util import any_changed
 from roles import FILES
 from roles.apt import AptVersions, DpkgInstalled, apt_hold, upstream_version
 from roles.errors import RigbookError
-from roles.facts import LoadedNvidiaModule, NvidiaGpus
+from roles.facts import WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
 from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig
 from roles.wsl import Wsl, WslSignals, check_platform
@@ -111,7 +111,6 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"
 #: Seconds to wait before looking for the rebooted rig, between looks, and at most.
 REBOOT_WAIT_S = (10, 2, 600)
 
-WSL_SMI = "/usr/lib/wsl/lib/nvidia-smi"
 PROC_VERSION = "/proc/driver/nvidia/version"
 #: Simulation hook, read only when PROC_VERSION is absent: the sandbox's stand-in driver (which
 #: cannot create /proc files) writes the version it "loaded" at boot here. No real rig has it.
@@ -605,23 +604,23 @@ def check_wsl():
     if linux:
         yield refuse(
             f"Linux NVIDIA driver packages are installed in WSL2 ({', '.join(linux)}); they "
-            f"shadow the Windows driver's {WSL_SMI} and libcuda. Remove them: "
+            f"shadow the Windows driver's {WSL_NVIDIA_SMI} and libcuda. Remove them: "
             f"apt-get purge {' '.join(linux)}"
         )
         return
     probe = host.get_fact(NvidiaGpus)
-    if probe is None or probe.smi != WSL_SMI:
+    if probe is None or probe.smi != WSL_NVIDIA_SMI:
         found = "no nvidia-smi" if probe is None else f"only {probe.smi}"
         yield refuse(
-            f"WSL2: {WSL_SMI} does not answer ({found}): install or update the NVIDIA "
+            f"WSL2: {WSL_NVIDIA_SMI} does not answer ({found}): install or update the NVIDIA "
             "driver on Windows"
         )
     elif not probe.ok:
-        yield refuse(f"WSL2: {WSL_SMI} fails: {probe.error}")
+        yield refuse(f"WSL2: {WSL_NVIDIA_SMI} fails: {probe.error}")
     else:
         host.noop(
             f"WSL2: the Windows driver {probe.driver_version} serves {len(probe.gpus)} GPU(s) "
-            f"({WSL_SMI}); no Linux driver is installed, by design"
+            f"({WSL_NVIDIA_SMI}); no Linux driver is installed, by design"
         )
 
 

@@ -28,7 +28,8 @@ from roles.gpus import GpuProbe, parse_query_csv, query_args
 #: Where else nvidia-smi lives, tried in this order after the one on PATH (distro packages):
 #: WSL2's copy of the Windows driver's tool (a distro nvidia-smi on PATH shadows it there and
 #: fails), and the NVIDIA container-toolkit / cloud image location (the H200 host's only one).
-NVIDIA_SMI_PATHS = ("/usr/lib/wsl/lib/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi")
+WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
+NVIDIA_SMI_PATHS = (WSL_NVIDIA_SMI, "/usr/local/nvidia/bin/nvidia-smi")
 
 _SMI = "##RIGBOOK_SMI##"
 _RC = "##RIGBOOK_RC##"

@@ -64,7 +64,7 @@ from roles.driver import (
     wanted,
 )
 from roles.errors import RigbookError
-from roles.facts import NvidiaGpus
+from roles.facts import WSL_NVIDIA_SMI, NvidiaGpus
 from roles.gpus import Gpu, GpuProbe
 from roles.guards import GpuLost, GpuLostMark, gpu_lost_reason
 from roles.inventory import load_inventory
@@ -744,7 +744,7 @@ def _check_gpus(rig: Rig, facts: RigFacts, found: _Findings) -> tuple[Gpu, ...]:
         return ()
     probe = facts.probe
     if probe is None:
-        where = "/usr/lib/wsl/lib/nvidia-smi (update the Windows driver)" if (
+        where = f"{WSL_NVIDIA_SMI} (update the Windows driver)" if (
             rig.platform == "wsl2") else "nvidia-smi (no driver installed?)"
         found.add("drift", "gpu", f"no {where}")
         return ()

@@ -737,12 +737,12 @@ def test_verify_driver_passes_only_on_the_target():
 
 
 def test_wsl2_checks_the_windows_driver_and_refuses_a_linux_one():
-    wsl_probe = GpuProbe(smi=drv.WSL_SMI, gpus=h200_probe().gpus)
+    wsl_probe = GpuProbe(smi=drv.WSL_NVIDIA_SMI, gpus=h200_probe().gpus)
     commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": {"python3": "3.11"},
                                             "NvidiaGpus": wsl_probe})
     assert commands == []
     assert fake.noops == [
-        f"WSL2: the Windows driver 580.159.04 serves 1 GPU(s) ({drv.WSL_SMI}); "
+        f"WSL2: the Windows driver 580.159.04 serves 1 GPU(s) ({drv.WSL_NVIDIA_SMI}); "
         "no Linux driver is installed, by design"
     ]
     shadowed = {"nvidia-utils-580": "580.95.05-0ubuntu0.24.04.1",
@@ -755,6 +755,6 @@ def test_wsl2_checks_the_windows_driver_and_refuses_a_linux_one():
     assert message.endswith("apt-get purge libnvidia-compute-580 nvidia-utils-580")
     commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": {}, "NvidiaGpus": None})
     assert "does not answer (no nvidia-smi)" in refusals(commands, fake)[0]
-    broken = GpuProbe(smi=drv.WSL_SMI, error="No devices were found", exit_code=6)
+    broken = GpuProbe(smi=drv.WSL_NVIDIA_SMI, error="No devices were found", exit_code=6)
     commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": {}, "NvidiaGpus": broken})
-    assert refusals(commands, fake) == [f"WSL2: {drv.WSL_SMI} fails: No devices were found"]
+    assert refusals(commands, fake) == [f"WSL2: {drv.WSL_NVIDIA_SMI} fails: No devices were found"]
