@@ -13,6 +13,10 @@ the other rigs go on. docs/runbooks/driver-bump.md has the whole procedure.
 from pyinfra import host
 
 from roles.driver import driver_bump
+from roles.preflight import preflight
 from roles.spec import rig_of
+from roles.wsl import PLATFORM
 
-driver_bump(rig_of(host))
+rig = rig_of(host)
+if preflight(rig, [PLATFORM]):
+    driver_bump(rig)

@@ -15,7 +15,11 @@ environment variable of this machine. docs/models.md has the details.
 
 from pyinfra import host
 
-from roles.models import models
+from roles.models import CHECKS, models
+from roles.preflight import preflight
 from roles.spec import rig_of
+from roles.wsl import PLATFORM
 
-models(rig_of(host))
+rig = rig_of(host)
+if preflight(rig, [PLATFORM], CHECKS):
+    models(rig)

@@ -12,8 +12,12 @@ pyinfra's own output). docs/runbooks/fleet-cap-change.md walks through it.
 
 from pyinfra import host, state
 
-from roles.power import power_limit, print_cap_table_at_end
+from roles import power
+from roles.preflight import preflight
 from roles.spec import rig_of
+from roles.wsl import PLATFORM
 
-print_cap_table_at_end(state)
-power_limit(rig_of(host))
+rig = rig_of(host)
+power.print_cap_table_at_end(state)
+if preflight(rig, [PLATFORM], power.CHECKS):
+    power.power_limit(rig)

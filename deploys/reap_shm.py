@@ -13,6 +13,10 @@ docs/guards.md has the details; rigbook-serve.service runs the same reaper after
 from pyinfra import host
 
 from roles.guards import reap_shm_now
+from roles.preflight import preflight
 from roles.spec import rig_of
+from roles.wsl import PLATFORM
 
-reap_shm_now(rig_of(host))
+rig = rig_of(host)
+if preflight(rig, [PLATFORM]):
+    reap_shm_now(rig)

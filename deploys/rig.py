@@ -3,31 +3,30 @@
     pyinfra inventory/rigs.py deploys/rig.py
 
 Every role reads facts and changes only what differs, so a second run reports no changes.
-Order matters: the driver (and its reboot, when allowed) comes first so that the power role
-finds the GPUs it caps. The guards (/dev/shm reaper, Xid watch, the serving unit's drop-in,
-topology report; docs/guards.md) come before the power caps: they need no GPU, and must be in
-place before anything serves.
+The preflight runs every role's checks first (roles/preflight.py): a rig that would be refused
+changes nothing. Order matters: the driver (and its reboot, when allowed) comes first so that
+the power role finds the GPUs it caps; on a rig without a driver yet, the GPU checks run right
+after it. The guards (/dev/shm reaper, Xid watch, the serving unit's drop-in, topology report;
+docs/guards.md) come before the power caps: they need no GPU, and must be in place before
+anything serves.
 """
 
 from pyinfra import host
 
-from roles.driver import driver
-from roles.guards import guards
-from roles.models import models
-from roles.power import power_limit
-from roles.serving import serving
+from roles import driver, guards, models, power, serving, tuning, venvs, wsl
+from roles.preflight import deferred_checks, preflight
 from roles.spec import rig_of
-from roles.tuning import host_tuning
-from roles.venvs import venvs
-from roles.wsl import wsl_host
 
 rig = rig_of(host)
 
-driver(rig)
-host_tuning(rig)
-wsl_host(rig)
-guards(rig)
-power_limit(rig)
-venvs(rig)
-models(rig)
-serving(rig)
+if preflight(rig, driver.CHECKS, tuning.CHECKS, wsl.CHECKS, guards.CHECKS, power.CHECKS,
+             venvs.CHECKS, models.CHECKS, serving.CHECKS):
+    driver.driver(rig)
+    deferred_checks(rig)
+    tuning.host_tuning(rig)
+    wsl.wsl_host(rig)
+    guards.guards(rig)
+    power.power_limit(rig)
+    venvs.venvs(rig)
+    models.models(rig)
+    serving.serving(rig)

@@ -15,9 +15,11 @@ the rig's own recipe is converged. docs/runbooks/switch-recipe.md walks through 
 
 from pyinfra import host
 
+from roles import guards, serving
 from roles.models import refused
-from roles.serving import serving
+from roles.preflight import preflight
 from roles.spec import rig_of
+from roles.wsl import PLATFORM
 
 rig = rig_of(host)
 if rig.recipe is None:
@@ -26,5 +28,5 @@ if rig.recipe is None:
         message=f"{host.name}: recipe: no recipe to serve; pass --data recipe=NAME "
         "(docs/recipes.md lists them)",
     )
-else:
-    serving(rig)
+elif preflight(rig, [PLATFORM], guards.CHECKS, serving.CHECKS):
+    serving.serving(rig)

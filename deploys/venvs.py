@@ -14,7 +14,11 @@ its working venv in place; the other rigs go on. docs/runbooks/rebuild-venvs.md 
 
 from pyinfra import host
 
+from roles.preflight import preflight
 from roles.spec import rig_of
-from roles.venvs import venvs
+from roles.venvs import REBUILD_CHECKS, venvs
+from roles.wsl import PLATFORM
 
-venvs(rig_of(host), rebuild_stale=True)
+rig = rig_of(host)
+if preflight(rig, [PLATFORM], REBUILD_CHECKS):
+    venvs(rig, rebuild_stale=True)

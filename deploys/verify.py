@@ -13,7 +13,12 @@ the others go on, and pyinfra exits non-zero. docs/verify.md.
 
 from pyinfra import host
 
+from roles.guards import FAULTS
+from roles.preflight import preflight
 from roles.spec import rig_of
 from roles.verify import verify
+from roles.wsl import PLATFORM
 
-verify(rig_of(host))
+rig = rig_of(host)
+if preflight(rig, [PLATFORM, FAULTS]):
+    verify(rig)

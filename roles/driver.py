@@ -37,12 +37,14 @@ from pyinfra.operations import apt, files, systemd
 from pyinfra.operations.util import any_changed
 
 from roles import FILES
-from roles.apt import AptVersions, DpkgInstalled, apt_hold, upstream_version
+from roles.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
+from roles.checks import Check, Facts, Finding, Read, drift, error
+from roles.checks import refusal as refusal_finding
 from roles.errors import RigbookError
-from roles.facts import WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
+from roles.facts import GPUS_READ, WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
 from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig
-from roles.wsl import Wsl, WslSignals, check_platform
+from roles.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
 
 TEMPLATES = FILES / "driver"
 
@@ -315,8 +317,8 @@ def refusal(rig: Rig, installed: set[str]) -> str | None:
     if all(version_matches(rig, version) for version in installed):
         return None
     return (
-        f"installed {', '.join(sorted(installed))}, inventory pins {wanted(rig)}: "
-        "run deploys/driver.py"
+        f"installed {', '.join(sorted(installed))}, inventory pins {wanted(rig)}; allowed: the "
+        "installed driver, or move it on purpose with deploys/driver.py"
     )
 
 
@@ -779,3 +781,76 @@ def driver_bump(rig: Rig):
             "rebuild them and restart serving (pyinfra INVENTORY deploys/venvs.py)"
         ),
     )
+
+
+# --- the driver check ----------------------------------------------------------------------
+
+
+def _plan_finding(rig: Rig, rig_name: str, facts: Facts) -> Finding | None:
+    """plan_driver's refusal (a distribution, release or branch the rig cannot take), as a
+    finding; None when the plan is fine or the platform check already says what is wrong."""
+    if facts.wsl is None or facts.distro is None or platform_problem(rig.platform, facts.wsl):
+        return None
+    try:
+        plan_driver(rig, rig_name, facts.distro, facts.wsl, facts.arch or "")
+    except RigbookError as e:
+        return refusal_finding("driver", e, rig_name)
+    return None
+
+
+def driver_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """The driver packages, holds, loaded module and running version against the inventory.
+
+    Errors: a platform the driver cannot be planned for, and an installed driver other than the
+    inventory's (the converge never moves a driver: deploys/driver.py does).
+    """
+    names = ("installed", "holds", "loaded", "reboot_marker", "distro", "arch")
+    if facts.missing(*names):
+        return facts.missing(*names)
+    probe = facts.probe
+    running = probe.driver_version if probe is not None and probe.ok else None
+    installed = driver_versions(facts.installed or {})
+    if rig.platform == "wsl2":
+        return [drift("driver", f"Linux NVIDIA driver {', '.join(sorted(installed))} installed "
+                      "in WSL2; it shadows the Windows driver")] if installed else []
+    plan = _plan_finding(rig, rig_name, facts)
+    found = [plan] if plan else []
+    if not installed:
+        found.append(drift("driver", f"no driver installed; inventory: {wanted(rig)}"))
+    elif not all(version_matches(rig, version) for version in installed):
+        found.append(error("driver", refusal(rig, installed), key="driver_version"))
+    reasons = reboot_reasons(installed, facts.loaded, facts.reboot_marker or [])
+    if reasons:
+        found.append(drift("driver", f"reboot pending: {'; '.join(reasons)}"))
+    elif running is not None and not version_matches(rig, running):
+        found.append(drift("driver", f"running {running}, inventory: {wanted(rig)}"))
+    unheld = [name for name in driver_packages(facts.installed or {})
+              if name not in (facts.holds or set())]
+    if unheld:
+        found.append(drift("driver", f"not held: {', '.join(unheld)}"))
+    return found
+
+
+def driver_pending(rig: Rig, facts: Facts) -> bool:
+    """The converge installs a driver or reboots into one in this run: the GPUs may appear."""
+    installed = driver_versions(facts.installed or {})
+    return rig.platform != "wsl2" and (
+        not installed or bool(reboot_reasons(installed, facts.loaded, facts.reboot_marker or []))
+    )
+
+
+def _driver_reads(rig: Rig, rig_name: str) -> list[Read]:
+    return [
+        GPUS_READ,
+        Read("installed", DpkgInstalled, "installed packages"),
+        Read("holds", AptHolds, "apt holds"),
+        Read("loaded", LoadedDriverVersion, "loaded driver module"),
+        Read("reboot_marker", RebootMarker, "reboot marker"),
+        WSL_READ,
+        Read("distro", LinuxDistribution, "Linux distribution"),
+        Read("arch", Arch, "architecture"),
+    ]
+
+
+DRIVER = Check("driver", _driver_reads, driver_findings)
+CHECKS = (DRIVER,)

@@ -12,6 +12,7 @@ that always exits 0 and reports the real exit status and stderr on marked stdout
 Grouped by concern:
 
 - GPU layer: NvidiaGpus, NvidiaDriverVersion, LoadedNvidiaModule
+- the GPU check every GPU-using role shares (GPUS): nvidia-smi against gpu_count and gpu_class
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import re
 from pyinfra.api import FactBase, ShortFactBase
 from pyinfra.api.exceptions import FactProcessError
 
-from roles.gpus import GpuProbe, parse_query_csv, query_args
+from roles.checks import Check, Facts, Finding, Read, drift, error
+from roles.gpus import Gpu, GpuProbe, parse_query_csv, query_args
+from roles.spec import Rig
 
 # --- GPU layer -----------------------------------------------------------------------------
 
@@ -168,3 +171,60 @@ class LoadedNvidiaModule(FactBase[str | None]):
             if match:
                 return match.group(1)
         raise FactProcessError(f"no NVRM version line in /proc/driver/nvidia/version: {output!r}")
+
+
+# --- the GPU check -------------------------------------------------------------------------
+
+#: What nvidia-smi calls the cards of each gpu_class ("other" is not checked).
+CLASS_NAMES = {
+    "rtx3090": re.compile(r"RTX 3090(?! Ti)"),
+    "rtx3090ti": re.compile(r"RTX 3090 Ti"),
+    "rtx4090": re.compile(r"RTX 4090"),
+    "rtx5090": re.compile(r"RTX 5090"),
+    "a6000": re.compile(r"RTX A6000"),
+}
+
+GPUS_READ = Read("probe", NvidiaGpus, "GPUs (nvidia-smi)")
+
+
+def usable(probe: GpuProbe | None) -> bool:
+    """nvidia-smi exists, answers and lists GPUs."""
+    return probe is not None and probe.ok and bool(probe.gpus)
+
+
+def count_finding(rig: Rig, gpus: tuple[Gpu, ...]) -> Finding | None:
+    """An error when the rig shows another number of GPUs than gpu_count."""
+    if len(gpus) == rig.gpu_count:
+        return None
+    seen = ", ".join(f"{gpu.index} {gpu.uuid}" for gpu in gpus) or "none"
+    return error("gpu", f"declared {rig.gpu_count}, nvidia-smi lists {len(gpus)} ({seen}); "
+                 "allowed: the number the rig has: fix gpu_count or the hardware",
+                 key="gpu_count")
+
+
+def gpu_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """The GPU layer as nvidia-smi shows it against gpu_count and gpu_class."""
+    if facts.missing("probe"):
+        return facts.missing("probe")
+    probe = facts.probe
+    if probe is None:
+        where = f"{WSL_NVIDIA_SMI} (update the Windows driver)" if (
+            rig.platform == "wsl2") else "nvidia-smi (no driver installed?)"
+        return [drift("gpu", f"no {where}")]
+    if not probe.ok:
+        return [Finding("gone", "gpu", f"{probe.smi} fails: {probe.error}")]
+    if not probe.gpus:
+        return [Finding("gone", "gpu", f"{probe.smi} lists no GPUs")]
+    count = count_finding(rig, probe.gpus)
+    found = [count] if count else []
+    pattern = CLASS_NAMES.get(rig.gpu_class)
+    for gpu in probe.gpus:
+        if pattern is not None and not pattern.search(gpu.name):
+            found.append(drift("gpu", f"gpu_class {rig.gpu_class} declared, card is {gpu.name}",
+                               gpu=gpu.uuid))
+    return found
+
+
+#: Shared by every role whose checks need the GPUs (power, venvs, serving) and by status.
+GPUS = Check("GPUs", lambda rig, name: [GPUS_READ], gpu_findings, gpus=True)
+CHECKS = (GPUS,)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -38,12 +39,13 @@ from pyinfra.operations import files, systemd
 from pyinfra.operations.util import any_changed
 
 from roles import FILES
+from roles.checks import Check, Facts, Finding, Read, warn
 from roles.errors import RigbookError
-from roles.facts import NvidiaGpus, _smi_attempts, _smi_script
+from roles.facts import GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
 from roles.gpus import Gpu
 from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig
-from roles.xid import Xid, parse_xid_line
+from roles.xid import Xid, parse_xid_line, parse_xid_lines, same_device
 
 SOURCES = FILES / "guards"
 XID_SOURCE = FILES.parent / "roles" / "xid.py"
@@ -138,6 +140,138 @@ def gpu_lost_reason(mark: GpuLost | None) -> str | None:
         "watch this boot; only a reboot brings the card back and clears it: check the card "
         "first, docs/guards.md)"
     )
+
+
+# --- the kernel log, and the faults check ----------------------------------------------------
+
+#: The most Xid lines read per boot: a flapping card can log thousands.
+XID_LINES = 500
+_KLOG = "##RIGBOOK_KLOG##"
+_EARLIER = "##RIGBOOK_KLOG_ALL_BOOTS##"
+
+
+@dataclass(frozen=True)
+class KernelLog:
+    """Xid lines of the kernel log: this boot's and earlier boots', or why it was unreadable."""
+
+    source: str | None  # "journalctl" or "dmesg"; None when neither could be read
+    this_boot: tuple[Xid, ...] = ()
+    earlier: tuple[Xid, ...] = ()
+    error: str | None = None
+
+
+class KernelXids(FactBase[KernelLog]):
+    """
+    NVIDIA Xid lines from the kernel log, this boot's apart from earlier boots'.
+
+    ``journalctl -k -b 0`` (this boot) and ``journalctl -k -b all`` when the journal holds
+    kernel messages, else ``dmesg`` (this boot only). Output (journal)::
+
+        ##RIGBOOK_KLOG## journalctl
+        Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has fallen ...
+        ##RIGBOOK_KLOG_ALL_BOOTS##
+        Nov 27 08:00:01 rig1 kernel: NVRM: Xid (PCI:0000:02:00): 31, pid=4242, name=python3, ...
+        Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has fallen ...
+
+    A host whose kernel log cannot be read (a container without CAP_SYSLOG) says why::
+
+        ##RIGBOOK_KLOG## none
+        dmesg: read kernel buffer failed: Operation not permitted
+    """
+
+    @staticmethod
+    def default() -> KernelLog:
+        return KernelLog(None, error="no output from the kernel-log probe")
+
+    def command(self) -> str:
+        grep = f"grep -F 'NVRM: Xid' | tail -n {XID_LINES}"
+        journal = "journalctl -k -o short -q --no-pager"
+        return (
+            "if command -v journalctl >/dev/null 2>&1 && "
+            f'[ -n "$({journal} -b 0 -n 1 2>/dev/null)" ]; then '
+            f"echo '{_KLOG} journalctl'; {journal} -b 0 2>/dev/null | {grep}; "
+            f"echo '{_EARLIER}'; "
+            f"{{ {journal} -b all 2>/dev/null || "
+            f"journalctl _TRANSPORT=kernel -o short -q --no-pager 2>/dev/null; }} | {grep}; "
+            "elif out=$(dmesg 2>&1); then "
+            f"echo '{_KLOG} dmesg'; printf '%s\\n' \"$out\" | {grep}; "
+            f"else echo '{_KLOG} none'; printf '%s\\n' \"$out\" | head -n 3; fi; true"
+        )
+
+    def process(self, output: list[str]) -> KernelLog:
+        return parse_kernel_log(output)
+
+
+def parse_kernel_log(output: list[str]) -> KernelLog:
+    """KernelXids' output into a KernelLog; earlier = all boots' Xids less this boot's."""
+    if not output or not output[0].startswith(_KLOG):
+        raise FactProcessError(f"not the kernel-log probe: {output!r}")
+    source = output[0][len(_KLOG):].strip()
+    rest = output[1:]
+    if source == "none":
+        why = " ".join(line.strip() for line in rest if line.strip()) or "no journal, no dmesg"
+        return KernelLog(None, error=why)
+    if _EARLIER in rest:
+        at = rest.index(_EARLIER)
+        this_boot, every = rest[:at], rest[at + 1:]
+    else:
+        this_boot, every = rest, []
+    left = Counter(line.strip() for line in this_boot)
+    earlier = []
+    for line in every:  # a multiset difference: the same line may repeat
+        if left[line.strip()] > 0:
+            left[line.strip()] -= 1
+        else:
+            earlier.append(line)
+    return KernelLog(source, tuple(parse_xid_lines(this_boot)), tuple(parse_xid_lines(earlier)))
+
+
+def xid_events(log: KernelLog, gpus: Iterable[Gpu]) -> list[tuple[Xid, bool, Gpu | None]]:
+    """(Xid, this boot?, the listed GPU it names) for every Xid of the log."""
+    gpus = tuple(gpus)
+    return [
+        (xid, this_boot, next((g for g in gpus if same_device(xid.pci, g.bus_id)), None))
+        for this_boot, xids in ((True, log.this_boot), (False, log.earlier)) for xid in xids
+    ]
+
+
+def fault_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """This boot's Xids (gone when the card is lost until a reboot, else warn), an unreadable
+    kernel log, and the Xid watch's GPU-lost mark (gone: serving refuses to start)."""
+    if facts.missing("klog", "gpu_lost"):
+        return facts.missing("klog", "gpu_lost")
+    found = []
+    log = facts.klog
+    if log is not None and log.source is None:
+        found.append(warn("faults", f"kernel log not readable ({log.error}): GPU faults unknown"))
+    probe = facts.probe
+    events = xid_events(log, probe.gpus if probe is not None and probe.ok else ()) if log else []
+    seen: set[tuple[int, str]] = set()
+    for xid, this_boot, gpu in events:
+        if not this_boot or (xid.code, xid.pci) in seen:
+            continue
+        seen.add((xid.code, xid.pci))
+        count = sum(1 for x, now, _ in events if now and (x.code, x.pci) == (xid.code, xid.pci))
+        where = f"GPU {gpu.index}" if gpu else f"PCI {xid.pci}"
+        times = f" ({count}x)" if count > 1 else ""
+        found.append(Finding(
+            "gone" if xid.gone else "warn", "faults",
+            f"{where}: Xid {xid.code} {xid.label} since boot{times}, last at {xid.when or '?'}",
+            gpu=gpu.uuid if gpu else None,
+        ))
+    lost = gpu_lost_reason(facts.gpu_lost)
+    if lost:  # the Xid watch's mark: serving refuses to start on this boot
+        found.append(Finding("gone", "faults", lost))
+    return found
+
+
+def _fault_reads(rig: Rig, rig_name: str) -> list[Read]:
+    return [GPUS_READ, Read("klog", KernelXids, "kernel log"),
+            Read("gpu_lost", GpuLostMark, "GPU-lost mark")]
+
+
+FAULTS = Check("GPU faults", _fault_reads, fault_findings)
+CHECKS = (FAULTS,)
 
 
 # --- topology -------------------------------------------------------------------------------

@@ -48,8 +48,10 @@ from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
 
 from roles import FILES
+from roles.checks import Check, Facts, Finding, Read, drift, warn
 from roles.errors import RigbookError
 from roles.messages import notice, refuse, warn_once
+from roles.recipes import recipe_for, recipe_pins
 from roles.secrets import Secret, read_secret_file
 from roles.spec import ModelSpec, Rig
 from roles.tools import TOOLS_PYTHON, tools_venv
@@ -706,3 +708,69 @@ def models(rig: Rig) -> None:
         )
         hub_mirror(rig)
 
+
+
+# --- the models check --------------------------------------------------------------------------
+
+
+def wanted_models(rig: Rig, rig_name: str) -> list[tuple[ModelSpec, str]]:
+    """(spec, "models" | "recipe") of every snapshot the rig must hold: its models, then the
+    recipe's pins its models do not cover (a recipe that does not resolve adds none: the
+    serving check says why)."""
+    wanted = [(spec, "models") for spec in rig.models]
+    if rig.recipe is not None:
+        listed = {spec.repo for spec in rig.models}
+        try:
+            pins = recipe_pins(recipe_for(rig, rig_name), rig)
+        except RigbookError:
+            pins = ()
+        wanted += [(spec, "recipe") for spec in pins if spec.repo not in listed]
+    return wanted
+
+
+def model_state(cache: CacheState, spec: ModelSpec) -> tuple[str, SnapshotStatus]:
+    """(complete | partial | missing, the snapshot's status) of one pinned snapshot."""
+    status = snapshot_status(cache, spec)
+    if status.complete:
+        return "complete", status
+    repo = cache.repos.get(spec.repo)
+    return ("partial" if repo is not None and repo.snapshots.get(spec.revision) else "missing",
+            status)
+
+
+def model_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """Each pinned snapshot complete, or partial / missing with what to run; cached repos that
+    models does not list (drift when models_prune removes them, else a warning)."""
+    if not (rig.models or rig.recipe):
+        return []
+    if facts.missing("cache") or facts.cache is None:
+        return facts.missing("cache")
+    cache, found = facts.cache, []
+    for spec, source in wanted_models(rig, rig_name):
+        state, status = model_state(cache, spec)
+        if state == "complete":
+            continue
+        fix = ("run deploys/models.py" if source == "models"
+               else "add it to the rig's models and run deploys/models.py")
+        what = "model" if source == "models" else f"recipe {rig.recipe}: model"
+        why = status.reason.removeprefix("partial: ")
+        found.append(drift("models", f"{what} {label(spec)} {state}: {why}; {fix}"))
+    extra = unreferenced(cache, {spec.repo for spec in rig.models})
+    if extra:
+        listing = prune_listing(extra)
+        if rig.models_prune:
+            found.append(drift("models", f"cached but not in models: {listing}; models_prune is "
+                                         "true: deploys/rig.py or deploys/models.py removes them"))
+        else:
+            found.append(warn("models", f"cached but not in models: {listing}; models_prune: "
+                                        "true removes them"))
+    return found
+
+
+def _model_reads(rig: Rig, rig_name: str) -> list[Read]:
+    if not (rig.models or rig.recipe):
+        return []
+    return [Read("cache", ModelCache, "HF cache (models_cache)", (("cache", rig.models_cache),))]
+
+
+CHECKS = (Check("models", _model_reads, model_findings),)

@@ -8,9 +8,10 @@ it back.
 
 The GPUs, their UUIDs and their limits are read from the rig when the operations execute, not
 when the deploy is planned: on a new rig they appear only after the driver was installed and
-the rig rebooted earlier in the same run. Every GPU is checked (count, the card's own min/max,
-persistence mode) before anything is changed; one bad value fails that rig and changes nothing
-on it, while the other rigs go on.
+the rig rebooted earlier in the same run. The checks (`CHECKS`: count, power_caps keys, the
+card's own min/max) run in every deploy's preflight, before anything on the rig changes, and
+again in the operations themselves (persistence mode too); one bad value fails that rig and
+changes nothing on it, while the other rigs go on.
 
 On WSL2 the Windows driver owns the cards: rigbook writes no unit, changes no cap and reports
 the live caps (docs/power.md, "WSL2").
@@ -18,6 +19,7 @@ the live caps (docs/power.md, "WSL2").
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,20 +28,24 @@ from pathlib import Path
 from pyinfra import host, logger, state
 from pyinfra.api import (
     BaseStateCallback,
+    FactBase,
     FunctionCommand,
     QuoteString,
     StringCommand,
     deploy,
     operation,
 )
+from pyinfra.api.exceptions import FactProcessError
 from pyinfra.api.util import get_template
 from pyinfra.operations import files, systemd
 from rich.console import Console
 from rich.table import Table
 
+from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.errors import RigbookError
-from roles.facts import NvidiaGpus
+from roles.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
 from roles.gpus import Gpu, GpuProbe
+from roles.messages import warn_once
 from roles.spec import Rig
 
 UNIT_NAME = "nvidia-power-limit.service"
@@ -75,6 +81,7 @@ class GpuCap:
     live_w: float | None
     min_w: float
     max_w: float
+    persistence: bool | None = None
 
     @property
     def label(self) -> str:
@@ -91,7 +98,7 @@ class GpuCap:
     @property
     def in_place(self) -> bool:
         """The live cap already is the desired one."""
-        return self.live_w is not None and abs(self.live_w - self.watts) <= TOLERANCE_W
+        return same_w(self.live_w, self.watts)
 
 
 # --- cap policy ----------------------------------------------------------------------------
@@ -120,75 +127,215 @@ def asked_cap(rig: Rig, gpu: Gpu) -> tuple[float | None, str]:
     return default, f"power_profile {rig.power_profile} ({rig.gpu_class}, {rig.cooling})"
 
 
-def desired_caps(rig: Rig, rig_name: str, gpus: Iterable[Gpu]) -> tuple[GpuCap, ...]:
-    """The cap of every GPU, checked against what the rig reports; RigbookError if any is bad.
+def _key(source: str) -> str:
+    """The host-data key a cap source names: "power_caps[0]" -> "power_caps"."""
+    return source.split("[")[0].split(" ")[0]
 
-    Refused, all at once: a GPU count other than gpu_count, a power_caps UUID the rig does not
-    have, a cap outside the card's own min/max (power.min_limit / power.max_limit), a card that
-    reports no range, and persistence mode off (a cap does not hold between processes then).
-    """
+
+def cap_plan(rig: Rig, gpus: Iterable[Gpu]) -> tuple[tuple[GpuCap, ...], list[Finding]]:
+    """The cap of every GPU the rig can take, and an error finding for each one it cannot:
+    a power_caps key this rig does not have, a GPU named twice, a cap outside the card's own
+    min/max (power.min_limit / power.max_limit), a card that reports no range or no default."""
     gpus = sorted(gpus, key=lambda gpu: gpu.index)
-    problems: list[str] = []
-    if len(gpus) != rig.gpu_count:
-        seen = ", ".join(f"{gpu.index} {gpu.uuid}" for gpu in gpus) or "none"
-        problems.append(
-            f"gpu_count is {rig.gpu_count} but the rig reports {len(gpus)} GPU(s) ({seen}); "
-            "fix gpu_count or the hardware"
-        )
+    problems: list[Finding] = []
     uuids = {gpu.uuid for gpu in gpus}
+    indexes = {str(gpu.index) for gpu in gpus}
     for key in rig.power_caps:
-        if not key.isdigit() and key not in uuids:
-            problems.append(
-                f"power_caps names {key}, which this rig does not have "
-                f"(its GPUs: {', '.join(sorted(uuids)) or 'none'})"
-            )
-
-    caps, no_persistence = [], []
+        if key not in uuids and key not in indexes:
+            problems.append(error(
+                "power", f"names GPU {key}, which this rig does not have; allowed: its GPUs "
+                f"({', '.join(f'{gpu.index} {gpu.uuid}' for gpu in gpus) or 'none'})",
+                key="power_caps",
+            ))
+    caps = []
     for gpu in gpus:
         label = f"GPU {gpu.index} ({gpu.uuid})"
         try:
             asked, source = asked_cap(rig, gpu)
         except ValueError as e:
-            problems.append(f"{label}: {e}")
+            problems.append(error("power", f"{label}: {e}", key="power_caps", gpu=gpu.uuid))
             continue
         if asked is None:
             asked = gpu.default_limit_w
             if asked is None:
-                problems.append(f"{label}: power_profile stock, but the card reports no default")
+                problems.append(error("power", f"{label}: the card reports no default limit; "
+                                      "allowed: a cap in watts", key="power_profile", gpu=gpu.uuid))
                 continue
         if gpu.min_limit_w is None or gpu.max_limit_w is None:
-            problems.append(
-                f"{label}: {source} asks {watts(asked)} W, but the card reports no power limit "
-                "range, so it cannot be capped"
-            )
+            problems.append(error(
+                "power", f"{label} asks {watts(asked)} W, but the card reports no power limit "
+                "range, so it cannot be capped; allowed: no cap (power_profile stock)",
+                key=_key(source), gpu=gpu.uuid,
+            ))
             continue
         if not gpu.min_limit_w <= asked <= gpu.max_limit_w:
-            problems.append(
-                f"{label}: {source} asks {watts(asked)} W, outside the card's allowed range "
-                f"{watts(gpu.min_limit_w)}-{watts(gpu.max_limit_w)} W"
-            )
+            problems.append(error(
+                "power", f"{label} asks {watts(asked)} W ({source}); allowed: the card's range "
+                f"{watts(gpu.min_limit_w)}-{watts(gpu.max_limit_w)} W", key=_key(source),
+                gpu=gpu.uuid,
+            ))
             continue
-        if gpu.persistence is False:
-            no_persistence.append(label)
         caps.append(GpuCap(
             index=gpu.index, uuid=gpu.uuid, name=gpu.name, watts=float(asked), source=source,
             live_w=gpu.power_limit_w, min_w=gpu.min_limit_w, max_w=gpu.max_limit_w,
+            persistence=gpu.persistence,
         ))
-    if no_persistence:
-        problems.append(
-            f"persistence mode is Disabled on {', '.join(no_persistence)}: a cap does not hold "
-            "between processes without it; enable nvidia-persistenced persistence "
-            "(driver_persistence: true, which the driver role applies; deploys/rig.py)"
-        )
+    return tuple(caps), problems
+
+
+def desired_caps(rig: Rig, rig_name: str, gpus: Iterable[Gpu]) -> tuple[GpuCap, ...]:
+    """The cap of every GPU, checked against what the rig reports; RigbookError if any is bad.
+
+    Refused, all at once: a GPU count other than gpu_count, every problem of `cap_plan`, and
+    persistence mode off (a cap does not hold between processes then).
+    """
+    gpus = tuple(gpus)
+    caps, problems = cap_plan(rig, gpus)
+    count = count_finding(rig, gpus)
+    problems = ([count] if count else []) + problems
+    off = [cap.label for cap in caps if cap.persistence is False]
+    if off:
+        problems.append(error(
+            "power", f"persistence mode is Disabled on {', '.join(off)}: a cap does not hold "
+            "between processes without it; allowed: persistence on (driver_persistence: true, "
+            "which the driver role applies; deploys/rig.py)", key="driver_persistence",
+        ))
     if problems:
-        lines = "\n".join(f"  - {rig_name}: {problem}" for problem in problems)
+        lines = "\n".join(f"  - {problem.message(rig_name)}" for problem in problems)
         raise RigbookError(f"{rig_name}: power caps refused, nothing was changed:\n{lines}")
-    return tuple(caps)
+    return caps
 
 
 def render_unit(smi: str, caps: Iterable[GpuCap]) -> str:
     """The unit text power_unit writes (same template, same jinja settings)."""
     return get_template(UNIT_TEMPLATE, _jinja_env()).render(smi=smi, caps=tuple(caps))
+
+
+# --- the unit as installed, and the power check ----------------------------------------------
+
+_UNIT = "##RIGBOOK_UNIT##"
+_ENABLED = "##RIGBOOK_ENABLED##"
+_EXEC_START = re.compile(
+    r"^ExecStart=-?(?P<smi>\S+)\s+-i\s+(?P<gpu>\S+)\s+-pl\s+(?P<watts>\d+(?:\.\d+)?)\s*$"
+)
+
+
+@dataclass(frozen=True)
+class PowerUnit:
+    """The power-limit unit as installed: its ExecStart lines and `systemctl is-enabled`."""
+
+    exec_starts: tuple[str, ...]
+    enabled: str | None  # None: no systemctl on the host
+
+
+class PowerUnitFile(FactBase[PowerUnit | None]):
+    """
+    The ExecStart lines of /etc/systemd/system/nvidia-power-limit.service and whether the unit
+    is enabled; None when there is no unit file. Output (a converged dual-3090 rig)::
+
+        ##RIGBOOK_UNIT##
+        ExecStart=/usr/bin/nvidia-smi -i GPU-3c6f...-0 -pl 290
+        ExecStart=/usr/bin/nvidia-smi -i GPU-3c6f...-1 -pl 290
+        ##RIGBOOK_ENABLED## enabled
+    """
+
+    @staticmethod
+    def default() -> None:
+        return None
+
+    def command(self) -> str:
+        return (
+            f"if [ -f {UNIT_PATH} ]; then echo '{_UNIT}'; grep '^ExecStart=' {UNIT_PATH}; "
+            "if command -v systemctl >/dev/null 2>&1; then "
+            f'echo "{_ENABLED} $(systemctl is-enabled {UNIT_NAME} 2>&1)"; fi; fi; true'
+        )
+
+    def process(self, output: list[str]) -> PowerUnit | None:
+        if not output or output[0].strip() != _UNIT:
+            raise FactProcessError(f"not the power unit probe: {output!r}")
+        lines, enabled = [], None
+        for line in output[1:]:
+            if line.startswith(_ENABLED):
+                enabled = line[len(_ENABLED):].strip()
+            elif line.strip():
+                lines.append(line.strip())
+        return PowerUnit(tuple(lines), enabled)
+
+
+def unit_caps(exec_starts: Iterable[str]) -> tuple[dict[str, float], list[str]]:
+    """({GPU UUID: watts}, lines that are not `nvidia-smi -i <UUID> -pl <W>`) of a unit."""
+    caps, other = {}, []
+    for line in exec_starts:
+        match = _EXEC_START.match(line)
+        if match:
+            caps[match.group("gpu")] = float(match.group("watts"))
+        else:
+            other.append(line)
+    return caps, other
+
+
+def same_w(value: float | None, desired: float) -> bool:
+    return value is not None and abs(value - desired) <= TOLERANCE_W
+
+
+def _unit_findings(unit: PowerUnit | None, gpus: tuple[Gpu, ...]) -> list[Finding]:
+    if unit is None:
+        return [drift("power", f"no {UNIT_NAME}: caps are lost at the next reboot")]
+    caps, other = unit_caps(unit.exec_starts)
+    found = [drift("power", f"{UNIT_NAME} has a line rigbook did not write: {line}")
+             for line in other]
+    if unit.enabled is not None and unit.enabled != "enabled":
+        found.append(drift("power", f"{UNIT_NAME} is {unit.enabled}, not enabled"))
+    listed = {gpu.uuid for gpu in gpus}
+    found += [drift("power", f"{UNIT_NAME} caps {uuid}, which nvidia-smi does not list")
+              for uuid in caps if uuid not in listed]
+    return found
+
+
+def power_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """Caps the cards cannot take (errors), and the unit and live caps against the inventory."""
+    names = ("probe",) if rig.platform == "wsl2" else ("probe", "unit")
+    if facts.missing(*names) or not usable(facts.probe):
+        return facts.missing(*names)  # the GPU check says why there are no GPUs
+    gpus = facts.probe.gpus
+    caps, found = cap_plan(rig, gpus)
+    unit = None
+    if rig.platform != "wsl2":
+        found += _unit_findings(facts.unit, gpus)
+        unit = unit_caps(facts.unit.exec_starts)[0] if facts.unit else None
+    for gpu in gpus:
+        if rig.platform != "wsl2" and rig.driver_persistence and gpu.persistence is False:
+            found.append(drift("persistence", f"GPU {gpu.index}: persistence mode is off",
+                               gpu=gpu.uuid))
+    for cap in caps:
+        live, label = cap.live_w, f"GPU {cap.index}"
+        if rig.platform == "wsl2":
+            if not same_w(live, cap.watts):
+                found.append(warn("power", f"{label}: live cap {watts(live)} W, inventory "
+                                  f"{cap.watts_arg} W; set it on Windows (Administrator): "
+                                  f"{windows_command(cap)}", gpu=cap.uuid))
+            continue
+        if unit is not None and not same_w(unit.get(cap.uuid), cap.watts):
+            found.append(drift("power", f"{label}: unit caps {watts(unit.get(cap.uuid))} W, "
+                               f"inventory {cap.watts_arg} W", gpu=cap.uuid))
+        if not same_w(live, cap.watts):
+            found.append(drift("power", f"{label}: live cap {watts(live)} W, inventory "
+                               f"{cap.watts_arg} W", gpu=cap.uuid))
+    return found
+
+
+def windows_command(cap: GpuCap) -> str:
+    """What the operator runs in an Administrator prompt on a WSL2 rig's Windows host."""
+    return f"nvidia-smi -i {cap.uuid} -pl {cap.watts_arg}"
+
+
+def _power_reads(rig: Rig, rig_name: str) -> list[Read]:
+    if rig.platform == "wsl2":
+        return [GPUS_READ]
+    return [GPUS_READ, Read("unit", PowerUnitFile, "power-limit unit")]
+
+
+CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True))
 
 
 # --- the rig's GPUs ------------------------------------------------------------------------
@@ -287,14 +434,12 @@ def _refuse(state, host, message: str, rows: tuple[CapRow, ...]) -> bool:
     return False
 
 
-def _refusal(error: RigbookError, gpus: Iterable[Gpu], warn_now: bool) -> FunctionCommand:
+def _refusal(error: RigbookError, gpus: Iterable[Gpu]) -> FunctionCommand:
     rows = tuple(
         CapRow(host.name, f"{gpu.index} {gpu.uuid}", gpu.power_limit_w, gpu.power_limit_w,
                "refused, unchanged")
         for gpu in gpus
     )
-    if warn_now and not state.is_executing:  # so that --dry shows why the rig will fail
-        host.log_styled(str(error), fg="red", log_func=logger.warning)
     return FunctionCommand(_refuse, (str(error), rows), {})
 
 
@@ -305,7 +450,7 @@ def _read_back(state, host, smi: str, caps: tuple[GpuCap, ...]) -> bool:
     rows, wrong = [], []
     for cap in caps:
         now = live.get(cap.uuid)
-        took = now is not None and abs(now - cap.watts) <= TOLERANCE_W
+        took = same_w(now, cap.watts)
         note = ("unchanged" if cap.in_place else "set") if took else "DID NOT TAKE"
         rows.append(CapRow(host.name, f"{cap.index} {cap.uuid}", cap.live_w, now, note))
         if not took:
@@ -357,7 +502,7 @@ def power_unit(rig: Rig):
     try:
         caps = desired_caps(rig, host.name, probe.gpus)
     except RigbookError as error:
-        yield _refusal(error, probe.gpus, warn_now=True)
+        yield _refusal(error, probe.gpus)
         return
 
     unit = list(files.template._inner(
@@ -406,7 +551,7 @@ def live_power_caps(rig: Rig):
     try:
         caps = desired_caps(rig, host.name, probe.gpus)
     except RigbookError as error:
-        yield _refusal(error, probe.gpus, warn_now=False)
+        yield _refusal(error, probe.gpus)
         return
 
     todo = [cap for cap in caps if not cap.in_place]
@@ -421,6 +566,9 @@ def live_power_caps(rig: Rig):
                 for cap in caps
             ])
         return
+    if not state.is_executing:  # the plan, per GPU: --dry shows what the run will set
+        for cap in todo:
+            warn_once(f"{cap.label}: cap {watts(cap.live_w)} W -> {cap.watts_arg} W ({cap.source})")
     for cap in todo:
         yield StringCommand(
             QuoteString(probe.smi), "-i", QuoteString(cap.uuid), "-pl", cap.watts_arg
@@ -436,13 +584,10 @@ def _wsl2_report(rig: Rig, probe: GpuProbe | None, why: str | None) -> str:
         "WSL2: caps are set on the Windows host, not from WSL2 (rigbook policy); live caps: "
         + _live_list(probe.gpus)
     )
-    try:
-        caps = desired_caps(rig, host.name, probe.gpus)
-    except RigbookError:
-        return text
+    caps, _ = cap_plan(rig, probe.gpus)  # persistence is the Windows driver's: not asked here
     wanted = [cap for cap in caps if not cap.in_place]
     if wanted:
-        commands = "; ".join(f"nvidia-smi -i {cap.uuid} -pl {cap.watts_arg}" for cap in wanted)
+        commands = "; ".join(windows_command(cap) for cap in wanted)
         text += f"; to apply this rig's caps, run in an Administrator prompt on Windows: {commands}"
     return text
 

@@ -33,7 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from roles.errors import RigbookError
-from roles.spec import GpuClass, Platform, Rig
+from roles.spec import GpuClass, ModelSpec, Platform, Rig
 from roles.venvs import venv_link
 from roles.wsl import serving_environment
 
@@ -369,6 +369,16 @@ def pinned_revision(pin: ModelPin, rig: Rig, *, allow_placeholder: bool = False)
             f"add {{repo: {pin.repo}, revision: <40-hex commit>}} to the rig's models"
         )
     return pin.revision
+
+
+def recipe_pins(recipe: Recipe, rig: Rig) -> tuple[ModelSpec, ...]:
+    """The ModelSpecs the cache must hold for a recipe (the rig's entry for a repo wins);
+    RigbookError for a placeholder revision the rig does not override."""
+    return tuple(
+        next((spec for spec in rig.models if spec.repo == pin.repo), None)
+        or ModelSpec(repo=pin.repo, revision=pinned_revision(pin, rig))
+        for pin in recipe.models
+    )
 
 
 def model_path(pin: ModelPin, rig: Rig, *, allow_placeholder: bool = False) -> str:

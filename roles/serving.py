@@ -39,11 +39,13 @@ from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.api.util import get_template
+from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files, server
 
 from roles import FILES
+from roles.checks import Check, Facts, Finding, Read, drift, error, refusal
 from roles.errors import RigbookError
-from roles.facts import NVIDIA_SMI_PATHS, NvidiaGpus
+from roles.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
 from roles.gpus import GpuProbe
 from roles.guards import GpuLostMark, GpuTopology, Topology, gpu_lost_reason, p2p_disable_problem
 from roles.messages import refuse, warn_once
@@ -62,9 +64,9 @@ from roles.recipes import (
     bind_of,
     engine_argv,
     is_loopback,
-    pinned_revision,
     port_of,
     recipe_for,
+    recipe_pins,
 )
 from roles.secrets import read_secret_file
 from roles.spec import ModelSpec, Rig
@@ -166,7 +168,7 @@ def serve_plan(rig: Rig, rig_name: str) -> ServePlan:
     recipe = recipe_for(rig, rig_name)
     try:
         argv = engine_argv(recipe, rig)
-        pins = tuple(_pin_spec(pin, rig) for pin in recipe.models)
+        pins = recipe_pins(recipe, rig)
     except RigbookError as error:
         raise RigbookError(f"{rig_name}: recipe {recipe.name}: {error}") from None
     bind, port = bind_of(recipe, rig), port_of(recipe, rig)
@@ -193,14 +195,6 @@ def serve_plan(rig: Rig, rig_name: str) -> ServePlan:
         rig_name=rig_name, rig=rig, recipe=recipe, argv=tuple(argv), env=tuple(env.items()),
         bind=bind, port=port, health_timeout_s=rig.serving_health_timeout_s, pins=pins, key=key,
     )
-
-
-def _pin_spec(pin, rig: Rig) -> ModelSpec:
-    """The ModelSpec the cache must hold for a recipe's model (the rig's entry when it has one)."""
-    for spec in rig.models:
-        if spec.repo == pin.repo:
-            return spec
-    return ModelSpec(repo=pin.repo, revision=pinned_revision(pin, rig))
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -460,9 +454,6 @@ def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: 
             why = f"nvidia-smi --query-gpu failed: {gpus.error if gpus else 'no nvidia-smi'}"
         if why is not None:
             checks.fail("gpus", why)
-        elif len(gpus.gpus) < recipe.tensor_parallel_size:
-            checks.fail("gpus", f"the recipe splits over {recipe.tensor_parallel_size} cards; "
-                                f"the rig shows {len(gpus.gpus)}")
         p2p = p2p_disable_problem(dict(plan.env), plan.rig, topology)
         if p2p is not None:
             checks.fail("topology", p2p)
@@ -479,11 +470,20 @@ def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: 
         listed = "; ".join(f"pid {pid} `{cmd[:80]}`" for pid, cmd in probe.engines)
         checks.fail("one engine", f"another engine runs outside {UNIT_NAME}: {listed}; stop it "
                                   "first (never two big models at once)")
+    return checks.problems + fit_problems(plan, probe, gpus)
+
+
+def fit_problems(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None) -> list[str]:
+    """The recipe against the rig as it is now: cards for its tensor parallelism, host RAM,
+    VRAM free per card (what a running rigbook-serve holds counts as free)."""
+    checks = Preflight()
+    if plan.gpu and gpus is not None and gpus.ok:
+        if len(gpus.gpus) < plan.recipe.tensor_parallel_size:
+            checks.fail("gpus", f"the recipe splits over {plan.recipe.tensor_parallel_size} "
+                                f"cards; the rig shows {len(gpus.gpus)}")
+        else:
+            _vram(checks, plan, probe, gpus)
     _host_ram(checks, plan, probe)
-    if plan.gpu and gpus is not None and gpus.ok and not any(
-        p.startswith("gpus:") for p in checks.problems
-    ):
-        _vram(checks, plan, probe, gpus)
     return checks.problems
 
 
@@ -705,3 +705,100 @@ def serving(rig: Rig) -> None:
         refused(name="Check the serving recipe", message=str(error))
         return
     serve_recipe(name=f"Serve {plan.recipe.name} as {UNIT_NAME}", plan=plan)
+
+
+# --- the serving checks ---------------------------------------------------------------------------
+
+#: The engine.env line that names the recipe the unit runs (render_env writes it).
+RECIPE_LINE = "RIGBOOK_RECIPE="
+
+
+def running_recipe(lines: list[str] | None) -> str | None:
+    """The recipe named by engine.env's RIGBOOK_RECIPE= line (FindInFile's value), if any."""
+    for line in lines or ():
+        if line.startswith(RECIPE_LINE):
+            return line[len(RECIPE_LINE):].strip().strip('"') or None
+    return None
+
+
+def plan_of(rig: Rig, rig_name: str) -> tuple[ServePlan | None, Finding | None]:
+    """(the serving plan, None) for a rig with a recipe; (None, why not) when it cannot be made
+    (unknown recipe, a fit, bind or key problem: all decided on this machine); (None, None)
+    without a recipe."""
+    if rig.recipe is None:
+        return None, None
+    try:
+        return serve_plan(rig, rig_name), None
+    except RigbookError as e:
+        return None, refusal("serving", e, rig_name)
+
+
+def serving_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """The declared recipe against rigbook-serve.service: installed for it, enabled, active,
+    answering /v1/models, and alone. A recipe that cannot be planned is an error."""
+    plan, problem = plan_of(rig, rig_name)
+    if plan is None:
+        return [problem] if problem else []
+    if facts.missing("serving", "serving_recipe") or facts.serving is None:
+        return facts.missing("serving", "serving_recipe")
+    probe, found = facts.serving, []
+    running = running_recipe(facts.serving_recipe)
+    if probe.files.get(UNIT_PATH) is None:
+        found.append(drift("serving", f"no {UNIT_NAME}: recipe {rig.recipe} is not set up; run "
+                                      "deploys/serve.py"))
+    else:
+        if running != rig.recipe:
+            found.append(drift("serving", f"{UNIT_NAME} is set up for recipe {running or '?'}, "
+                                          f"inventory {rig.recipe}: run deploys/serve.py"))
+        if probe.enabled != "enabled":
+            found.append(drift("serving", f"{UNIT_NAME} is {probe.enabled or 'not enabled'}, "
+                                          "not enabled: it does not start at boot"))
+        if not probe.running:
+            found.append(drift("serving", f"{UNIT_NAME} is {probe.active} ({probe.sub}): recipe "
+                                          f"{rig.recipe} is not served; journalctl -u "
+                                          f"{UNIT_NAME}, then deploys/serve.py"))
+    if probe.running and not (probe.answer or {}).get("ok"):
+        found.append(drift("serving", f"{plan.url}/v1/models does not answer: "
+                                      f"{health_text(probe)}"))
+    found += [drift("serving", f"another engine runs outside {UNIT_NAME}: pid {pid} "
+                               f"`{cmd[:80]}`") for pid, cmd in probe.engines]
+    return found
+
+
+def health_text(probe: ServeState) -> str:
+    """What the running unit's health answer says: the model it serves, or why it does not."""
+    answer = probe.answer or {}
+    if answer.get("ok"):
+        return f"serves {answer.get('model')}"
+    return str(answer.get("message") or f"not checked: no {HEALTH_PATH} on the rig")
+
+
+def fit_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """The recipe against the GPUs, VRAM and host RAM the rig really has (errors)."""
+    plan, _ = plan_of(rig, rig_name)
+    if plan is None:
+        return []
+    if facts.missing("probe", "serving") or facts.serving is None:
+        return facts.missing("probe", "serving")
+    gpus = facts.probe if plan.gpu else None
+    return [error("serving", f"recipe {plan.recipe.name}: {problem}", key="recipe")
+            for problem in fit_problems(plan, facts.serving, gpus)]
+
+
+def _serving_reads(rig: Rig, rig_name: str) -> list[Read]:
+    plan, _ = plan_of(rig, rig_name)
+    if plan is None:
+        return []
+    return [
+        GPUS_READ,
+        Read("serving", ServeProbe, f"serving state ({UNIT_NAME})", (("args", probe_args(plan)),)),
+        Read("serving_recipe", FindInFile, ENV_PATH,
+             (("path", ENV_PATH), ("pattern", f"^{RECIPE_LINE}"))),
+    ]
+
+
+CHECKS = (
+    Check("serving", _serving_reads, serving_findings),
+    GPUS,
+    Check("serving fit", _serving_reads, fit_findings, gpus=True),
+)

@@ -14,24 +14,26 @@ Why each setting exists (docs/tuning.md has the long form):
 
 A host whose /proc/sys is mounted read-only (a container such as the sandbox rigs) cannot take
 live values: the file is still written, the live step warns and changes nothing, so a second
-run is clean. Bad input (a /dev/shm size above RAM, a sysctl key this kernel lacks) fails that
-host before anything on it changes; the other hosts go on.
+run is clean. Bad input (a /dev/shm size above RAM, a sysctl key this kernel lacks) is found by
+the role's check (`CHECKS`) in every deploy's preflight, and fails that host before anything on
+it changes; the other hosts go on.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 from pyinfra.api.command import QuoteString
 from pyinfra.api.exceptions import FactProcessError
+from pyinfra.facts.files import FileContents
 from pyinfra.operations import files
 
 from roles import FILES
-from roles.errors import RigbookError
+from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.messages import refuse, warn_once
 from roles.spec import Rig
 
@@ -271,28 +273,21 @@ def gib(size: int) -> str:
     return f"{size / 1024**3:.1f} GiB"
 
 
-def check_shm(host_name: str, size: str, shm: ShmState) -> int:
-    """The wanted /dev/shm size in bytes; RigbookError when it cannot or must not be set."""
+def shm_problem(size: str, shm: ShmState) -> str | None:
+    """Why /dev/shm must not be set to `size` on this host (what it has, what is allowed), or
+    None when it can be."""
     wanted = size_bytes(size, shm.mem_total_bytes)
     if wanted > shm.mem_total_bytes:
-        raise RigbookError(
-            f"{host_name}: shm_size: asked {size} ({gib(wanted)}) but the host has "
-            f"{gib(shm.mem_total_bytes)} of RAM (MemTotal); allowed: up to the RAM, "
-            "e.g. 50% or a size below it. Nothing was changed."
-        )
+        return (f"asked {size} ({gib(wanted)}) but the host has {gib(shm.mem_total_bytes)} of "
+                "RAM (MemTotal); allowed: up to the RAM, e.g. 50% or a size below it")
     if shm.fstype != "tmpfs":
-        raise RigbookError(
-            f"{host_name}: shm_size: asked {size} but {SHM} is "
-            f"{'not mounted' if shm.fstype is None else f'a {shm.fstype} mount'}, not a tmpfs; "
-            "allowed: a host whose /dev/shm is tmpfs. Nothing was changed."
-        )
+        what = "not mounted" if shm.fstype is None else f"a {shm.fstype} mount"
+        return f"asked {size} but {SHM} is {what}, not a tmpfs; allowed: a tmpfs {SHM}"
     if shm.used_bytes is not None and wanted < shm.used_bytes:
-        raise RigbookError(
-            f"{host_name}: shm_size: asked {size} ({gib(wanted)}) but {SHM} holds "
-            f"{gib(shm.used_bytes)} now (engine offload buffers?); allowed: at least what is in "
-            "use: stop the engine or pick a larger size. Nothing was changed."
-        )
-    return wanted
+        return (f"asked {size} ({gib(wanted)}) but {SHM} holds {gib(shm.used_bytes)} now (engine "
+                "offload buffers?); allowed: at least what is in use: stop the engine or pick a "
+                "larger size")
+    return None
 
 
 def shm_differs(wanted_bytes: int, shm: ShmState) -> bool:
@@ -318,55 +313,128 @@ def shm_live(size: str) -> Iterator:
     Sizes compare in bytes (percentages of MemTotal, rounded to pages as tmpfs does).
     """
     shm = host.get_fact(Shm)
-    try:
-        wanted = check_shm(host.name, size, shm)
-    except RigbookError as error:
-        yield refuse(str(error))
+    problem = shm_problem(size, shm)
+    if problem:
+        yield refuse(f"{host.name}: shm_size: {problem}. Nothing was changed.")
         return
+    wanted = size_bytes(size, shm.mem_total_bytes)
     if shm_differs(wanted, shm):
         yield StringCommand("mount", "-o", QuoteString(f"remount,size={size}"), SHM)
     else:
         host.noop(f"{SHM} is already {gib(wanted)} (size={size})")
 
 
-# --- preflight ------------------------------------------------------------------------------
+# --- the tuning check ------------------------------------------------------------------------
+
+#: An fstab line that mounts something on /dev/shm, as FSTAB_SHM_LINE matches it.
+_FSTAB_SHM = re.compile(r"^[^#\s]+\s+/dev/shm\s")
 
 
-def preflight_errors(rig: Rig, host_name: str, shm: ShmState, live: dict[str, LiveSysctl]):
-    """Every reason to refuse the tuning of this host, as messages (empty: go ahead)."""
-    errors = []
-    if rig.shm_size is not None:
-        try:
-            check_shm(host_name, rig.shm_size, shm)
-        except RigbookError as error:
-            errors.append(str(error))
-    missing = plan_live_sysctl(sysctl_values(rig), live).missing
-    if missing:
-        errors.append(
-            f"{host_name}: sysctl_extra: this kernel has no {', '.join(missing)} "
-            f"(no {', '.join(sysctl_path(k) for k in missing)}); allowed: keys under /proc/sys. "
-            "Nothing was changed."
+class PresentPaths(FactBase[list[str]]):
+    """Which of `paths` exist (a file, a folder or a link), one per line."""
+
+    default = list
+
+    def command(self, paths: tuple[str, ...]) -> StringCommand:
+        return StringCommand(
+            "for p in", *(QuoteString(path) for path in paths), "; do",
+            '{ [ -e "$p" ] || [ -L "$p" ]; } && echo "$p";', "done; true",
         )
-    return errors
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line.strip() for line in output if line.strip()]
 
 
-@operation()
-def tuning_preflight(rig: Rig) -> Iterator:
-    """
-    Refuse, before anything changes, a tuning the host cannot take.
+def parse_sysctl_conf(lines: Iterable[str]) -> dict[str, str]:
+    """`key = value` lines of a sysctl.d file (comments and blanks skipped), as sysctl reads."""
+    values = {}
+    for raw in lines:
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        key, sep, value = line.lstrip("-").partition("=")
+        if sep:
+            values[key.strip()] = value.strip()
+    return values
 
-    + rig: the validated host data
 
-    Refused: a /dev/shm size above MemTotal, below what /dev/shm holds now, or for a /dev/shm
-    that is not tmpfs; a sysctl key this kernel does not have. Nothing else is yielded, so a
-    host that passes reports no change.
-    """
-    live = host.get_fact(LiveSysctls, keys=tuple(sysctl_values(rig)))
-    errors = preflight_errors(rig, host.name, host.get_fact(Shm), live)
-    if errors:
-        yield refuse("\n".join(errors))
-    else:
-        host.noop("host tuning can be applied")
+def shm_fstab(lines: Iterable[str] | None) -> list[str]:
+    """The fstab lines that mount /dev/shm."""
+    return [line.strip() for line in lines or () if _FSTAB_SHM.match(line.strip())]
+
+
+def _sysctl_findings(rig: Rig, facts: Facts) -> list[Finding]:
+    in_file = parse_sysctl_conf(facts.sysctl_file) if facts.sysctl_file is not None else None
+    found = [] if in_file is not None else [drift("tuning", f"no {SYSCTL_CONF}")]
+    for key, declared in sysctl_values(rig).items():
+        written = in_file.get(key) if in_file is not None else None
+        live = (facts.sysctl_live or {}).get(key)
+        if in_file is not None and not same_sysctl(declared, written):
+            found.append(drift("tuning", f"{SYSCTL_CONF}: {key} = "
+                               f"{written if written is not None else '(absent)'}, "
+                               f"inventory {declared}"))
+        if live is None or live.value is None:
+            field = "sysctl_extra" if key in rig.sysctl_extra else "sysctl_" + key.split(".")[-1]
+            found.append(error("tuning", f"this kernel has no {key} (no {sysctl_path(key)}); "
+                               "allowed: keys this kernel has", key=field))
+        elif not same_sysctl(declared, live.value):
+            if live.read_only:
+                found.append(warn("tuning", f"{key} is {live.value} live: /proc/sys is "
+                                  f"read-only here, the file's {declared} applies at a boot "
+                                  "that allows it"))
+            else:
+                found.append(drift("tuning", f"{key} is {live.value} live, inventory {declared}"))
+    return found
+
+
+def _shm_findings(rig: Rig, facts: Facts) -> list[Finding]:
+    shm = facts.shm
+    if rig.shm_size is None or shm is None:
+        return []
+    problem = shm_problem(rig.shm_size, shm)
+    if problem:
+        return [error("tuning", problem, key="shm_size")]
+    found = []
+    fstab, want = shm_fstab(facts.fstab), fstab_line(rig.shm_size)
+    if fstab != [want]:
+        found.append(drift("tuning", f"{FSTAB}: {SHM} line is {fstab or '(absent)'}, "
+                           f"inventory: {want}"))
+    wanted_bytes = size_bytes(rig.shm_size, shm.mem_total_bytes)
+    if shm_differs(wanted_bytes, shm):
+        size = "?" if shm.size_bytes is None else gib(shm.size_bytes)
+        found.append(drift("tuning", f"{SHM} is {size}, inventory {rig.shm_size} "
+                           f"({gib(wanted_bytes)})"))
+    return found
+
+
+def tuning_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """A tuning the host cannot take (errors: a /dev/shm size above MemTotal or below what it
+    holds, a /dev/shm that is not tmpfs, a sysctl key this kernel lacks), and every drift."""
+    names = ["sysctl_file", "sysctl_live", "shm", "fstab"]
+    names += ["stale_present"] if rig.stale_files else []
+    if facts.missing(*names):
+        return facts.missing(*names)
+    found = _sysctl_findings(rig, facts) + _shm_findings(rig, facts)
+    return found + [drift("tuning", f"leftover {path} is present")
+                    for path in facts.stale_present or ()]
+
+
+def _tuning_reads(rig: Rig, rig_name: str) -> list[Read]:
+    reads = [
+        Read("sysctl_file", FileContents, SYSCTL_CONF, (("path", SYSCTL_CONF),)),
+        Read("sysctl_live", LiveSysctls, "live sysctl values",
+             (("keys", tuple(sysctl_values(rig))),)),
+        SHM_READ,
+        Read("fstab", FileContents, FSTAB, (("path", FSTAB),)),
+    ]
+    if rig.stale_files:
+        reads.append(Read("stale_present", PresentPaths, "leftover files",
+                          (("paths", tuple(rig.stale_files)),)))
+    return reads
+
+
+SHM_READ = Read("shm", Shm, SHM)
+CHECKS = (Check("host tuning", _tuning_reads, tuning_findings),)
 
 
 # --- the role -------------------------------------------------------------------------------
@@ -375,8 +443,6 @@ def tuning_preflight(rig: Rig) -> Iterator:
 @deploy("Host tuning")
 def host_tuning(rig: Rig) -> None:
     """Converge inotify limits, /dev/shm and leftovers (see the module docstring)."""
-    tuning_preflight(name="Check the host can take the tuning", rig=rig)
-
     for path in rig.stale_files:
         files.file(name=f"Remove leftover {path}", path=path, present=False)
 

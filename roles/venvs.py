@@ -43,8 +43,9 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.operations import files
 
 from roles import FILES
+from roles.checks import Check, Facts, Finding, Read, drift, error
 from roles.errors import RigbookError
-from roles.facts import NvidiaGpus, _smi_attempts, _smi_script
+from roles.facts import GPUS, GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
 from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig, VenvSpec
 from roles.tools import UV, canonical, package_source_args, tools_venv
@@ -174,26 +175,33 @@ def spec_cuda(spec: VenvSpec) -> tuple[str, str] | None:
     return None
 
 
-def check_driver(rig_name: str, spec: VenvSpec, driver: str | None) -> None:
-    """RigbookError when the venv's CUDA runtime needs a newer driver than the rig runs.
+def driver_problem(spec: VenvSpec, driver: str | None) -> str | None:
+    """Why the venv's CUDA runtime cannot run on `driver` (what it needs, what the rig runs),
+    or None. No driver (a rig without a GPU layer) is not checked.
 
     Checked before anything is built: a cu13 build on too old a driver crash-loops with CUDA
-    error 804. No driver (a rig without a GPU layer) is not checked.
+    error 804.
     """
     cuda = spec_cuda(spec)
     if cuda is None or driver is None:
-        return
+        return None
     version, why = cuda
     try:
         needed = required_driver(version)
     except ValueError as e:
-        raise RigbookError(f"{rig_name}: venvs[{spec.name}]: {why}: {e}") from None
+        return f"{why}: {e}"
     if version_tuple(driver) < version_tuple(needed):
-        raise RigbookError(
-            f"{rig_name}: venvs[{spec.name}]: {why} means CUDA {version}, which needs driver >= "
-            f"{needed}; this rig runs {driver}: the venv would fail with CUDA error 804. Bump "
-            f"the driver (deploys/driver.py) or pin an older CUDA; nothing was built"
-        )
+        return (f"{why} means CUDA {version}, which needs driver >= {needed}; this rig runs "
+                f"{driver}: the venv would fail with CUDA error 804. Bump the driver "
+                "(deploys/driver.py) or pin an older CUDA")
+    return None
+
+
+def check_driver(rig_name: str, spec: VenvSpec, driver: str | None) -> None:
+    """RigbookError when `driver_problem` finds one."""
+    problem = driver_problem(spec, driver)
+    if problem:
+        raise RigbookError(f"{rig_name}: venvs[{spec.name}]: {problem}; nothing was built")
 
 
 # --- spec hash, builds, pruning --------------------------------------------------------------
@@ -828,3 +836,71 @@ def venvs(rig: Rig, rebuild_stale: bool = False) -> None:
     for spec in rig.venvs:
         venv_build(rig, spec, rebuild_stale=rebuild_stale, name=f"Venv {spec.name}")
         venv_env_file(rig, spec, name=f"Launcher environment {env_file(spec.name)}")
+
+
+# --- the venvs check ---------------------------------------------------------------------------
+
+
+def venv_condition(rig: Rig, spec: VenvSpec, state: VenvState, driver: str | None
+                   ) -> tuple[str, str]:
+    """(current | not-rigbook | missing | spec-changed | incompatible | stale, why) of one venv,
+    decided in the order `decide` decides; why is "" for a current venv."""
+    link = venv_link(spec.name)
+    digest = spec_hash(spec, rig)
+    manifest = state.manifest
+    if state.not_link:
+        return "not-rigbook", f"{link} exists and is not rigbook's symlink: move it away"
+    if manifest is None:
+        built = (f"{link} -> {state.target}, which is not a finished build" if state.target
+                 else "not built")
+        return "missing", f"{built}: deploys/rig.py builds it"
+    if manifest.get("spec_hash") != digest:
+        return "spec-changed", (f"spec changed ({manifest.get('spec_hash')} -> {digest}): "
+                                "deploys/rig.py rebuilds it")
+    broken = incompatibility(manifest, driver)
+    if broken is not None:
+        return "incompatible", (f"cannot run: {broken}: run deploys/venvs.py (and check the "
+                                "pins against the driver)")
+    stale = staleness(manifest, driver)
+    if stale is not None:
+        return "stale", f"stale: {stale}: run deploys/venvs.py"
+    return "current", ""
+
+
+def _venv_findings(rig: Rig, facts: Facts, rebuild: bool) -> list[Finding]:
+    names = [f"venvs:{spec.name}" for spec in rig.venvs]
+    if facts.missing(*names):
+        return facts.missing(*names)
+    probe = facts.probe
+    driver = probe.driver_version if probe is not None and probe.ok and probe.gpus else None
+    found = []
+    for spec in rig.venvs:
+        state = (facts.venvs or {}).get(spec.name)
+        if state is None:
+            continue
+        kind, why = venv_condition(rig, spec, state, driver)
+        refused = kind == "not-rigbook" or (kind == "incompatible" and not rebuild)
+        if refused:
+            found.append(error("venvs", why, key=f"venvs[{spec.name}]"))
+        elif kind != "current":
+            found.append(drift("venvs", f"venv {spec.name}: {why}"))
+        if kind in ("missing", "spec-changed") or (rebuild and kind in ("stale", "incompatible")):
+            problem = driver_problem(spec, driver)
+            if problem:
+                found.append(error("venvs", problem, key=f"venvs[{spec.name}]"))
+    return found
+
+
+def _venv_reads(rig: Rig, rig_name: str) -> list[Read]:
+    return [GPUS_READ] + [
+        Read(f"venvs:{spec.name}", VenvBuilds, f"venv {spec.name}",
+             (("venv_name", spec.name),)) for spec in rig.venvs
+    ]
+
+
+#: In a converge (deploys/rig.py) a venv that cannot run on the driver refuses the rig; the
+#: rebuild (deploys/venvs.py) is what fixes it.
+CHECKS = (GPUS, Check("venvs", _venv_reads, lambda rig, facts, name: _venv_findings(
+    rig, facts, rebuild=False), gpus=True))
+REBUILD_CHECKS = (GPUS, Check("venvs (rebuild)", _venv_reads, lambda rig, facts, name:
+                              _venv_findings(rig, facts, rebuild=True), gpus=True))

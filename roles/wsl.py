@@ -34,10 +34,11 @@ from pyinfra.api.util import get_template
 from pyinfra.operations import files
 
 from roles import FILES
+from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.errors import RigbookError
 from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig
-from roles.tuning import Shm
+from roles.tuning import SHM_READ, Shm
 
 REG_EXE = "/mnt/c/Windows/System32/reg.exe"
 GRAPHICS_DRIVERS = r"HKLM\System\CurrentControlSet\Control\GraphicsDrivers"
@@ -129,37 +130,37 @@ class Wsl(FactBase[WslSignals]):
         return WslSignals(lines[0], "interop" in lines[1:], "run-wsl" in lines[1:])
 
 
+def platform_problem(platform: str, signals: WslSignals) -> str | None:
+    """Why the declared platform and what the host is disagree (what it is, what is allowed),
+    or None when they agree."""
+    if platform == "wsl2" and not signals.detected:
+        return (f"declared wsl2 but this host is not WSL2 ({signals.evidence()}); allowed: "
+                "ubuntu or debian for this host, or deploy to the WSL2 distribution itself")
+    if platform != "wsl2" and signals.detected:
+        return (f"declared {platform} but this host is WSL2 ({signals.evidence()}); allowed: "
+                "wsl2 (no Linux NVIDIA driver may be installed inside WSL2)")
+    return None
+
+
 def check_platform(host_name: str, platform: str, signals: WslSignals) -> None:
     """RigbookError when the declared platform and what the host is disagree."""
-    if platform == "wsl2" and not signals.detected:
-        raise RigbookError(
-            f"{host_name}: platform: declared wsl2 but this host is not WSL2 "
-            f"({signals.evidence()}); allowed: ubuntu or debian for this host, or deploy to the "
-            "WSL2 distribution itself. Nothing was changed."
-        )
-    if platform != "wsl2" and signals.detected:
-        raise RigbookError(
-            f"{host_name}: platform: declared {platform} but this host is WSL2 "
-            f"({signals.evidence()}); allowed: wsl2 (no Linux NVIDIA driver may be installed "
-            "inside WSL2). Nothing was changed."
-        )
+    problem = platform_problem(platform, signals)
+    if problem:
+        raise RigbookError(f"{host_name}: platform: {problem}. Nothing was changed.")
 
 
-@operation()
-def wsl_platform(platform: str) -> Iterator:
-    """
-    Check that the declared platform matches the host: WSL2 or not.
+WSL_READ = Read("wsl", Wsl, "WSL signals")
 
-    + platform: the rig's declared platform (host data ``platform``)
 
-    A mismatch fails the host here, before anything after it changes; a match is no change.
-    """
-    try:
-        check_platform(host.name, platform, host.get_fact(Wsl))
-    except RigbookError as error:
-        yield refuse(str(error))
-        return
-    host.noop(f"platform {platform} matches the host")
+def platform_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """The declared platform against what the host is: WSL2 or not."""
+    if facts.missing("wsl") or facts.wsl is None:
+        return facts.missing("wsl")
+    problem = platform_problem(rig.platform, facts.wsl)
+    return [error("platform", problem, key="platform")] if problem else []
+
+
+PLATFORM = Check("platform", lambda rig, name: [WSL_READ], platform_findings)
 
 
 # --- the Windows registry through reg.exe ----------------------------------------------------
@@ -528,13 +529,51 @@ def wsl_memory(min_gib: int) -> Iterator:
     host.noop("; ".join(fine) or "WSL2 memory reported")
 
 
+# --- the WSL2 check ---------------------------------------------------------------------------
+
+
+def wsl2_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """On WSL2: the TDR values against the inventory, and WSL2's memory against
+    wsl_min_memory_gib (warnings: rigbook never edits Windows files)."""
+    if rig.platform != "wsl2":
+        return []
+    if facts.missing("registry", "profiles"):
+        return facts.missing("registry", "profiles")
+    probe = facts.registry or RegProbe({}, "not read")
+    if probe.error:
+        found = [drift("wsl", f"cannot read the Windows registry: {probe.error}")]
+    else:
+        found = [drift("wsl", f"{key} is {probe.values.get(key)}, inventory {value}")
+                 for key, value in differing(tdr_values(rig), probe).items()]
+    if facts.shm is not None:
+        warnings, _ = memory_findings(
+            rig_name, facts.profiles or [], facts.shm.mem_total_bytes, rig.wsl_min_memory_gib
+        )
+        found += [warn("wsl", line.removeprefix(f"{rig_name}: "), key="wsl_min_memory_gib")
+                  for line in warnings[:-1]]  # the last one is the advice on how to fix it
+    return found
+
+
+def _wsl2_reads(rig: Rig, rig_name: str) -> list[Read]:
+    if rig.platform != "wsl2":
+        return []
+    return [
+        Read("registry", RegistryValues, "Windows registry (TDR)",
+             (("key", GRAPHICS_DRIVERS), ("names", tuple(tdr_values(rig))))),
+        Read("profiles", WindowsProfiles, "Windows profiles (.wslconfig)"),
+        SHM_READ,
+    ]
+
+
+CHECKS = (PLATFORM, Check("WSL2 host", _wsl2_reads, wsl2_findings))
+
+
 # --- the role -------------------------------------------------------------------------------
 
 
 @deploy("WSL2 host")
 def wsl_host(rig: Rig) -> None:
-    """The platform check on every rig; on WSL2 rigs also TDR, memory and the environment."""
-    wsl_platform(name="Check the platform is what the host is", platform=rig.platform)
+    """On WSL2 rigs: TDR, memory and the environment (the platform is the preflight's check)."""
     if rig.platform != "wsl2":
         return
     tdr_registry(name="Set the Windows GPU timeout (TDR) registry values", values=tdr_values(rig))

@@ -317,10 +317,12 @@ def test_driver_versions_and_refusal():
     assert drv.refusal(pinned, set()) is None  # nothing installed yet: install it
     assert drv.refusal(rig(), {"580.159.04"}) is None  # branch only: any 580 is fine
     assert drv.refusal(pinned, {"580.159.04"}) == (
-        "installed 580.159.04, inventory pins 580.95.05: run deploys/driver.py"
+        "installed 580.159.04, inventory pins 580.95.05; allowed: the installed driver, or move "
+        "it on purpose with deploys/driver.py"
     )
     assert drv.refusal(rig(driver_branch=595), {"580.95.05"}) == (
-        "installed 580.95.05, inventory pins branch 595: run deploys/driver.py"
+        "installed 580.95.05, inventory pins branch 595; allowed: the installed driver, or move "
+        "it on purpose with deploys/driver.py"
     )
 
 

@@ -27,6 +27,7 @@ from pyinfra.api import FunctionCommand
 from pyinfra.api.util import get_template
 
 from roles import guards
+from roles.checks import Facts
 from roles.errors import RigbookError
 from roles.gpus import Gpu, GpuProbe
 from roles.guards import (
@@ -50,7 +51,7 @@ from roles.guards import (
 )
 from roles.recipes import catalogue
 from roles.spec import Rig, parse_rig
-from roles.status import RigFacts, build_rig_status
+from roles.status import build_rig_status
 from tests.opkit import execute, local_fact, run_op, shell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -552,10 +553,10 @@ def test_status_reports_the_mark_as_gpu_gone():
     mark = parse_gpu_lost(["GPU lost: do not restart serving",
                            next(line for line in SIM_KMSG.read_text().splitlines()
                                 if "): 79," in line)])
-    status = build_rig_status("rig1", rig(), RigFacts(gpu_lost=mark))
+    status = build_rig_status("rig1", rig(), Facts(gpu_lost=mark))
     assert status.state == "gpu-gone"
     assert [f.reason for f in status.findings if f.level == "gone"] == [gpu_lost_reason(mark)]
-    clean = build_rig_status("rig1", rig(), RigFacts())
+    clean = build_rig_status("rig1", rig(), Facts())
     assert not [f for f in clean.findings if f.level == "gone"]
 
 

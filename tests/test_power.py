@@ -112,25 +112,25 @@ def test_500_w_on_a_3090_is_refused_with_rig_gpu_asked_and_range():
     assert message.startswith("rig1: power caps refused, nothing was changed:")
     for gpu in DUAL:
         assert (
-            f"rig1: GPU {gpu.index} ({gpu.uuid}): power_cap_watts asks 500 W, outside the "
-            "card's allowed range 100-400 W"
+            f"rig1: power_cap_watts: GPU {gpu.index} ({gpu.uuid}) asks 500 W (power_cap_watts); "
+            "allowed: the card's range 100-400 W"
         ) in message
 
 
 def test_only_the_bad_gpu_is_named():
     with pytest.raises(RigbookError) as refused:
         desired_caps(dual_3090(power_caps={"1": 50}), "rig1", DUAL)
-    assert f"GPU 1 ({UUID1}): power_caps[1] asks 50 W" in str(refused.value)
+    assert f"power_caps: GPU 1 ({UUID1}) asks 50 W (power_caps[1])" in str(refused.value)
     assert f"GPU 0 ({UUID0})" not in str(refused.value)
 
 
 def test_a_gpu_count_other_than_gpu_count_is_refused_naming_both():
-    with pytest.raises(RigbookError, match=r"gpu_count is 2 but the rig reports 1 GPU\(s\)"):
+    with pytest.raises(RigbookError, match=r"gpu_count: declared 2, nvidia-smi lists 1"):
         desired_caps(dual_3090(), "rig1", DUAL[:1])
 
 
 def test_a_power_caps_uuid_the_rig_lacks_is_refused():
-    with pytest.raises(RigbookError, match="power_caps names GPU-nope, which this rig does not"):
+    with pytest.raises(RigbookError, match="power_caps: names GPU GPU-nope, which this rig"):
         desired_caps(dual_3090(power_caps={"GPU-nope": 250}), "rig1", DUAL)
 
 
@@ -139,7 +139,7 @@ def test_persistence_off_is_refused_with_the_fix():
     with pytest.raises(RigbookError) as refused:
         desired_caps(dual_3090(), "rig1", gpus)
     assert f"persistence mode is Disabled on GPU 0 ({UUID0})" in str(refused.value)
-    assert "enable nvidia-persistenced persistence" in str(refused.value)
+    assert "allowed: persistence on (driver_persistence: true" in str(refused.value)
     assert "driver_persistence" in str(refused.value)
 
 
@@ -158,9 +158,9 @@ def test_h200_capture_range_200_to_700():
     )
     (stock,) = desired_caps(h200_rig(power_profile="stock"), "h200", gpus)
     assert stock.watts == 700.0 and stock.in_place
-    with pytest.raises(RigbookError, match=r"asks 800 W, outside the card's allowed range 200-700"):
+    with pytest.raises(RigbookError, match=r"800 W \(power_cap_watts\); allowed: the card's"):
         desired_caps(h200_rig(power_cap_watts=800), "h200", gpus)
-    with pytest.raises(RigbookError, match=r"asks 150 W, outside"):
+    with pytest.raises(RigbookError, match=r"asks 150 W \(power_cap_watts\); allowed"):
         desired_caps(h200_rig(power_cap_watts=150), "h200", gpus)
 
 
@@ -271,15 +271,15 @@ def test_unit_op_refuses_500_w_before_writing_anything():
     commands, host = power_op(power_unit, dual_3090(power_cap_watts=500), facts)
     assert [describe(c) for c in commands] == ["call _refuse"]
     message = commands[0].args[0]
-    assert "asks 500 W, outside the card's allowed range 100-400 W" in message
-    assert host.logged == [message]  # said at plan time too, so --dry shows it
+    assert "asks 500 W (power_cap_watts); allowed: the card's range 100-400 W" in message
+    assert host.logged == []  # the preflight says it before any operation (roles/preflight.py)
 
 
 def test_refusal_fails_the_rig_and_records_unchanged_rows():
     commands, _ = power_op(power_unit, dual_3090(power_cap_watts=500), unit_facts(probe_of(DUAL)))
     host = FakeHost({})
     assert commands[0].function(None, host, *commands[0].args) is False
-    assert "outside the card's allowed range" in host.logged[0]
+    assert "allowed: the card's range" in host.logged[0]
 
 
 @pytest.mark.parametrize("probe, why", [

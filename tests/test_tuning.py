@@ -17,6 +17,7 @@ from pyinfra.api import FunctionCommand
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files
 
+from roles.checks import Facts
 from roles.errors import RigbookError
 from roles.spec import Rig
 from roles.tuning import (
@@ -28,19 +29,18 @@ from roles.tuning import (
     LiveSysctls,
     Shm,
     ShmState,
-    check_shm,
     fstab_line,
     parse_live_sysctls,
     parse_shm,
     plan_live_sysctl,
-    preflight_errors,
     shm_differs,
     shm_live,
+    shm_problem,
     size_bytes,
     sysctl_live,
     sysctl_path,
     sysctl_values,
-    tuning_preflight,
+    tuning_findings,
 )
 from tests.opkit import execute, local_fact, run_op, shell
 
@@ -255,22 +255,19 @@ def state(size=64 * 1024**2, used=0, mem=24 * GIB, fstype="tmpfs") -> ShmState:
     return ShmState(fstype, "rw,nosuid,nodev", size, used, mem)
 
 
-def test_shm_larger_than_ram_is_refused_with_host_field_asked_and_ram():
-    with pytest.raises(RigbookError) as error:
-        check_shm("rig1", "64G", state(mem=24 * GIB))
-    text = str(error.value)
-    for part in ("rig1", "shm_size", "64G", "64.0 GiB", "24.0 GiB", "RAM"):
+def test_shm_larger_than_ram_is_refused_with_asked_and_ram():
+    text = shm_problem("64G", state(mem=24 * GIB))
+    for part in ("64G", "64.0 GiB", "24.0 GiB", "RAM", "allowed: up to the RAM"):
         assert part in text
 
 
 def test_shm_below_what_is_in_use_is_refused():
-    with pytest.raises(RigbookError, match="holds 3.0 GiB"):
-        check_shm("rig1", "2G", state(used=3 * GIB))
+    assert "holds 3.0 GiB" in shm_problem("2G", state(used=3 * GIB))
 
 
 def test_shm_that_is_not_tmpfs_is_refused():
-    with pytest.raises(RigbookError, match="not mounted"):
-        check_shm("rig1", "2G", state(fstype=None, size=None))
+    assert "not mounted" in shm_problem("2G", state(fstype=None, size=None))
+    assert shm_problem("2G", state()) is None
 
 
 def test_shm_differs_tolerates_one_page():
@@ -356,26 +353,36 @@ def live_ok(cfg: Rig) -> dict[str, LiveSysctl]:
     return {key: LiveSysctl("1", False) for key in sysctl_values(cfg)}
 
 
-def test_preflight_passes_a_good_host_with_no_change():
+def tuning_facts(cfg: Rig, shm, live) -> Facts:
+    """The tuning check's facts: the file as rigbook writes it, fstab with the wanted line."""
+    fstab = [fstab_line(cfg.shm_size)] if cfg.shm_size else []
+    return Facts(sysctl_file=[f"{k} = {v}" for k, v in sysctl_values(cfg).items()],
+                 sysctl_live=live, shm=shm, fstab=fstab)
+
+
+def refusals(cfg: Rig, facts: Facts) -> list[str]:
+    return [f.message("rig1") for f in tuning_findings(cfg, facts, "rig1") if f.level == "error"]
+
+
+def test_the_check_passes_a_good_host():
     cfg = rig(shm_size="2G")
-    commands, fake = run_op(tuning_preflight, {"LiveSysctls": live_ok(cfg), "Shm": state()},
-                            rig=cfg)
-    assert commands == [] and fake.noops
+    live = {key: LiveSysctl(value, False) for key, value in sysctl_values(cfg).items()}
+    assert tuning_findings(cfg, tuning_facts(cfg, state(size=2 * GIB), live), "rig1") == []
 
 
-def test_preflight_refuses_before_anything_with_every_reason():
+def test_the_check_refuses_with_every_reason():
     cfg = rig(shm_size="64G", sysctl_extra={"vm.no_such_key": 1})
     live = live_ok(cfg)
     live["vm.no_such_key"] = LiveSysctl(None, False)
-    errors = preflight_errors(cfg, "rig1", state(mem=24 * GIB), live)
-    assert len(errors) == 2
-    assert "shm_size: asked 64G" in errors[0] and "vm.no_such_key" in errors[1]
-    commands, fake = run_op(tuning_preflight, {"LiveSysctls": live, "Shm": state(mem=24 * GIB)},
-                            rig=cfg)
-    assert len(commands) == 1 and execute(commands[0], fake) is False
-    assert "Nothing was changed" in fake.logged[0]
+    errors = refusals(cfg, tuning_facts(cfg, state(mem=24 * GIB), live))
+    assert errors == [
+        "rig1: sysctl_extra: this kernel has no vm.no_such_key (no /proc/sys/vm/no_such_key); "
+        "allowed: keys this kernel has",
+        "rig1: shm_size: asked 64G (64.0 GiB) but the host has 24.0 GiB of RAM (MemTotal); "
+        "allowed: up to the RAM, e.g. 50% or a size below it",
+    ]
 
 
-def test_preflight_leaves_shm_alone_when_not_asked():
+def test_the_check_leaves_shm_alone_when_not_asked():
     cfg = rig()  # shm_size None: even a tiny, non-tmpfs /dev/shm is fine
-    assert preflight_errors(cfg, "rig1", state(fstype=None, size=None), live_ok(cfg)) == []
+    assert refusals(cfg, tuning_facts(cfg, state(fstype=None, size=None), live_ok(cfg))) == []

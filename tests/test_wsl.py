@@ -19,6 +19,7 @@ from pyinfra.api import FunctionCommand
 from pyinfra.api.util import get_file_sha1
 
 from roles import wsl
+from roles.checks import Facts
 from roles.errors import RigbookError
 from roles.spec import Rig
 from roles.wsl import (
@@ -34,6 +35,7 @@ from roles.wsl import (
     memory_findings,
     parse_reg_probe,
     parse_reg_value,
+    platform_findings,
     reg_add_command,
     serving_environment,
     tdr_file_dir,
@@ -43,7 +45,6 @@ from roles.wsl import (
     tdr_values,
     windows_path,
     wsl_memory,
-    wsl_platform,
     wslconfig_memory,
 )
 from tests.opkit import Calls, execute, local_fact, run_op, shell
@@ -121,12 +122,12 @@ def test_platform_mismatch_names_both_sides():
     check_platform("rig1", "debian", WslSignals("6.1.0-28-amd64", False, False))
 
 
-def test_platform_operation_fails_the_host_or_is_no_change():
-    bad, fake = run_op(wsl_platform, {"Wsl": WslSignals("6.1", False, False)}, platform="wsl2")
-    assert len(bad) == 1 and execute(bad[0], fake) is False
-    assert "declared wsl2" in fake.logged[0]
-    good, fake = run_op(wsl_platform, {"Wsl": WslSignals("6.1", False, True)}, platform="wsl2")
-    assert good == [] and fake.noops
+def test_the_platform_check_refuses_a_mismatch_and_passes_a_match():
+    wsl2 = Rig(platform="wsl2", gpu_class="rtx3090", gpu_count=1)
+    (bad,) = platform_findings(wsl2, Facts(wsl=WslSignals("6.1", False, False)), "rig3")
+    assert (bad.level, bad.key) == ("error", "platform")
+    assert bad.message("rig3").startswith("rig3: platform: declared wsl2 but this host is not")
+    assert platform_findings(wsl2, Facts(wsl=WslSignals("6.1", False, True)), "rig3") == []
 
 
 # --- reg.exe output -------------------------------------------------------------------------

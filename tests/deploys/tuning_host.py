@@ -5,11 +5,12 @@
 
 from pyinfra import host
 
+from roles import tuning, wsl
+from roles.preflight import preflight
 from roles.spec import rig_of
-from roles.tuning import host_tuning
-from roles.wsl import wsl_host
 
 rig = rig_of(host)
 
-wsl_host(rig)
-host_tuning(rig)
+if preflight(rig, tuning.CHECKS, wsl.CHECKS):
+    wsl.wsl_host(rig)
+    tuning.host_tuning(rig)

@@ -1,0 +1,106 @@
+"""The preflight: every check of a deploy's roles, before any operation changes the rig.
+
+Each deploy starts with it::
+
+    rig = rig_of(host)
+    if preflight(rig, driver.CHECKS, tuning.CHECKS, power.CHECKS):
+        driver.driver(rig)
+        deferred_checks(rig)
+        tuning.host_tuning(rig)
+        power.power_limit(rig)
+
+It reads the facts of every check in one round trip, runs all of them, and on any refusing
+finding (an `error` or a `gone`) fails that rig at once with ALL its problems listed, before a
+single operation is planned for it: nothing on it changes, `--dry` plans nothing for it and
+exits non-zero, and the other rigs go on.
+
+A rig whose driver this run installs (or reboots into) has no GPUs to check yet. Its GPU checks
+(`Check.gpus`) are deferred, said in one line, and run again by `deferred_checks` right after
+the driver role, before power, venvs and serving do anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pyinfra import host, logger, state
+from pyinfra.api import FunctionCommand, operation
+
+from roles.checks import REFUSING, Check, Finding, read_facts, reads_of, run_checks, unique
+from roles.driver import DRIVER, driver_pending
+from roles.facts import usable
+from roles.spec import Rig
+
+#: Checks deferred per rig in this run, for deferred_checks (one pyinfra run per process).
+_DEFERRED: dict[str, tuple[Check, ...]] = {}
+
+
+def refusal_text(rig_name: str, findings: Iterable[Finding],
+                 headline: str = "refused before any change, nothing was changed") -> str:
+    lines = "\n".join(f"  - {finding.message(rig_name)}" for finding in findings)
+    return f"{headline}:\n{lines}"
+
+
+def _fail_now(message: str) -> None:
+    """Fail the current rig while the deploy is planned: no operation is planned for it, the
+    run (and --dry) exits non-zero, and no prompt stops the other rigs."""
+    host.log_styled(message, fg="red", log_func=logger.error)
+    state.failed_hosts.add(host)
+    state.active_hosts.discard(host)
+
+
+def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
+    """Check the whole rig for the roles of this deploy (each role's CHECKS); False when the
+    rig is refused, and then the deploy must plan nothing for it."""
+    checks = unique(check for group in groups for check in group)
+    facts = read_facts(state, host, reads_of(rig, host.name, checks))
+    deferred: tuple[Check, ...] = ()
+    if DRIVER in checks and not usable(facts.probe) and driver_pending(rig, facts):
+        deferred = tuple(check for check in checks if check.gpus)
+        checks = tuple(check for check in checks if not check.gpus)
+    refusing = [f for f in run_checks(rig, host.name, checks, facts) if f.level in REFUSING]
+    if refusing:
+        _fail_now(refusal_text(host.name, refusing))
+        return False
+    _DEFERRED.pop(host.name, None)
+    if deferred:
+        _DEFERRED[host.name] = deferred
+        logger.info(f"{host.print_prefix}no driver loaded yet: checked after the driver role: "
+                    + ", ".join(check.name for check in deferred))
+    return True
+
+
+def _run_deferred(state, host, rig: Rig, checks: tuple[Check, ...]) -> bool:
+    """FunctionCommand body: the deferred checks on the rig as it is now, driver in."""
+    facts = read_facts(state, host, reads_of(rig, host.name, checks))
+    if not usable(facts.probe):
+        logger.warning(f"{host.print_prefix}still no GPUs visible after the driver role (a "
+                       "reboot not allowed yet?): the GPU checks run at the next converge")
+        return True
+    refusing = [f for f in run_checks(rig, host.name, checks, facts) if f.level in REFUSING]
+    if refusing:
+        headline = "refused once the driver was in: what needs the GPUs was not changed"
+        host.log_styled(refusal_text(host.name, refusing, headline), fg="red",
+                        log_func=logger.error)
+        return False
+    return True
+
+
+@operation(is_idempotent=False)
+def gpu_checks(rig: Rig, checks: tuple[Check, ...]):
+    """
+    Run the GPU checks the preflight deferred, now that the driver is in.
+
+    + rig: the rig's validated host data
+    + checks: the deferred checks
+
+    A refusing finding fails the rig here, before the roles after it change anything.
+    """
+    yield FunctionCommand(_run_deferred, (rig, checks), {})
+
+
+def deferred_checks(rig: Rig) -> None:
+    """Plan gpu_checks for a rig whose GPU checks the preflight deferred; nothing otherwise."""
+    checks = _DEFERRED.get(host.name)
+    if checks:
+        gpu_checks(name="Check the GPUs now that the driver is in", rig=rig, checks=checks)
