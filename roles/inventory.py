@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
-from pyinfra.api import State
-from pyinfra.api.exceptions import InventoryError
+from pyinfra.api import Host, Inventory, State
+from pyinfra.api.exceptions import InventoryError, NoGroupError
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory_from_files
 from pyinfra_cli.util import parse_cli_arg
@@ -25,24 +26,61 @@ from roles.spec import Rig, parse_rig
 _checking: set[str] = set()
 
 
+def cli_values(argv: list[str], option: str) -> list[str]:
+    """Every value of a pyinfra option on a command line (`--limit a --limit=b` -> [a, b])."""
+    values = []
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            values.append(argv[i + 1])
+        elif arg.startswith(f"{option}="):
+            values.append(arg.removeprefix(f"{option}="))
+    return values
+
+
 def cli_override_data(argv: list[str]) -> dict:
     """The `--data key=value` pairs of a pyinfra command line, typed as pyinfra types them."""
-    pairs = []
-    for i, arg in enumerate(argv):
-        if arg == "--data" and i + 1 < len(argv):
-            pairs.append(argv[i + 1])
-        elif arg.startswith("--data="):
-            pairs.append(arg.removeprefix("--data="))
     data = {}
-    for pair in pairs:
+    for pair in cli_values(argv, "--data"):
         key, sep, value = pair.partition("=")
         if sep:
             data[key] = parse_cli_arg(value)
     return data
 
 
-def load_inventory(inventory_file: str, override_data: dict | None = None):
-    """(pyinfra Inventory, validated Rig per host) of an inventory file, loaded as the CLI does.
+def _matching(inventory: Inventory, patterns: list[str], option: str) -> list[Host]:
+    """The hosts of host names, group names or globs, as pyinfra matches them; RigbookError
+    for a pattern that matches nothing (pyinfra would only warn, and plan nothing)."""
+    hosts = list(inventory)
+    chosen, unknown = [], []
+    for pattern in patterns:
+        try:
+            matched = list(inventory.get_group(pattern))
+        except NoGroupError:
+            matched = [host for host in hosts if fnmatch(host.name, pattern)]
+        if not matched:
+            unknown.append(pattern)
+        chosen += [host for host in matched if host not in chosen]
+    if unknown:
+        raise RigbookError(
+            f"{option} {', '.join(unknown)}: no such rig or group in the inventory; rigs: "
+            + ", ".join(host.name for host in hosts)
+        )
+    return [host for host in hosts if host in chosen]
+
+
+def select_hosts(inventory: Inventory, limit: list[str] | None = None,
+                 exclude: list[str] | None = None) -> list[Host]:
+    """The hosts a run with these --limit and --exclude patterns reaches, in inventory order."""
+    hosts = _matching(inventory, limit, "--limit") if limit else list(inventory)
+    excluded = _matching(inventory, exclude, "--exclude") if exclude else []
+    return [host for host in hosts if host not in excluded]
+
+
+def load_inventory(inventory_file: str, override_data: dict | None = None,
+                   limit: list[str] | None = None, exclude: list[str] | None = None):
+    """(pyinfra Inventory, the hosts the limit selects, a validated Rig per selected host) of an
+    inventory file, loaded as the CLI does. Hosts a run leaves out are not validated: the
+    `--data` of a run for one group need not fit another.
 
     RigbookError lists every bad host at once.
     """
@@ -50,30 +88,35 @@ def load_inventory(inventory_file: str, override_data: dict | None = None):
         inventory = make_inventory_from_files(
             str(Path(inventory_file).resolve()), override_data=override_data or {}, cwd=os.getcwd()
         )
+    hosts = select_hosts(inventory, limit, exclude)
     rigs, errors = {}, []
-    for host in inventory:
+    for host in hosts:
         try:
             rigs[host.name] = parse_rig(host.name, host.data.dict())
         except RigbookError as exc:
             errors.append(str(exc))
     if errors:
         raise RigbookError("invalid host data, nothing was changed:\n" + "\n".join(errors))
-    return inventory, rigs
+    return inventory, hosts, rigs
 
 
 def load_rigs(inventory_file: str, override_data: dict | None = None) -> dict[str, Rig]:
     """Every host of an inventory file, validated."""
-    return load_inventory(inventory_file, override_data)[1]
+    return load_inventory(inventory_file, override_data)[2]
 
 
 def check_inventory(inventory_file: str) -> None:
-    """Called at the end of an inventory file; raises InventoryError so pyinfra exits cleanly."""
+    """Called at the end of an inventory file; raises InventoryError so pyinfra exits cleanly.
+
+    The hosts are those of this command line's --limit and --exclude, with its --data.
+    """
     key = str(Path(inventory_file).resolve())
     if key in _checking:  # we are the nested load that check_inventory itself started
         return
     _checking.add(key)
     try:
-        load_rigs(inventory_file, cli_override_data(sys.argv))
+        load_inventory(inventory_file, cli_override_data(sys.argv),
+                       cli_values(sys.argv, "--limit"), cli_values(sys.argv, "--exclude"))
     except RigbookError as exc:
         raise InventoryError(str(exc)) from None
     finally:

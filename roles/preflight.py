@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, operation
+from pyinfra.context import ctx_host
 
 from roles.checks import REFUSING, Check, Finding, read_facts, reads_of, run_checks, unique
 from roles.driver import DRIVER, driver_pending
@@ -45,13 +46,28 @@ def _fail_now(message: str) -> None:
     """Fail the current rig while the deploy is planned: no operation is planned for it, the
     run (and --dry) exits non-zero, and no prompt stops the other rigs."""
     host.log_styled(message, fg="red", log_func=logger.error)
-    state.failed_hosts.add(host)
-    state.active_hosts.discard(host)
+    this = ctx_host.get()  # the Host itself: `host` is pyinfra's context proxy
+    state.failed_hosts.add(this)
+    state.active_hosts.discard(this)
+
+
+def _other_rigs_go_on(state) -> bool:
+    return False
+
+
+def no_prompt_mid_run(state) -> None:
+    """Without -y, pyinfra asks "One of more hosts failed, continue?" when a rig fails while
+    the others are between two operations (a new unit, the old live cap) and leaves them there
+    until someone answers. rigbook's rule is that the other rigs go on: no prompt. pyinfra's
+    --fail-percent, where given with -y, still applies."""
+    if state.should_raise_failed_hosts is not None:
+        state.should_raise_failed_hosts = _other_rigs_go_on
 
 
 def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
     """Check the whole rig for the roles of this deploy (each role's CHECKS); False when the
     rig is refused, and then the deploy must plan nothing for it."""
+    no_prompt_mid_run(state)
     checks = unique(check for group in groups for check in group)
     facts = read_facts(state, host, reads_of(rig, host.name, checks))
     deferred: tuple[Check, ...] = ()

@@ -168,13 +168,16 @@ def up(count: int = 2) -> list[dict]:
 
 
 def down() -> None:
-    """Stops every rig and removes all it left here, keeping the rootfs cache and the SSH key.
+    """Stops every rig and removes all it left here, the rigs' SSH key included (`up` makes a
+    new one); only the rootfs cache stays.
 
     Safe to run twice, or after a run that was killed half way.
     """
     _check_machine()
     with _locked():
         _teardown()
+        for key in (state_dir() / "id_ed25519", state_dir() / "id_ed25519.pub"):
+            key.unlink(missing_ok=True)
 
 
 def restart(name: str) -> None:
@@ -315,7 +318,7 @@ def _extract_base(tarball: Path) -> Path:
 
 
 def _ensure_key() -> Path:
-    """The rigs' root login key, made once and kept by `sandbox down`."""
+    """The rigs' root login key, made by the first `sandbox up` after a `sandbox down`."""
     key = state_dir() / "id_ed25519"
     if not key.exists():
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "rigbook-sandbox", "-f", key])

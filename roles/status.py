@@ -31,15 +31,14 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
 
 import gevent
 from pydantic import BaseModel, ConfigDict, model_validator
-from pyinfra.api import Config, Inventory, State
+from pyinfra.api import Config, State
 from pyinfra.api.connect import disconnect_all
-from pyinfra.api.exceptions import ConnectError, NoGroupError
+from pyinfra.api.exceptions import ConnectError
 from pyinfra.context import ctx_state
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
@@ -806,36 +805,14 @@ class _QuietLoggers:
             logger.propagate = propagate
 
 
-def _limit(inventory: Inventory, limit: list[str] | None) -> list:
-    """The hosts --limit names: host names, group names or globs, as pyinfra's --limit."""
-    hosts = list(inventory)
-    if not limit:
-        return hosts
-    chosen, unknown = [], []
-    for pattern in limit:
-        try:
-            matched = list(inventory.get_group(pattern))
-        except NoGroupError:
-            matched = [host for host in hosts if fnmatch(host.name, pattern)]
-        if not matched:
-            unknown.append(pattern)
-        chosen += [host for host in matched if host not in chosen]
-    if unknown:
-        raise RigbookError(
-            f"--limit {', '.join(unknown)}: no such rig or group in the inventory; rigs: "
-            + ", ".join(host.name for host in hosts)
-        )
-    return [host for host in hosts if host in chosen]
-
-
 def gather(
     inventory_file: str, limit: list[str] | None, console: Console
 ) -> FleetStatus:
     """Read every (limited) rig of an inventory in parallel and build the fleet's status."""
     if not Path(inventory_file).is_file():  # pyinfra would read a missing file as host names
         raise RigbookError(f"no inventory file {inventory_file}")
-    inventory, rigs = load_inventory(inventory_file)  # all validated before anything is contacted
-    hosts = _limit(inventory, limit)
+    # every rig of the limit validated before anything is contacted
+    inventory, hosts, rigs = load_inventory(inventory_file, limit=limit)
     state = State(inventory, Config(PARALLEL=max(len(hosts), 1)), initial_limit=hosts)
     log = _HostLog(host.name for host in hosts)
     results: dict[str, RigStatus] = {}

@@ -43,8 +43,9 @@ FSTAB = "/etc/fstab"
 SHM = "/dev/shm"
 PAGE = 4096
 
-#: What a host that refuses live sysctl writes is told (the file step has already run).
-READ_ONLY_NOTE = "the file is in place; the values apply at the next boot of a host that allows it"
+#: What a host that refuses live sysctl writes is told (true in a --dry plan too, where the
+#: file is not written yet).
+READ_ONLY_NOTE = "they apply from the sysctl.d file at the next boot of a host that allows it"
 
 _SIZE = re.compile(r"^([1-9][0-9]*)([KMG%])$")
 _UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}

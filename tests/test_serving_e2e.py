@@ -236,8 +236,7 @@ def test_serving_story(sandbox, tmp_path: Path):
         pid = main_pid(rig)
         huge = run(SWITCH, "tiny-cpu-huge")
         assert huge.returncode != 0
-        assert "preflight failed, nothing was changed (rigbook-serve.service keeps running)" in (
-            huge.stderr)
+        assert "refused before any change, nothing was changed" in huge.stderr
         assert "host RAM: the recipe needs 4096.0 GiB" in huge.stderr and "short by" in huge.stderr
         assert main_pid(rig) == pid and api(rig, 8101)[0] == 200
         assert "RIGBOOK_RECIPE=tiny-cpu-b" in rig_ssh(rig, f"cat {ENV_PATH}").stdout

@@ -34,6 +34,7 @@ from roles.errors import RigbookError
 from roles.facts import NvidiaGpus
 from roles.gpus import Gpu, GpuProbe
 from roles.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_kernel_log
+from roles.inventory import select_hosts as limit_hosts
 from roles.models import ModelCache
 from roles.power import PowerUnitFile, desired_caps, render_unit, unit_caps
 from roles.serving import ENV_PATH as SERVE_ENV_PATH
@@ -49,7 +50,6 @@ from roles.status import (
     status,
     unreachable_status,
 )
-from roles.status import _limit as limit_hosts
 from roles.tuning import (
     SYSCTL_TEMPLATE,
     PresentPaths,
@@ -754,7 +754,7 @@ def test_a_recipe_that_cannot_be_planned_is_drift_and_not_probed(tmp_path):
     status = build_rig_status("rig1", rig, converged_dual(rig))
     (reason,) = [reason for area, _, reason in drifts(status) if area == "serving"]
     assert reason.startswith("recipe: unknown recipe 'no-such-recipe'; allowed: ")
-    assert reason.endswith("tiny-cpu-huge")
+    assert reason.endswith("tiny-cpu-huge, tiny-gpu-fat")
     assert status.serving.model_dump()["unit"] is None
     unfit = tiny_rig(tmp_path, recipe="dual-3090-tp2")  # a vllm recipe, a llama venv
     (reason,) = [r for area, _, r in drifts(build_rig_status("rig1", unfit, converged_dual(unfit)))
