@@ -15,112 +15,30 @@ tiny random-weights llama model (tests/tinymodel.py) from test-only cpu_only rec
 5. back on tiny-cpu-b, a recipe whose host RAM estimate exceeds MemAvailable is refused by the
    preflight: nothing changes and tiny-cpu-b keeps serving.
 
-llama-cpp-python is an sdist only: `wheelhouse_for_llama` builds it once into the wheelhouse
-(a small CPU-only build; about 4.5 minutes on 2 cores) and downloads its server's dependencies
-for the rigs' Python 3.11.
+llama-cpp-python is an sdist only: tests/standins.py builds it once into the wheelhouse.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from roles.recipes import snapshot_dir
-from roles.sandbox import wheelhouse
 from roles.serving import CONF_DIR, ENV_PATH, KEY_PATH, UNIT_NAME, UNIT_PATH
-from roles.tools import TOOLS_PINS
 from roles.venvs import VENVS_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
-from tests.tinymodel import FILE, REPO, cache_layout, revision_of, write_tiny_gguf
+from tests.standins import CACHE, LLAMA_SERVER, place_model, wheelhouse_for_llama
+from tests.tinymodel import FILE, REPO, revision_of, write_tiny_gguf
 
 CONVERGE = "tests/recipes/converge.py"
 SWITCH = "deploys/serve.py"
-LLAMA = "llama-cpp-python==0.3.36"
-LLAMA_SERVER = "llama-cpp-python[server]==0.3.36"
-#: A small CPU-only build: no native tuning (the wheel runs on any x86_64), no OpenMP runtime
-#: to carry, no multimodal library, tools, examples, tests, server binary or TLS.
-CMAKE_ARGS = (
-    "-DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF "
-    "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF "
-    "-DLLAMA_OPENSSL=OFF"
-)
-CACHE = "/var/lib/rigbook/hf/hub"
 SERVE_OP = "Serving | Serve {} as rigbook-serve.service"
 KEY = "rigbook-e2e-key-7f3a"
 
 pytestmark = pytest.mark.sandbox
-
-
-def pip(*args: str, timeout: int = 600, env: dict | None = None) -> None:
-    done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def wheelhouse_for_llama() -> float:
-    """Fill the wheelhouse for the engine venv; returns the seconds spent building the wheel."""
-    house = wheelhouse()
-    built = 0.0
-    if not list(house.glob("llama_cpp_python-0.3.36-*.whl")):
-        with tempfile.TemporaryDirectory() as tmp:
-            pip("download", "--no-deps", "--no-binary=:all:", LLAMA, "-d", tmp)
-            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-            env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS,
-                   "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-            start = time.monotonic()
-            pip("wheel", "--no-deps", "-w", str(house), str(sdist), timeout=3600, env=env)
-            built = time.monotonic() - start
-    platforms = (
-        "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "linux_x86_64",
-    )
-    pip(
-        "download", "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
-        "--abi", "cp311", *(f"--platform={p}" for p in platforms), "--find-links", str(house),
-        "-d", str(house), LLAMA_SERVER,
-        *(f"{name}=={version}" for name, version in TOOLS_PINS.items()),
-    )
-    return built
-
-
-def ssh_with_input(rig: dict, command: str, data: bytes) -> None:
-    done = subprocess.run(
-        ["ssh", "-i", rig["ssh_key"], "-o", "StrictHostKeyChecking=no",
-         "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes",
-         f"root@{rig['address']}", command],
-        input=data, capture_output=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stderr.decode()
-
-
-def place_model(rig: dict, gguf: Path, revision: str) -> None:
-    """The tiny model in the rig's HF cache exactly as a completed rigbook pull leaves it."""
-    layout = cache_layout(gguf, revision)
-    data = gguf.read_bytes()
-    manifest = {
-        "rigbook_manifest": 1, "repo": REPO, "revision": revision,
-        "allow_patterns": [], "ignore_patterns": [],
-        "files": {FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-    }
-    top = f"{CACHE}/{layout['blob'].split('/')[0]}"
-    ssh_with_input(rig, f"mkdir -p {top}/blobs && cat > {CACHE}/{layout['blob']}", data)
-    snapshot = snapshot_dir(CACHE, REPO, revision)
-    ssh_with_input(
-        rig,
-        f"mkdir -p {snapshot} {top}/refs {top}/rigbook && "
-        f"ln -sfn {layout['target']} {CACHE}/{layout['link']} && "
-        f"echo {revision} > {CACHE}/{layout['ref']} && cat > {top}/rigbook/{revision}.json",
-        json.dumps(manifest).encode(),
-    )
 
 
 def data_args(recipe: str, revision: str, key_file: Path) -> list[str]:

@@ -25,7 +25,7 @@ from roles.spec import Rig
 from roles.status import FleetStatus
 from roles.venvs import MANIFEST, VENVS_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
-from tests.test_venvs_e2e import fill_wheelhouse
+from tests.standins import fill_wheelhouse
 
 pytestmark = pytest.mark.sandbox
 

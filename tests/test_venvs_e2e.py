@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
 from roles.inventory import load_rigs
-from roles.sandbox import wheelhouse
 from roles.tools import TOOLS_PINS, TOOLS_VENV
 from roles.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.standins import fill_wheelhouse
 
 CONVERGE = "deploys/rig.py"
 REBUILD = "deploys/venvs.py"
@@ -47,22 +45,6 @@ def venv_specs(pin: str) -> list[dict]:
 def venvs_data(pin: str) -> list[str]:
     """--data for one test venv (pyinfra reads the value as JSON)."""
     return ["--data", "venvs=" + json.dumps(venv_specs(pin))]
-
-
-def fill_wheelhouse() -> None:
-    """Wheels the rigs install from: the tools and two versions of a light package."""
-    download = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-        "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux2014_x86_64",
-        "--platform", "manylinux_2_17_x86_64", "--dest", str(wheelhouse()),
-    ]
-    for requirements in (
-        [f"{name}=={version}" for name, version in TOOLS_PINS.items()],
-        ["six==1.16.0"],
-        ["six==1.17.0"],
-    ):
-        subprocess.run([*download, *requirements], check=True, timeout=600,
-                       capture_output=True, text=True)
 
 
 def target(rig: dict) -> str | None:

@@ -23,6 +23,7 @@ from roles import cli
 from roles.serving import UNIT_NAME
 from roles.verify import load_runs
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from tests.standins import place_model, wheelhouse_for_llama
 from tests.test_serving_e2e import (
     CACHE,
     CONF_DIR,
@@ -31,8 +32,6 @@ from tests.test_serving_e2e import (
     UNIT_PATH,
     VENVS_DIR,
     data_args,
-    place_model,
-    wheelhouse_for_llama,
 )
 from tests.tinymodel import FILE, revision_of, write_tiny_gguf
 
