@@ -11,7 +11,7 @@ import pytest
 
 from roles.docs import HOST_DATA_MD, host_data_markdown
 from roles.errors import RigbookError
-from roles.inventory import cli_override_data, load_rigs
+from roles.inventory import cli_override_data, load_inventory, load_rigs
 from roles.spec import parse_rig
 from tests.conftest import PYINFRA, ROOT
 
@@ -31,7 +31,8 @@ def test_example_fleet_validates_with_group_data_and_host_precedence():
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        ({**GOOD, "coolng": "air"}, "box: coolng: unknown key (did you mean cooling?)"),
+        ({**GOOD, "coolng": "air"}, "box: coolng: unknown key (did you mean cooling? "
+                                    "docs/host-data.md lists every key)"),
         ({**GOOD, "power_cap_watts": -5}, "box: power_cap_watts: Input should be greater than 0"),
         ({**GOOD, "gpu_class": "rtx9090"}, "box: gpu_class: Input should be 'rtx3090'"),
         ({**GOOD, "gpu_class": "other"}, "gpu_class other needs gpu_limits_watts"),
@@ -40,8 +41,9 @@ def test_example_fleet_validates_with_group_data_and_host_precedence():
         ({**GOOD, "power_caps": {"0": 0}}, "cap for GPU 0 must be positive"),
         ({**GOOD, "gpu_class": "a6000"}, "no documented sweet-spot cap for a6000"),
         ({**GOOD, "power_profile": "prefill", "gpu_class": "rtx5090"}, "no documented prefill cap"),
-        ({**GOOD, "shm_size": "lots"}, "'lots' is not a tmpfs size"),
-        ({**GOOD, "stale_files": ["etc/x"]}, "'etc/x' must be an absolute path"),
+        ({**GOOD, "shm_size": "lots"}, "box: shm_size: a tmpfs size, e.g. 64G, 512M or 50% "
+                                       "(got 'lots')"),
+        ({**GOOD, "stale_files": ["etc/x"]}, "box: stale_files.0: an absolute path on the rig"),
         ({**GOOD, "platform": "debian", "driver_server": True}, "driver_server is for Ubuntu"),
         ({"platform": "ubuntu"}, "box: gpu_class: Field required"),
     ],
@@ -63,7 +65,8 @@ def test_pyinfra_keys_pass_and_per_gpu_caps_override():
     rig = parse_rig("box", {**GOOD, "ssh_hostname": "x", "_sudo": True, "power_caps": {"1": 310}})
     assert rig.default_cap() == 290 and rig.power_caps == {"1": 310}
     assert parse_rig("box", {**GOOD, "power_profile": "stock"}).default_cap() is None
-    assert parse_rig("box", {**GOOD, "power_cap_watts": "300"}).default_cap() == 300
+    with pytest.raises(RigbookError, match="power_cap_watts: Input should be a valid integer"):
+        parse_rig("box", {**GOOD, "power_cap_watts": "300"})  # strict: a number, not text
 
 
 def test_cli_override_data_types_values_like_pyinfra():
@@ -131,7 +134,7 @@ def test_bad_inventory_exits_nonzero_without_connecting(tmp_path, listener):
     inventory = _inventory(tmp_path, listener, {**GOOD, "coolng": "air", "power_cap_watts": -5})
     proc = _pyinfra(inventory, "deploys/rig.py")
     assert proc.returncode != 0
-    assert "box-a: coolng: unknown key (did you mean cooling?)" in proc.stderr
+    assert "box-a: coolng: unknown key (did you mean cooling?" in proc.stderr
     assert "box-a: power_cap_watts: Input should be greater than 0" in proc.stderr
     assert "nothing was changed" in proc.stderr
     assert listener.connections == 0
@@ -143,3 +146,19 @@ def test_bad_cli_data_is_refused_without_connecting(tmp_path, listener):
     assert proc.returncode != 0
     assert "box-a: power_cap_watts: Input should be greater than 0 (got -5)" in proc.stderr
     assert listener.connections == 0
+
+
+def test_data_is_checked_only_against_the_hosts_the_limit_selects():
+    fleet = str(ROOT / "inventory/rigs.py")
+    prefill = {"power_profile": "prefill"}  # documented for the 3090 only
+    _, hosts, rigs = load_inventory(fleet, prefill, limit=["rig-dual3090"])
+    assert [host.name for host in hosts] == ["rig-dual3090"]
+    assert rigs["rig-dual3090"].default_cap() == 250
+    with pytest.raises(RigbookError, match="rig-5090: no documented prefill cap for rtx5090"):
+        load_inventory(fleet, prefill)
+    _, hosts, _ = load_inventory(fleet, {"power_caps": {"0": 280, "1": 300}}, limit=["dual_3090"])
+    assert [host.name for host in hosts] == ["rig-dual3090"]
+    _, hosts, _ = load_inventory(fleet, exclude=["rig-5090"])
+    assert [host.name for host in hosts] == ["rig-dual3090", "rig-wsl3090"]
+    with pytest.raises(RigbookError, match="--limit rig-dual3009: no such rig or group"):
+        load_inventory(fleet, limit=["rig-dual3009"])
