@@ -1,4 +1,4 @@
-"""An example fleet: edit the hosts and their data, keep the check at the bottom.
+"""An example fleet: edit the hosts and their data.
 
 Each top-level list is a pyinfra group; a host is (name, data). Data every rig of this file
 shares lives in inventory/group_data/rigs.py (the group named after this file). Every key is
@@ -6,7 +6,6 @@ documented in docs/host-data.md. The addresses are documentation addresses (RFC 
 them with your rigs' before you run a deploy.
 """
 
-from roles.inventory import check_inventory
 
 dual_3090 = [
     (
@@ -49,5 +48,3 @@ wsl2 = [
         },
     ),
 ]
-
-check_inventory(__file__)

@@ -9,7 +9,6 @@ write for a real rig of that kind, except that the driver comes from the local r
 stand-in packages that the sandbox mounts at /srv/rigbook-sim-repo.
 """
 
-from roles.inventory import check_inventory
 from roles.sandbox import REPO_MOUNT, WHEELS_MOUNT, rigs
 
 _SIM_DRIVER = {
@@ -50,5 +49,3 @@ def _rig(entry: dict) -> tuple[str, dict]:
 
 
 sandbox_rigs = [_rig(entry) for entry in rigs()]
-
-check_inventory(__file__)

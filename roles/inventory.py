@@ -1,10 +1,14 @@
-"""Validate a whole inventory while pyinfra loads it, before it connects to any host.
+"""Validate the hosts a run selects before pyinfra connects to any of them.
 
 pyinfra runs deploy code only after it has connected to every host; host data checked there
-would already have opened SSH connections. An inventory file therefore ends with
-`check_inventory(__file__)`: it builds the inventory exactly as the pyinfra CLI does (group data
-and `--data` overrides merged), validates every host into a `Rig`, and raises one error naming
-each bad host and field. pyinfra prints it and exits non-zero; nothing is contacted.
+would already have opened SSH connections. pyinfra loads the repository's config.py before the
+inventory, for every command run from the repository root, and config.py calls
+`check_command_line(sys.argv)`: it builds the inventory exactly as the pyinfra CLI will (an
+inventory file with its group data, `@local`, an inline host; `--data` merged; `--limit` and
+`--exclude` applied), validates every selected host into a `Rig`, checks what needs no rig
+(`rig_problems`: the recipe and its fit, the bind rule; `inventory_problems`: no hosts, one
+address under two names) and stops with one message naming each bad host and key. Nothing is
+contacted. `rigbook status` loads inventories through `load_inventory`, with the same checks.
 """
 
 from __future__ import annotations
@@ -15,15 +19,13 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from pyinfra.api import Host, Inventory, State
-from pyinfra.api.exceptions import InventoryError, NoGroupError
+from pyinfra.api.exceptions import NoGroupError
 from pyinfra.context import ctx_state
-from pyinfra_cli.inventory import make_inventory_from_files
+from pyinfra_cli.inventory import make_inventory, make_inventory_from_files
 from pyinfra_cli.util import parse_cli_arg
 
 from roles.errors import RigbookError
 from roles.spec import Rig, parse_rig
-
-_checking: set[str] = set()
 
 
 def cli_values(argv: list[str], option: str) -> list[str]:
@@ -76,6 +78,55 @@ def select_hosts(inventory: Inventory, limit: list[str] | None = None,
     return [host for host in hosts if host not in excluded]
 
 
+def _address(host: Host) -> str:
+    """Where pyinfra connects to for a host: its SSH address and port, or its name."""
+    data = host.data.dict()
+    name = data.get("ssh_hostname") or host.name
+    return f"{name}:{data.get('ssh_port') or 22}" if not name.startswith("@") else name
+
+
+def inventory_problems(hosts: list[Host]) -> list[str]:
+    """What is wrong with the selection as a whole: no hosts, one address under two names."""
+    if not hosts:
+        return ["the inventory (and --limit) selects no host: nothing to do"]
+    names: dict[str, list[str]] = {}
+    for host in hosts:
+        names.setdefault(_address(host), []).append(host.name)
+    return [f"{', '.join(same)}: one address ({address}) under {len(same)} names; allowed: one "
+            "name per rig" for address, same in names.items() if len(same) > 1]
+
+
+def rig_problems(rig: Rig, name: str) -> list[str]:
+    """What needs no rig to be refused: the recipe (from the catalogue and serving_recipe_dirs)
+    and its fit to the host data (cards, class VRAM, NVLink, platform, venv), the bind rule, the
+    API key file and the HF token file."""
+    from roles.models import operator_token  # the roles import this module's neighbours
+    from roles.serving import plan_of
+
+    _, problem = plan_of(rig, name)
+    problems = [problem.message(name)] if problem else []
+    try:
+        operator_token(rig)
+    except RigbookError as exc:
+        problems.append(f"{name}: {exc}")
+    return problems
+
+
+def validate(hosts: list[Host]) -> dict[str, Rig]:
+    """A validated Rig per host; RigbookError lists every problem of every host at once."""
+    rigs, errors = {}, inventory_problems(hosts)
+    for host in hosts:
+        try:
+            rigs[host.name] = parse_rig(host.name, host.data.dict())
+        except RigbookError as exc:
+            errors.append(str(exc))
+        else:
+            errors += rig_problems(rigs[host.name], host.name)
+    if errors:
+        raise RigbookError("invalid host data, nothing was changed:\n" + "\n".join(errors))
+    return rigs
+
+
 def load_inventory(inventory_file: str, override_data: dict | None = None,
                    limit: list[str] | None = None, exclude: list[str] | None = None):
     """(pyinfra Inventory, the hosts the limit selects, a validated Rig per selected host) of an
@@ -89,15 +140,7 @@ def load_inventory(inventory_file: str, override_data: dict | None = None,
             str(Path(inventory_file).resolve()), override_data=override_data or {}, cwd=os.getcwd()
         )
     hosts = select_hosts(inventory, limit, exclude)
-    rigs, errors = {}, []
-    for host in hosts:
-        try:
-            rigs[host.name] = parse_rig(host.name, host.data.dict())
-        except RigbookError as exc:
-            errors.append(str(exc))
-    if errors:
-        raise RigbookError("invalid host data, nothing was changed:\n" + "\n".join(errors))
-    return inventory, hosts, rigs
+    return inventory, hosts, validate(hosts)
 
 
 def load_rigs(inventory_file: str, override_data: dict | None = None) -> dict[str, Rig]:
@@ -105,19 +148,22 @@ def load_rigs(inventory_file: str, override_data: dict | None = None) -> dict[st
     return load_inventory(inventory_file, override_data)[2]
 
 
-def check_inventory(inventory_file: str) -> None:
-    """Called at the end of an inventory file; raises InventoryError so pyinfra exits cleanly.
+def check_command_line(argv: list[str]) -> None:
+    """Check the hosts a pyinfra command line selects (called from config.py, before pyinfra
+    loads the inventory); on a problem, print it plainly and exit 1: nothing is contacted."""
+    from pyinfra_cli.cli import cli  # pyinfra's own parser: the same inventory, data and limit
 
-    The hosts are those of this command line's --limit and --exclude, with its --data.
-    """
-    key = str(Path(inventory_file).resolve())
-    if key in _checking:  # we are the nested load that check_inventory itself started
-        return
-    _checking.add(key)
+    params = cli.make_context("pyinfra", list(argv[1:]), resilient_parsing=True).params
+    source = params.get("inventory")
+    if not source:
+        return  # --help, --version and the like
+    data = cli_override_data([arg for pair in params.get("data") or () for arg in ("--data", pair)])
     try:
-        load_inventory(inventory_file, cli_override_data(sys.argv),
-                       cli_values(sys.argv, "--limit"), cli_values(sys.argv, "--exclude"))
+        with ctx_state.use(ctx_state.get() or State()):
+            inventory = make_inventory(source, override_data=data, cwd=os.getcwd(),
+                                       group_data_directories=params.get("group_data") or None)
+        validate(select_hosts(inventory, list(params.get("limit") or ()),
+                              list(params.get("exclude") or ())))
     except RigbookError as exc:
-        raise InventoryError(str(exc)) from None
-    finally:
-        _checking.discard(key)
+        print(f"--> rigbook: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None

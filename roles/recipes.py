@@ -33,8 +33,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from roles.errors import RigbookError
-from roles.spec import GpuClass, ModelSpec, Platform, Rig
-from roles.venvs import venv_link
+from roles.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
+from roles.venvs import engine_venv, venv_link
 from roles.wsl import serving_environment
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "files" / "recipes"
@@ -346,7 +346,19 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
         problems.append("the recipe needs NVLink (nvlink: true)")
     if fits.nvlink == "forbidden" and rig.nvlink:
         problems.append("the recipe is for rigs without NVLink (this rig has nvlink: true)")
+    card = VRAM_GIB.get(rig.gpu_class)
+    if card is not None and vram_need_gib(recipe) > card:
+        problems.append(f"weights and KV need {vram_need_gib(recipe):.1f} GiB per card; a "
+                        f"{rig.gpu_class} has {card} GiB")
     return problems
+
+
+def vram_need_gib(recipe: Recipe) -> float:
+    """Per card: the weights and KV split over the cards, plus the per-card overhead."""
+    cards = recipe.tensor_parallel_size
+    weights = sum(pin.weights_gib for pin in recipe.models)
+    return (weights + recipe.estimate.kv_gib) / cards + recipe.estimate.overhead_gib
+
 
 
 # --- rendering -------------------------------------------------------------------------------
@@ -487,7 +499,7 @@ rig's pin always wins over the recipe's, and the models role pulls exactly that 
 def example_rig(recipe: Recipe) -> Rig:
     """A rig the recipe fits (for the docs and the catalogue tests)."""
     fits = recipe.fits
-    venv = {"name": recipe.venv, "engine": VENV_ENGINE[recipe.engine], "packages": ["x"]}
+    venv = engine_venv(VENV_ENGINE[recipe.engine], name=recipe.venv)
     data = {
         "platform": fits.platforms[0],
         "gpu_class": fits.gpu_class[0] if fits.gpu_class else "rtx3090",

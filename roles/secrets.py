@@ -7,9 +7,18 @@ them; anything that may print holds a `Secret`, whose repr and str are masked.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from roles.errors import RigbookError
+
+#: What a secret looks like in text: an HF token, an API key, credentials in a URL.
+_SECRET = re.compile(r"hf_[A-Za-z0-9]{8,}|sk-[A-Za-z0-9]{8,}|://[^/\s]*@")
+
+
+def looks_secret(text: str) -> bool:
+    """Whether a value could be a secret: then no message shows it."""
+    return bool(_SECRET.search(text))
 
 
 class Secret:
@@ -52,17 +61,18 @@ def read_secret_file(field: str, path: str, noun: str, forbidden: str = "") -> s
     one word (or holds one of the `forbidden` characters).
     """
     file = Path(path).expanduser()
+    shown = "the file named" if looks_secret(path) else str(file)
     try:
         text = file.read_text().strip()
     except OSError as error:
         raise RigbookError(
-            f"{field}: cannot read {file} on this machine ({error.strerror}); "
-            f"allowed: a readable file holding one {noun}"
+            f"{field}: cannot read {shown} on this machine ({error.strerror}); "
+            f"allowed: the path of a readable file holding one {noun} (not the {noun} itself)"
         ) from None
     if not text or len(text.split()) != 1 or any(c in text for c in forbidden):
         no = f", none of {' '.join(forbidden)}" if forbidden else ""
         raise RigbookError(
-            f"{field}: {file} must hold one {noun} (one word on one line{no}); "
+            f"{field}: {shown} must hold one {noun} (one word on one line{no}); "
             f"it holds {len(text.split())} words"
         )
     return text

@@ -67,6 +67,7 @@ from roles.recipes import (
     port_of,
     recipe_for,
     recipe_pins,
+    vram_need_gib,
 )
 from roles.secrets import read_secret_file
 from roles.spec import ModelSpec, Rig
@@ -516,13 +517,6 @@ def _host_ram(checks: Preflight, plan: ServePlan, probe: ServeState) -> None:
             f"the recipe needs {gib(need)}, {gib(available)} is available (MemAvailable "
             f"{gib(probe.mem_available_kib / MIB)}{also}): short by {gib(need - available)}",
         )
-
-
-def vram_need_gib(recipe: Recipe) -> float:
-    """Per card: the weights and KV split over the cards, plus the per-card overhead."""
-    cards = recipe.tensor_parallel_size
-    weights = sum(pin.weights_gib for pin in recipe.models)
-    return (weights + recipe.estimate.kv_gib) / cards + recipe.estimate.overhead_gib
 
 
 def _vram(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe) -> None:

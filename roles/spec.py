@@ -17,6 +17,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from roles.errors import RigbookError
+from roles.secrets import looks_secret
+from roles.types import (
+    Glob,
+    HttpUrl,
+    IpAddress,
+    LocalPath,
+    RepoId,
+    Requirement,
+    RigPath,
+    SourceUrl,
+    StrictBool,
+    StrictInt,
+    http_url,
+    rig_path,
+)
 
 GpuClass = Literal["rtx3090", "rtx3090ti", "rtx4090", "rtx5090", "a6000", "other"]
 Cooling = Literal["air", "water", "aio"]
@@ -40,9 +55,16 @@ VRAM_GIB = {"rtx3090": 24, "rtx3090ti": 24, "rtx4090": 24, "rtx5090": 32, "a6000
 #: Host-data keys that belong to pyinfra itself (connectors, global arguments), not to rigbook.
 _PYINFRA_KEY = re.compile(r"^(_|ssh_|winrm_|docker_|local_|chroot_|podman_|vagrant_)")
 
-_SIZE = re.compile(r"^[1-9][0-9]*[KMG]$|^[1-9][0-9]?%$")
+_SIZE = re.compile(r"[1-9][0-9]*[KMG]|[1-9][0-9]?%")
 #: A sysctl key: dotted path under /proc/sys (a slash stands for a dot inside one part).
-_SYSCTL_KEY = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_/:-]+)+$")
+_SYSCTL_KEY = re.compile(r"[a-z][a-z0-9_]*(\.[A-Za-z0-9_/:-]+)+")
+_SYSCTL_VALUE = re.compile(r"[A-Za-z0-9_.,:/-]+( [A-Za-z0-9_.,:/-]+)*")
+#: A power_caps key: a GPU index or an NVIDIA GPU UUID.
+_GPU_KEY = re.compile(
+    r"0|[1-9][0-9]?|GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+)
+#: Card classes without an NVLink connector (GeForce 40 and 50 series dropped it).
+NO_NVLINK = ("rtx4090", "rtx5090")
 #: sysctl keys with their own host-data field, so sysctl_extra may not set them.
 _SYSCTL_OWN = {
     "fs.inotify.max_user_watches": "sysctl_inotify_max_user_watches",
@@ -65,11 +87,11 @@ class VenvSpec(_Model):
         "package)."
     )
     python: str = Field("3.12", pattern=r"^3\.1[1-4]$", description="Python version for the venv.")
-    packages: tuple[str, ...] = Field(
-        min_length=1, description="Pinned requirements, e.g. 'vllm==0.33.0'."
+    packages: tuple[Requirement, ...] = Field(
+        min_length=1, description="Pinned requirements: name==version, e.g. 'vllm==0.33.0'."
     )
     torch_backend: Literal["cu130"] = Field("cu130", description="CUDA build of torch.")
-    extra_index_urls: tuple[str, ...] = Field(
+    extra_index_urls: tuple[HttpUrl, ...] = Field(
         (), description="More package indexes for this venv (e.g. an engine's own CUDA wheels)."
     )
     services: tuple[str, ...] = Field(
@@ -81,7 +103,7 @@ class VenvSpec(_Model):
     @classmethod
     def _unit_names(cls, units: tuple[str, ...]) -> tuple[str, ...]:
         for unit in units:
-            if not re.match(r"^[A-Za-z0-9:_.@-]+\.service$", unit):
+            if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9:_.@-]*\.service", unit):
                 raise ValueError(f"{unit!r} is not a systemd service name (e.g. vllm.service)")
         return units
 
@@ -89,10 +111,10 @@ class VenvSpec(_Model):
 class ModelSpec(_Model):
     """One model snapshot in the Hugging Face cache (pulled by the models role)."""
 
-    repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="Hub repo id, ORG/NAME.")
+    repo: RepoId = Field(description="Hub repo id, ORG/NAME.")
     revision: str = Field(pattern=r"^[0-9a-f]{40}$", description="Pinned commit hash (40 hex).")
-    allow_patterns: tuple[str, ...] = Field((), description="Only files matching these globs.")
-    ignore_patterns: tuple[str, ...] = Field((), description="Skip files matching these globs.")
+    allow_patterns: tuple[Glob, ...] = Field((), description="Only files matching these globs.")
+    ignore_patterns: tuple[Glob, ...] = Field((), description="Skip files matching these globs.")
 
 
 class Rig(_Model):
@@ -101,15 +123,18 @@ class Rig(_Model):
     # -- hardware -----------------------------------------------------------------------------
     platform: Platform = Field(description="Operating system family; wsl2 means Ubuntu under WSL2.")
     gpu_class: GpuClass = Field(description="Card class of every GPU in the rig.")
-    gpu_count: int = Field(ge=1, le=8, description="How many GPUs the rig has.")
-    gpu_limits_watts: tuple[int, int] | None = Field(
+    gpu_count: StrictInt = Field(ge=1, le=8, description="How many GPUs the rig has.")
+    gpu_limits_watts: tuple[StrictInt, StrictInt] | None = Field(
         None, description="(min, max) power limit of the card; required when gpu_class is other."
     )
     cooling: Cooling = Field("air", description="How the cards are cooled; picks the sweet spot.")
-    nvlink: bool = Field(False, description="An NVLink bridge is installed and working.")
+    nvlink: StrictBool = Field(False, description="An NVLink bridge is installed and working.")
 
     # -- driver -------------------------------------------------------------------------------
-    driver_branch: int = Field(580, description=f"NVIDIA driver branch; one of {DRIVER_BRANCHES}.")
+    driver_branch: StrictInt = Field(
+        580,
+        description=f"NVIDIA driver branch; one of {DRIVER_BRANCHES}.",
+    )
     driver_version: str | None = Field(
         None,
         pattern=r"^\d{3}\.\d{2,3}(\.\d{2})?$",
@@ -117,22 +142,28 @@ class Rig(_Model):
             "Exact driver version to install (e.g. 580.95.05); none = newest of the branch."
         ),
     )
-    driver_open: bool = Field(True, description="Open kernel modules (the default from 560 on).")
-    driver_server: bool = Field(False, description="Ubuntu only: the -server driver packages.")
-    driver_repo_uri: str | None = Field(
+    driver_open: StrictBool = Field(
+        True,
+        description="Open kernel modules (the default from 560 on).",
+    )
+    driver_server: StrictBool = Field(
+        False,
+        description="Ubuntu only: the -server driver packages.",
+    )
+    driver_repo_uri: SourceUrl | None = Field(
         None,
         description="Debian only: apt repository of the driver; none = NVIDIA's CUDA repository.",
     )
-    driver_repo_trusted: bool = Field(
+    driver_repo_trusted: StrictBool = Field(
         False, description="Trust driver_repo_uri without a signing key (local test repositories)."
     )
-    driver_persistence: bool = Field(
+    driver_persistence: StrictBool = Field(
         True, description="Run nvidia-persistenced with persistence mode on (Ubuntu ships it off)."
     )
     driver_modprobe_options: dict[str, str] = Field(
         {}, description="nvidia module options, e.g. {'NVreg_DynamicPowerManagement': '0x00'}."
     )
-    allow_reboot: bool = Field(
+    allow_reboot: StrictBool = Field(
         False, description="A deploy may reboot the rig when a change needs it."
     )
 
@@ -141,37 +172,43 @@ class Rig(_Model):
         "sweet-spot",
         description="Named cap: sweet-spot (by card and cooling), prefill (3090: 250 W) or stock.",
     )
-    power_cap_watts: int | None = Field(
+    power_cap_watts: StrictInt | None = Field(
         None, gt=0, description="One cap for every GPU, in watts; overrides power_profile."
     )
-    power_caps: dict[str, int] = Field(
+    power_caps: dict[str, StrictInt] = Field(
         {}, description="Per-GPU caps in watts keyed by GPU index ('0') or UUID; override the rest."
     )
 
     # -- host tuning --------------------------------------------------------------------------
-    sysctl_inotify_max_user_watches: int = Field(
+    sysctl_inotify_max_user_watches: StrictInt = Field(
         1048576,
         ge=8192,
         description="fs.inotify.max_user_watches (an engine died of ENOSPC at 65536).",
     )
-    sysctl_inotify_max_user_instances: int = Field(
+    sysctl_inotify_max_user_instances: StrictInt = Field(
         1024, ge=128, description="fs.inotify.max_user_instances."
     )
-    sysctl_extra: dict[str, int | str] = Field(
+    sysctl_extra: dict[str, StrictInt | str] = Field(
         {}, description="Other sysctl keys for /etc/sysctl.d/90-rigbook.conf."
     )
     shm_size: str | None = Field(
         None, description="/dev/shm tmpfs size (e.g. 64G or 50%); none = leave it as it is."
     )
-    stale_files: tuple[str, ...] = Field(
+    stale_files: tuple[RigPath, ...] = Field(
         (), description="Leftover files to remove, e.g. /etc/sysctl.d/99-vllm-swap.conf."
     )
 
     # -- WSL2 ---------------------------------------------------------------------------------
-    wsl_tdr_delay: int = Field(60, ge=2, le=600, description="Windows TdrDelay in seconds.")
-    wsl_tdr_ddi_delay: int = Field(60, ge=5, le=600, description="Windows TdrDdiDelay in seconds.")
-    wsl_tdr_disable: bool = Field(False, description="Also set TdrLevel=0 (no TDR at all).")
-    wsl_min_memory_gib: int = Field(24, ge=1, description="Least WSL2 memory for model loading.")
+    wsl_tdr_delay: StrictInt = Field(60, ge=2, le=600, description="Windows TdrDelay in seconds.")
+    wsl_tdr_ddi_delay: StrictInt = Field(
+        60, ge=5, le=600,
+        description="Windows TdrDdiDelay in seconds.",
+    )
+    wsl_tdr_disable: StrictBool = Field(False, description="Also set TdrLevel=0 (no TDR at all).")
+    wsl_min_memory_gib: StrictInt = Field(
+        24, ge=1,
+        description="Least WSL2 memory for model loading.",
+    )
 
     # -- guards (roles/guards.py) -------------------------------------------------------------
     guards_shm_patterns: tuple[str, ...] = Field(
@@ -182,7 +219,7 @@ class Rig(_Model):
             "(leaked engine offload buffers)."
         ),
     )
-    guards_xid_watch: bool = Field(
+    guards_xid_watch: StrictBool = Field(
         True, description="Run the Xid watch (marks a lost GPU, logs engine faults)."
     )
 
@@ -190,7 +227,7 @@ class Rig(_Model):
     @classmethod
     def _shm_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
         for pattern in patterns:
-            if not re.match(r"^[A-Za-z0-9_.-][A-Za-z0-9_.*?\[\]-]*$", pattern):
+            if not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.*?\[\]-]*", pattern):
                 raise ValueError(
                     f"{pattern!r}: a file-name glob in /dev/shm that starts with a literal "
                     "character (letters, digits, _ . -; then also * ? [ ]), "
@@ -201,15 +238,16 @@ class Rig(_Model):
     # -- python packages ----------------------------------------------------------------------
     python_find_links: str | None = Field(
         None,
-        description="Directory or URL of wheels that pip and uv also install from (--find-links).",
+        description="Directory on the rig (absolute) or http(s) URL of wheels that pip and uv "
+        "also install from (--find-links).",
     )
-    python_no_index: bool = Field(
+    python_no_index: StrictBool = Field(
         False, description="Install only from python_find_links, never from an index (offline)."
     )
-    venvs_keep: int = Field(
+    venvs_keep: StrictInt = Field(
         1, ge=0, le=10, description="Older builds of each venv kept for rollback."
     )
-    rebuild_all: bool = Field(
+    rebuild_all: StrictBool = Field(
         False, description="Run option of deploys/venvs.py: rebuild every venv, stale or not."
     )
 
@@ -231,43 +269,40 @@ class Rig(_Model):
     # -- serving ------------------------------------------------------------------------------
     venvs: tuple[VenvSpec, ...] = Field((), description="Serving venvs to build (venvs role).")
     models: tuple[ModelSpec, ...] = Field((), description="Models to hold in the HF cache.")
-    recipe: str | None = Field(None, description="Name of the serving recipe to run.")
+    recipe: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9-]*$",
+        description="Name of the serving recipe to run (docs/recipes.md).",
+    )
 
     # -- serving (rigbook-serve.service) ------------------------------------------------------
-    serving_bind: str | None = Field(
+    serving_bind: IpAddress | None = Field(
         None,
         description=(
             "Address the API binds to; none = the recipe's (127.0.0.1). Wider than loopback "
             "needs serving_api_key_file."
         ),
     )
-    serving_port: int | None = Field(
+    serving_port: StrictInt | None = Field(
         None, ge=1024, le=65535, description="API port; none = the recipe's (8000)."
     )
-    serving_api_key_file: str | None = Field(
+    serving_api_key_file: LocalPath | None = Field(
         None,
         description=(
             "API key file on the operator's machine; copied root-only to the rig, passed to the "
             "engine in its environment, never on its command line."
         ),
     )
-    serving_health_timeout_s: int = Field(
+    serving_health_timeout_s: StrictInt = Field(
         900, ge=10, le=7200, description="How long a start may take to answer /v1/models."
     )
-    serving_recipe_dirs: tuple[str, ...] = Field(
+    serving_recipe_dirs: tuple[LocalPath, ...] = Field(
         (), description="More recipe folders on the operator's machine (no shadowing names)."
     )
 
     @model_validator(mode="after")
     def _serving_section(self) -> Rig:
         if self.serving_bind is not None:
-            try:
-                address = ipaddress.ip_address(self.serving_bind)
-            except ValueError:
-                raise ValueError(
-                    f"serving_bind {self.serving_bind!r} is not an IP address "
-                    "(e.g. 127.0.0.1, 0.0.0.0 or the rig's LAN address)"
-                ) from None
+            address = ipaddress.ip_address(self.serving_bind)  # IpAddress: valid, no scope id
             if not address.is_loopback and self.serving_api_key_file is None:
                 raise ValueError(
                     f"serving_bind {self.serving_bind} is wider than loopback: "
@@ -276,13 +311,12 @@ class Rig(_Model):
         return self
 
     # -- verify (roles/verify.py, deploys/verify.py) -------------------------------------------
-    verify_url: str | None = Field(
+    verify_url: HttpUrl | None = Field(
         None,
-        pattern=r"^https?://[^\s/]+$",
         description="Where this machine reaches the rig's API (e.g. an SSH tunnel); none = "
         "http://<serving_bind or the rig's SSH address>:<port>.",
     )
-    verify_prefill_tokens: int = Field(
+    verify_prefill_tokens: StrictInt = Field(
         15000, ge=16, description="Run option: prompt size (tokens) the prefill step sends."
     )
     verify_needle_depths: tuple[float, ...] = Field(
@@ -292,23 +326,26 @@ class Rig(_Model):
     verify_needle_fill: float = Field(
         0.9, gt=0, le=1, description="Haystack size as a share of the context (max_model_len)."
     )
-    verify_needle_exact: bool = Field(
+    verify_needle_exact: StrictBool = Field(
         True,
         description="The needle must be answered back exactly (real models); false = the probe "
         "must only be accepted and complete (random-weights test models).",
     )
-    verify_context_len: int | None = Field(
+    verify_context_len: StrictInt | None = Field(
         None, ge=256, description="Context the ladder expects; none = the recipe's max_model_len."
     )
-    verify_bench_warmups: int = Field(2, ge=0, le=20, description="Unmeasured runs per prompt.")
-    verify_bench_runs: int = Field(5, ge=1, le=50, description="Measured runs per prompt.")
-    verify_bench_tokens: int = Field(
+    verify_bench_warmups: StrictInt = Field(
+        2, ge=0, le=20,
+        description="Unmeasured runs per prompt.",
+    )
+    verify_bench_runs: StrictInt = Field(5, ge=1, le=50, description="Measured runs per prompt.")
+    verify_bench_tokens: StrictInt = Field(
         256, ge=8, le=8192, description="Tokens each bench run generates (min = max)."
     )
-    verify_bench_concurrency: int = Field(
+    verify_bench_concurrency: StrictInt = Field(
         4, ge=1, le=64, description="Streams at once in the concurrent bench (1 = skip it)."
     )
-    verify_timeout_s: int = Field(
+    verify_timeout_s: StrictInt = Field(
         300, ge=5, le=3600, description="Limit of one request (the longest prefill included)."
     )
 
@@ -321,39 +358,31 @@ class Rig(_Model):
         return depths
 
     # -- models (Hugging Face cache) ----------------------------------------------------------
-    models_cache: str = Field(
+    models_cache: RigPath = Field(
         "/var/lib/rigbook/hf/hub",
         description="HF_HUB_CACHE on the rig: models are pulled into it and served from it.",
     )
-    models_endpoint: str | None = Field(
+    models_endpoint: HttpUrl | None = Field(
         None,
-        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
         description="Hub mirror or LAN cache to pull from (HF_ENDPOINT); none = the hub.",
     )
     models_disk_margin_gib: float = Field(
         10, ge=0, description="Free space (GiB) a pull must leave on the cache filesystem."
     )
-    models_token_file: str | None = Field(
+    models_token_file: LocalPath | None = Field(
         None,
         description="HF token file on the operator's machine (wins over the HF_TOKEN env var).",
     )
-    models_prune: bool = Field(
+    models_prune: StrictBool = Field(
         False, description="Remove cached repos that models does not list (else only report)."
     )
-    models_only: str | None = Field(
+    models_only: RepoId | None = Field(
         None, description="Run option: pull only this repo (ORG/NAME, one of models)."
     )
-    models_mirror_port: int | None = Field(
+    models_mirror_port: StrictInt | None = Field(
         None, ge=1024, le=65535,
         description="Serve this rig's complete snapshots to other rigs on this port; none = off.",
     )
-
-    @field_validator("models_cache")
-    @classmethod
-    def _cache_path(cls, path: str) -> str:
-        if not path.startswith("/") or ".." in path.split("/") or path.rstrip("/") == "":
-            raise ValueError(f"{path!r} must be an absolute directory path without '..'")
-        return path.rstrip("/")
 
     @model_validator(mode="after")
     def _models_section(self) -> Rig:
@@ -379,47 +408,52 @@ class Rig(_Model):
     @classmethod
     def _modprobe_options(cls, options: dict[str, str]) -> dict[str, str]:
         for key, value in options.items():
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
-                raise ValueError(f"{key!r} is not a module parameter name")
-            if not re.match(r"^[^\s\"'#]+$", value):
-                raise ValueError(f"{key}={value!r}: a value has no spaces, quotes or #")
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError("module parameter names are letters, digits and _, e.g. "
+                                 "NVreg_DynamicPowerManagement")
+            if not re.fullmatch(r"[A-Za-z0-9_.,:+/=-]+", value):
+                raise ValueError(f"{key}: a value is one word of letters, digits and _ . , : + / "
+                                 "= - (no spaces, quotes or #), e.g. 0x00")
         return options
 
     @field_validator("shm_size")
     @classmethod
     def _size(cls, value: str | None) -> str | None:
-        if value is not None and not _SIZE.match(value):
-            raise ValueError(f"{value!r} is not a tmpfs size; use e.g. 64G, 512M or 50%")
+        if value is not None and not _SIZE.fullmatch(value):
+            raise ValueError("a tmpfs size, e.g. 64G, 512M or 50%")
         return value
 
     @field_validator("sysctl_extra")
     @classmethod
     def _sysctl_keys(cls, extra: dict[str, int | str]) -> dict[str, int | str]:
         for key, value in extra.items():
-            if not _SYSCTL_KEY.match(key):
-                raise ValueError(f"{key!r} is not a sysctl key; use e.g. vm.max_map_count")
+            if not _SYSCTL_KEY.fullmatch(key):
+                raise ValueError("sysctl keys are dotted names, e.g. vm.max_map_count")
             if key in _SYSCTL_OWN:
                 raise ValueError(f"{key} has its own key: set {_SYSCTL_OWN[key]} instead")
-            text = str(value)
-            if not text.strip() or "\n" in text or "#" in text:
-                raise ValueError(f"{key}: {value!r} is not a sysctl value (one line, no '#')")
+            if isinstance(value, str) and not _SYSCTL_VALUE.fullmatch(value):
+                raise ValueError(f"{key}: a sysctl value is a number or words of letters, digits "
+                                 "and _ . , : / - separated by single spaces (no '#', quotes or "
+                                 "newline)")
         return extra
-
-    @field_validator("stale_files")
-    @classmethod
-    def _absolute(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
-        for path in paths:
-            if not path.startswith("/") or ".." in path.split("/"):
-                raise ValueError(f"{path!r} must be an absolute path without '..'")
-        return paths
 
     @field_validator("power_caps")
     @classmethod
-    def _positive_caps(cls, caps: dict[str, int]) -> dict[str, int]:
+    def _caps(cls, caps: dict[str, int]) -> dict[str, int]:
         for gpu, watts in caps.items():
+            if not _GPU_KEY.fullmatch(gpu):
+                raise ValueError("power_caps keys are a GPU index (0, 1, ...; no leading zero) "
+                                 "or a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
             if watts <= 0:
-                raise ValueError(f"cap for GPU {gpu} must be positive, got {watts}")
+                raise ValueError(f"cap for GPU {gpu} must be positive watts")
         return caps
+
+    @field_validator("python_find_links")
+    @classmethod
+    def _find_links(cls, value: str | None) -> str | None:
+        if value is None or value.startswith("/"):
+            return value if value is None else rig_path(value)
+        return http_url(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Rig:
@@ -434,6 +468,15 @@ class Rig(_Model):
         for gpu in self.power_caps:
             if gpu.isdigit() and int(gpu) >= self.gpu_count:
                 raise ValueError(f"power_caps names GPU {gpu} but the rig has {self.gpu_count}")
+        if self.nvlink and self.gpu_class in NO_NVLINK:
+            raise ValueError(f"nvlink: {self.gpu_class} cards have no NVLink connector")
+        low, high = self.gpu_limits_watts or (None, None)
+        if low is not None:
+            asked = {"power_cap_watts": self.power_cap_watts, **{
+                f"power_caps[{gpu}]": watts for gpu, watts in self.power_caps.items()}}
+            for key, watts in asked.items():
+                if watts is not None and not low <= watts <= high:
+                    raise ValueError(f"{key} {watts} W is outside gpu_limits_watts {low}-{high} W")
         return self
 
     def default_cap(self) -> int | None:
@@ -451,16 +494,46 @@ class Rig(_Model):
         return table[self.cooling]
 
 
+#: What a field with a pattern allows, in words (pydantic would show the raw regex).
+PATTERN_WORDS = {
+    "driver_version": "a driver version such as 580.95.05",
+    "name": "a name of lowercase letters, digits and _ . - that starts with a letter or digit",
+    "repo": "a Hugging Face repo id, owner/name",
+    "models_only": "a Hugging Face repo id, owner/name",
+    "revision": "a commit: 40 hex digits",
+    "python": "a Python version from 3.11 to 3.14",
+    "recipe": "a recipe name of lowercase letters, digits and - (docs/recipes.md lists them)",
+}
+#: A field whose value is never shown back, whatever it looks like.
+_SECRET_FIELD = re.compile(r"(?i)token|secret|password|api_?key")
+_DOCS = "docs/host-data.md lists every key"
+
+
+def _shown(value: Any, field: str) -> str:
+    """How a refused value is shown: short, and never when it could be a secret."""
+    text = repr(value)
+    if looks_secret(text) or _SECRET_FIELD.search(field):
+        return "a value that looks like a secret (not shown)"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _field_error(host: str, error: dict[str, Any], fields: set[str]) -> str:
-    where = ".".join(str(part) for part in error["loc"]) or "host data"
+    loc = [str(part) for part in error["loc"]]
+    where = ".".join(loc)
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        message = "unknown key"
-        close = difflib.get_close_matches(str(error["loc"][0]), fields, n=1)
-        if close:
-            message += f" (did you mean {close[0]}?)"
-    elif "input" in error and error["type"] != "missing":
-        message += f" (got {error['input']!r})"
+        close = difflib.get_close_matches(loc[0], fields, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        if _SECRET_FIELD.search(loc[0]):
+            hint += "a token or key goes in a file: models_token_file, serving_api_key_file; "
+        return f"{host}: {where}: unknown key ({hint}{_DOCS})"
+    if error["type"] == "string_pattern_mismatch":
+        field = next((part for part in reversed(loc) if not part.isdigit()), "")
+        message = f"allowed: {PATTERN_WORDS.get(field, error['ctx']['pattern'])}"
+    if not loc:  # the rig as a whole: say what is wrong, never dump its host data
+        return f"{host}: {message}"
+    if "input" in error and error["type"] != "missing":
+        message += f" (got {_shown(error['input'], where)})"
     return f"{host}: {where}: {message}"
 
 

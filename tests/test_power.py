@@ -64,8 +64,8 @@ def h200_gpus() -> list[Gpu]:
 
 
 def h200_rig(**data) -> Rig:
-    return Rig(platform="ubuntu", gpu_class="other", gpu_count=1, gpu_limits_watts=(200, 700),
-               **data)
+    return Rig(**{"platform": "ubuntu", "gpu_class": "other", "gpu_count": 1,
+                  "gpu_limits_watts": (200, 700), **data})
 
 
 # --- cap policy ----------------------------------------------------------------------------
@@ -130,8 +130,9 @@ def test_a_gpu_count_other_than_gpu_count_is_refused_naming_both():
 
 
 def test_a_power_caps_uuid_the_rig_lacks_is_refused():
-    with pytest.raises(RigbookError, match="power_caps: names GPU GPU-nope, which this rig"):
-        desired_caps(dual_3090(power_caps={"GPU-nope": 250}), "rig1", DUAL)
+    other = "GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(RigbookError, match=f"power_caps: names GPU {other}, which this rig"):
+        desired_caps(dual_3090(power_caps={other: 250}), "rig1", DUAL)
 
 
 def test_persistence_off_is_refused_with_the_fix():
@@ -158,10 +159,15 @@ def test_h200_capture_range_200_to_700():
     )
     (stock,) = desired_caps(h200_rig(power_profile="stock"), "h200", gpus)
     assert stock.watts == 700.0 and stock.in_place
+    # a cap outside the declared range never reaches the rig: the host data refuses it
+    with pytest.raises(ValueError, match="power_cap_watts 800 W is outside gpu_limits_watts"):
+        h200_rig(power_cap_watts=800)
+    # declared wider than the card really is: the card's own range refuses it on the rig
+    wide = {"gpu_limits_watts": (100, 1000)}
     with pytest.raises(RigbookError, match=r"800 W \(power_cap_watts\); allowed: the card's"):
-        desired_caps(h200_rig(power_cap_watts=800), "h200", gpus)
+        desired_caps(h200_rig(power_cap_watts=800, **wide), "h200", gpus)
     with pytest.raises(RigbookError, match=r"asks 150 W \(power_cap_watts\); allowed"):
-        desired_caps(h200_rig(power_cap_watts=150), "h200", gpus)
+        desired_caps(h200_rig(power_cap_watts=150, **wide), "h200", gpus)
 
 
 def test_tolerance_half_a_watt():

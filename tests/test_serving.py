@@ -14,6 +14,7 @@ from roles.errors import RigbookError
 from roles.gpus import Gpu, GpuProbe
 from roles.guards import GpuLost, Topology, parse_topo_matrix
 from roles.models import parse_cache
+from roles.recipes import vram_need_gib
 from roles.serving import (
     ENV_PATH,
     HEALTH_PATH,
@@ -32,7 +33,6 @@ from roles.serving import (
     serve_plan,
     serve_recipe,
     systemd_word,
-    vram_need_gib,
 )
 from roles.spec import Rig
 from roles.venvs import VenvLayout, VenvState
@@ -189,7 +189,7 @@ def test_env_file_layers_venv_recipe_platform_and_rigbook():
 def test_a_wide_bind_needs_a_key_at_load_time():
     with pytest.raises(ValueError, match="serving_bind 0.0.0.0 is wider than loopback"):
         cpu_rig(serving_bind="0.0.0.0")
-    with pytest.raises(ValueError, match="'lan' is not an IP address"):
+    with pytest.raises(ValueError, match="an IP address, e.g. 127.0.0.1"):
         cpu_rig(serving_bind="lan")
 
 

@@ -95,8 +95,8 @@ def test_template_matches_what_the_live_step_compares():
     ("extra", "message"),
     [
         ({WATCHES: 5}, "set sysctl_inotify_max_user_watches instead"),
-        ({"not a key": 1}, "is not a sysctl key"),
-        ({"vm.swappiness": "10\nvm.x = 1"}, "is not a sysctl value"),
+        ({"not a key": 1}, "sysctl keys are dotted names"),
+        ({"vm.swappiness": "10\nvm.x = 1"}, "a sysctl value is a number or words"),
     ],
 )
 def test_bad_sysctl_extra_is_refused_at_load(extra, message):

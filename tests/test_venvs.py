@@ -160,7 +160,7 @@ def test_required_driver_refuses_what_it_does_not_know():
         (["sglang==0.5.23", "nvidia-cuda-runtime==13.1.80"], "sglang",
          ("13.1", "nvidia-cuda-runtime==13.1.80")),
         (["torch==2.14.0+cu132"], "none", ("13.2", "torch==2.14.0+cu132")),
-        (["Cuda_Toolkit[cublas]>=13.0"], "none", ("13.0", "Cuda_Toolkit[cublas]>=13.0")),
+        (["Cuda_Toolkit[cublas]==13.0.*"], "none", ("13.0", "Cuda_Toolkit[cublas]==13.0.*")),
         (["vllm==0.33.0", "torch==2.14.0"], "vllm", ("13.0", "torch_backend cu130")),
         (["torch==2.14.0"], "none", ("13.0", "torch_backend cu130")),
         (["six==1.16.0"], "none", None),

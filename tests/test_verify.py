@@ -251,7 +251,7 @@ def test_results_json_and_compare(server, tmp_path: Path, monkeypatch, capsys):
 def rig(**data):
     base = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
             "recipe": "tiny-cpu-a", "serving_recipe_dirs": [str(Path("tests/recipes").resolve())],
-            "venvs": [{"name": "tiny-cpu", "engine": "llama-cpp-python", "packages": ["x"]}]}
+            "venvs": [{"name": "tiny-cpu", "engine": "llama-cpp-python", "packages": ["x==1.0"]}]}
     return parse_rig("rigA", {**base, **data})
 
 

@@ -11,10 +11,7 @@ import json
 import os
 
 from inventory.sandbox import sandbox_rigs
-from roles.inventory import check_inventory
 
 _OVERRIDES = json.loads(os.environ.get("RIGBOOK_TEST_OVERRIDES") or "{}")
 
 rigs = [(name, {**data, **_OVERRIDES.get(name, {})}) for name, data in sandbox_rigs]
-
-check_inventory(__file__)

@@ -9,7 +9,6 @@ places in the rig's Hugging Face cache.
 from pathlib import Path
 
 from inventory.sandbox import sandbox_rigs
-from roles.inventory import check_inventory
 from tests.standins import LLAMA_SERVER, tiny_model
 from tests.tinymodel import REPO
 
@@ -23,5 +22,3 @@ SERVING = {
 }
 
 rigs = [(name, {**data, **SERVING} if name == "rig1" else data) for name, data in sandbox_rigs]
-
-check_inventory(__file__)

@@ -7,7 +7,6 @@ deploys/driver.py and converge without editing this file.
 """
 
 from inventory.sandbox import sandbox_rigs
-from roles.inventory import check_inventory
 
 VENVS = [{"name": "demo", "engine": "none", "python": "3.11", "packages": ["six==1.16.0"],
           "services": ["rigbook-serve.service"]}]
@@ -15,5 +14,3 @@ VENVS = [{"name": "demo", "engine": "none", "python": "3.11", "packages": ["six=
 RIG1 = {"venvs": VENVS, "driver_version": None}
 
 rigs = [(name, {**data, **RIG1} if name == "rig1" else data) for name, data in sandbox_rigs]
-
-check_inventory(__file__)
