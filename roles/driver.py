@@ -43,6 +43,7 @@ from roles.checks import refusal as refusal_finding
 from roles.errors import RigbookError
 from roles.facts import GPUS_READ, WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
 from roles.messages import notice, refuse, warn_once
+from roles.render import template
 from roles.spec import Rig
 from roles.venvs import VenvBuilds
 from roles.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
@@ -483,7 +484,7 @@ def modprobe_options(options: dict[str, str]):
     A change takes effect when the module loads again, so it also records a pending reboot.
     """
     if options:
-        commands = files.template._inner(
+        commands = template._inner(
             src=str(TEMPLATES / "modprobe.conf.j2"), dest=MODPROBE_CONF, mode="644",
             cfg=ModprobeConf(dict(options)),
         )
@@ -640,7 +641,7 @@ def _apt_source(plan: DriverPlan):
         changes.append(files.file(
             name="No second copy of the NVIDIA source", path=CUDA_KEYRING_LIST, present=False,
         ))
-    changes.append(files.template(
+    changes.append(template(
         name="NVIDIA driver apt source", src=str(TEMPLATES / "nvidia.sources.j2"), dest=SOURCES,
         mode="644", cfg=plan.source,
     ))
@@ -657,7 +658,7 @@ class PinConf:
 
 
 def _pin(rig: Rig, plan: DriverPlan):
-    files.template(
+    template(
         name=f"Pin the driver packages to {plan.version}", src=str(TEMPLATES / "preferences.j2"),
         dest=PREFERENCES, mode="644",
         cfg=PinConf(plan.version, "driver_version" if rig.driver_version else "driver_branch",
@@ -674,7 +675,7 @@ class BlacklistConf:
 
 def _hold():
     hold_driver(name="Hold the driver packages (apt-mark hold)")
-    files.template(
+    template(
         name="Blacklist the driver in unattended-upgrades", src=str(TEMPLATES / "blacklist.j2"),
         dest=BLACKLIST, mode="644", cfg=BlacklistConf(DRIVER_PACKAGE_PATTERNS),
     )

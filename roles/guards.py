@@ -44,6 +44,7 @@ from roles.errors import RigbookError
 from roles.facts import GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
 from roles.gpus import Gpu
 from roles.messages import notice, refuse, warn_once
+from roles.render import template
 from roles.spec import Rig
 from roles.xid import Xid, parse_xid_line, parse_xid_lines, same_device
 
@@ -741,7 +742,7 @@ def _install_reaper(rig: Rig):
     files.directory(name=f"Guards folder {GUARDS_DIR}", path=GUARDS_DIR, mode="755")
     script = files.put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
                        dest=REAPER, mode="755")
-    unit = files.template(
+    unit = template(
         name=f"Write {REAPER_UNIT}", src=str(SOURCES / f"{REAPER_UNIT}.j2"),
         dest=f"{UNITS_DIR}/{REAPER_UNIT}", mode="644", patterns=rig.guards_shm_patterns,
     )

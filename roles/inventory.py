@@ -101,14 +101,19 @@ def rig_problems(rig: Rig, name: str) -> list[str]:
     and its fit to the host data (cards, class VRAM, NVLink, platform, venv), the bind rule, the
     API key file and the HF token file."""
     from roles.models import operator_token  # the roles import this module's neighbours
+    from roles.recipes import catalogue
     from roles.serving import plan_of
 
     _, problem = plan_of(rig, name)
     problems = [problem.message(name)] if problem else []
-    try:
-        operator_token(rig)
-    except RigbookError as exc:
-        problems.append(f"{name}: {exc}")
+    checks = [lambda: operator_token(rig)]
+    if rig.recipe is None:  # with a recipe, plan_of loaded the folders
+        checks.append(lambda: catalogue(rig.serving_recipe_dirs))
+    for check in checks:
+        try:
+            check()
+        except RigbookError as exc:
+            problems.append(f"{name}: {exc}")
     return problems
 
 

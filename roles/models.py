@@ -52,6 +52,7 @@ from roles.checks import Check, Facts, Finding, Read, drift, warn
 from roles.errors import RigbookError
 from roles.messages import notice, refuse, warn_once
 from roles.recipes import recipe_for, recipe_pins
+from roles.render import template
 from roles.secrets import Secret, read_secret_file
 from roles.spec import ModelSpec, Rig
 from roles.tools import TOOLS_PYTHON, tools_venv
@@ -665,7 +666,7 @@ def hub_mirror(rig: Rig) -> None:
     files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
     script = files.put(name=f"Install {MIRROR_SCRIPT}", src=str(MIRROR_SOURCE),
                        dest=MIRROR_SCRIPT, mode="644")
-    unit = files.template(
+    unit = template(
         name=f"Write {MIRROR_UNIT_PATH}", src=str(MIRROR_TEMPLATE), dest=MIRROR_UNIT_PATH,
         mode="644", cache=rig.models_cache, port=rig.models_mirror_port, script=MIRROR_SCRIPT,
     )

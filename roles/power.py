@@ -36,8 +36,7 @@ from pyinfra.api import (
     operation,
 )
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.api.util import get_template
-from pyinfra.operations import files, systemd
+from pyinfra.operations import systemd
 from rich.console import Console
 from rich.table import Table
 
@@ -46,6 +45,7 @@ from roles.errors import RigbookError
 from roles.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
 from roles.gpus import Gpu, GpuProbe
 from roles.messages import warn_once
+from roles.render import render, template
 from roles.spec import Rig
 
 UNIT_NAME = "nvidia-power-limit.service"
@@ -57,11 +57,6 @@ UNIT_TEMPLATE = str(
 #: Live and desired caps closer than this (watts) are equal: nvidia-smi prints two decimals and
 #: some cards round the limit they store.
 TOLERANCE_W = 0.5
-
-
-def _jinja_env() -> dict:
-    # A fresh dict each time: pyinfra's get_template pops keys out of the one it is given.
-    return {"trim_blocks": True, "lstrip_blocks": True}
 
 
 def watts(value: float | None) -> str:
@@ -208,7 +203,7 @@ def desired_caps(rig: Rig, rig_name: str, gpus: Iterable[Gpu]) -> tuple[GpuCap, 
 
 def render_unit(smi: str, caps: Iterable[GpuCap]) -> str:
     """The unit text power_unit writes (same template, same jinja settings)."""
-    return get_template(UNIT_TEMPLATE, _jinja_env()).render(smi=smi, caps=tuple(caps))
+    return render(UNIT_TEMPLATE, smi=smi, caps=tuple(caps))
 
 
 # --- the unit as installed, and the power check ----------------------------------------------
@@ -505,10 +500,8 @@ def power_unit(rig: Rig):
         yield _refusal(error, probe.gpus)
         return
 
-    unit = list(files.template._inner(
-        src=UNIT_TEMPLATE, dest=UNIT_PATH, mode="644", jinja_env_kwargs=_jinja_env(),
-        smi=probe.smi, caps=caps,
-    ))
+    unit = list(template._inner(src=UNIT_TEMPLATE, dest=UNIT_PATH, mode="644", smi=probe.smi,
+                                caps=caps))
     yield from unit
     if unit:
         yield from systemd.daemon_reload._inner()

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from roles.errors import RigbookError
 from roles.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
+from roles.types import IpAddress, Line, LocalPath, Word
 from roles.venvs import engine_venv, venv_link
 from roles.wsl import serving_environment
 
@@ -70,7 +71,7 @@ OWN_FLAGS = (
     "--context-length", "--mem-fraction-static", "--config_file",
 )
 
-_ENV_KEY = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+_ENV_KEY = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 class _Model(BaseModel):
@@ -90,7 +91,7 @@ class ModelPin(_Model):
         pattern=r"^[\w.-]+(/[\w.-]+)*\.gguf$",
         description="llama.cpp: the GGUF file inside the snapshot.",
     )
-    served_name: str | None = Field(
+    served_name: Word | None = Field(
         None, description="Model id the API reports; none = the repo id (llama.cpp, vLLM)."
     )
     weights_gib: float = Field(gt=0, description="Size of the weights in GiB (preflight).")
@@ -157,7 +158,7 @@ class Recipe(_Model):
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=0.98, description="vLLM/SGLang share of each card's memory it claims."
     )
-    kv_cache_dtype: str | None = Field(None, description="vLLM/SGLang --kv-cache-dtype.")
+    kv_cache_dtype: Word | None = Field(None, description="vLLM/SGLang --kv-cache-dtype.")
     max_num_seqs: int | None = Field(None, ge=1, description="vLLM --max-num-seqs.")
     chunked_prefill: bool | None = Field(
         None, description="vLLM: true adds --enable-chunked-prefill; none = engine default."
@@ -165,13 +166,13 @@ class Recipe(_Model):
     max_num_batched_tokens: int | None = Field(
         None, ge=256, description="vLLM --max-num-batched-tokens (the prefill chunk)."
     )
-    extra_args: tuple[str, ...] = Field((), description="More engine arguments, verbatim.")
-    env: dict[str, str] = Field({}, description="Engine environment (NCCL, allocator, ...).")
+    extra_args: tuple[Line, ...] = Field((), description="More engine arguments, verbatim.")
+    env: dict[str, Line] = Field({}, description="Engine environment (NCCL, allocator, ...).")
     port: int = Field(8000, ge=1024, le=65535, description="API port (serving_port overrides).")
-    bind: str = Field(
+    bind: IpAddress = Field(
         "127.0.0.1", description="API address (serving_bind overrides); wider needs a key."
     )
-    api_key_file: str | None = Field(
+    api_key_file: LocalPath | None = Field(
         None, description="Operator-side API key file (serving_api_key_file overrides)."
     )
     fits: Fits = Field(description="The rigs it is known to work on.")
@@ -180,10 +181,6 @@ class Recipe(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
         problems = _engine_problems(self) + _model_problems(self) + _env_problems(self)
-        try:
-            ipaddress.ip_address(self.bind)
-        except ValueError:
-            problems.append(f"bind {self.bind!r} is not an IP address")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -259,13 +256,11 @@ def _model_problems(r: Recipe) -> list[str]:
 
 def _env_problems(r: Recipe) -> list[str]:
     problems = []
-    for key, value in r.env.items():
-        if not _ENV_KEY.match(key):
+    for key in r.env:
+        if not _ENV_KEY.fullmatch(key):
             problems.append(f"env: {key!r} is not an environment variable name")
         elif key in OWN_ENV:
             problems.append(f"env: {key} is set by rigbook")
-        if "\n" in value or '"' in value or "\\" in value:
-            problems.append(f"env: {key}: one line, no quotes or backslashes")
     return problems
 
 

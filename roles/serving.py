@@ -31,14 +31,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.api.util import get_template
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files, server
 
@@ -69,6 +67,7 @@ from roles.recipes import (
     recipe_pins,
     vram_need_gib,
 )
+from roles.render import env_line, render, systemd_word
 from roles.secrets import read_secret_file
 from roles.spec import ModelSpec, Rig
 from roles.venvs import (
@@ -200,21 +199,10 @@ def serve_plan(rig: Rig, rig_name: str) -> ServePlan:
 
 # --- rendering ---------------------------------------------------------------------------------
 
-_SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
-
-
-def systemd_word(arg: str) -> str:
-    """One argument as systemd's ExecStart= reads it back unchanged (% and $ are specifiers)."""
-    arg = arg.replace("%", "%%").replace("$", "$$")
-    if _SYSTEMD_SAFE.match(arg):
-        return arg
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def render_unit(plan: ServePlan, smi: str | None) -> str:
     """rigbook-serve.service for the plan; `smi` is the nvidia-smi that the unit runs -L with."""
-    template = get_template(str(UNIT_TEMPLATE), {"trim_blocks": True, "lstrip_blocks": True})
-    return template.render(
+    return render(
+        UNIT_TEMPLATE,
         plan=plan, user=SERVE_USER, home=SERVE_HOME, env_path=ENV_PATH,
         key_path=KEY_PATH if plan.key is not None else None, smi=smi if plan.gpu else None,
         exec_start=" ".join(systemd_word(arg) for arg in plan.argv),
@@ -232,7 +220,7 @@ def render_env(plan: ServePlan, launcher: Mapping[str, str] | None) -> str:
         f"# Recipe {plan.recipe.name}. The API key is not here (root-only {KEY_PATH}).",
     ]
     for key, value in {**(launcher or {}), **dict(plan.env)}.items():
-        lines.append(f"{key}={value}" if _SYSTEMD_SAFE.match(value) else f'{key}="{value}"')
+        lines.append(env_line(key, value))
     return "\n".join(lines) + "\n"
 
 

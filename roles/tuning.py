@@ -35,6 +35,7 @@ from pyinfra.operations import files
 from roles import FILES
 from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.messages import refuse, warn_once
+from roles.render import template
 from roles.spec import Rig
 
 SYSCTL_TEMPLATE = FILES / "tuning" / "90-rigbook.conf.j2"
@@ -448,7 +449,7 @@ def host_tuning(rig: Rig) -> None:
         files.file(name=f"Remove leftover {path}", path=path, present=False)
 
     values = sysctl_values(rig)
-    files.template(
+    template(
         name=f"Write {SYSCTL_CONF}",
         src=str(SYSCTL_TEMPLATE),
         dest=SYSCTL_CONF,

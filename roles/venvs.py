@@ -36,17 +36,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from jinja2 import Environment, StrictUndefined
 from pyinfra import host
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.operations import files
 
 from roles import FILES
 from roles.checks import Check, Facts, Finding, Read, drift, error
 from roles.errors import RigbookError
 from roles.facts import GPUS, GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
 from roles.messages import notice, refuse, warn_once
+from roles.render import render, template
 from roles.spec import Rig, VenvSpec
 from roles.tools import UV, canonical, package_source_args, tools_venv
 
@@ -632,16 +631,6 @@ def decide(
 # --- the build script ------------------------------------------------------------------------
 
 
-def _jinja() -> Environment:
-    env = Environment(
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-        undefined=StrictUndefined, autoescape=False,
-    )
-    env.filters["q"] = lambda value: shlex.quote(str(value))
-    env.filters["qjoin"] = lambda values: " ".join(shlex.quote(str(v)) for v in values)
-    return env
-
-
 @dataclass(frozen=True)
 class BuildPlan:
     """Everything one build needs; build_script() turns it into the shell that runs on the rig."""
@@ -705,8 +694,8 @@ def smoke_input(
 
 def build_script(plan: BuildPlan) -> str:
     """The shell that builds, smoke-tests and swaps in one venv (files/venvs/build.sh.j2)."""
-    template = _jinja().from_string((TEMPLATES / "build.sh.j2").read_text())
-    return template.render(
+    return render(
+        TEMPLATES / "build.sh.j2",
         name=plan.name, build=plan.build, root=plan.root, log=plan.log, cache=plan.cache,
         uv=plan.uv, python=plan.python, install_args=plan.install_args, uv_env=plan.uv_env,
         smoke_input=json.dumps(plan.smoke_input, sort_keys=True),
@@ -804,10 +793,9 @@ def venv_env_file(rig: Rig, spec: VenvSpec):
     if layout is None:
         host.noop(f"venv {spec.name} is not built: no {env_file(spec.name)}")
         return
-    yield from files.template._inner(
-        src=str(ENV_TEMPLATE), dest=env_file(spec.name), mode="644",
-        jinja_env_kwargs={"trim_blocks": True, "lstrip_blocks": True},
-        name=spec.name, env=venv_environment(layout),
+    yield from template._inner(
+        src=ENV_TEMPLATE, dest=env_file(spec.name), mode="644", name=spec.name,
+        env=venv_environment(layout),
     )
 
 

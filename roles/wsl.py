@@ -20,7 +20,6 @@ declared otherwise, fails before anything else of this role runs.
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from io import StringIO
@@ -37,6 +36,7 @@ from roles import FILES
 from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.errors import RigbookError
 from roles.messages import notice, refuse, warn_once
+from roles.render import template
 from roles.spec import Rig
 from roles.tuning import SHM_READ, Shm
 
@@ -578,12 +578,12 @@ def wsl_host(rig: Rig) -> None:
         return
     tdr_registry(name="Set the Windows GPU timeout (TDR) registry values", values=tdr_values(rig))
     wsl_memory(name="Check WSL2 memory in .wslconfig", min_gib=rig.wsl_min_memory_gib)
-    files.template(
+    template(
         name=f"Write {PROFILE_D}",
         src=str(FILES / "wsl" / "rigbook-wsl.sh.j2"),
         dest=PROFILE_D,
         mode="644",
         cfg=rig,
-        env={name: shlex.quote(value) for name, value in serving_environment(rig).items()},
+        env=serving_environment(rig),
     )
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 from pyinfra.api import Config, FunctionCommand, Inventory, State
-from pyinfra.api.util import get_template
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.server import LinuxDistribution
 
@@ -26,6 +25,7 @@ from roles import driver as drv
 from roles.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
 from roles.errors import RigbookError
 from roles.gpus import GpuProbe, parse_query_csv
+from roles.render import render as render_template
 from roles.spec import Rig
 from roles.wsl import WslSignals
 from tests.opkit import Calls, FakeHost, shell
@@ -365,8 +365,8 @@ def test_hold_driver_holds_every_installed_driver_package_once():
 
 
 def render(name: str, cfg) -> str:
-    """A template as files.template renders it (pyinfra's get_template)."""
-    return get_template(str(TEMPLATES / name)).render(cfg=cfg)
+    """A template as the driver role renders it (roles.render)."""
+    return render_template(TEMPLATES / name, cfg=cfg)
 
 
 def test_blacklist_content():

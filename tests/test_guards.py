@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 from pyinfra.api import FunctionCommand
-from pyinfra.api.util import get_template
 
 from roles import guards
 from roles.checks import Facts
@@ -50,6 +49,7 @@ from roles.guards import (
     topology_summary,
 )
 from roles.recipes import catalogue
+from roles.render import render
 from roles.spec import Rig, parse_rig
 from roles.status import build_rig_status
 from tests.opkit import execute, local_fact, run_op, shell
@@ -371,8 +371,8 @@ def test_the_cli_exits_3_on_a_refusal_with_the_reason_on_stderr(shm, tmp_path):
 
 
 def test_reaper_unit_passes_the_host_data_patterns():
-    template = get_template(str(GUARDS / "rigbook-shm-reaper.service.j2"), {})
-    text = template.render(patterns=("vllm_offload_*.mmap", "sglang_kv_?.bin"))
+    text = render(GUARDS / "rigbook-shm-reaper.service.j2",
+                  patterns=("vllm_offload_*.mmap", "sglang_kv_?.bin"))
     assert ("ExecStart=/usr/bin/python3 /opt/rigbook/guards/rigbook-shm-reaper "
             "--pattern vllm_offload_*.mmap --pattern sglang_kv_?.bin") in text.splitlines()
     assert "Type=oneshot" in text.splitlines()

@@ -728,12 +728,11 @@ def test_pull_from_rigbook_mirror_of_another_cache(hf_python, hub, tmp_path):
 
 
 def test_mirror_unit_template():
-    from pyinfra.api.util import get_template
-
     from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
+    from roles.render import render
 
-    text = get_template(str(MIRROR_TEMPLATE)).render(
-        cache="/var/lib/rigbook/hf/hub", port=8090, script=MIRROR_SCRIPT)
+    text = render(MIRROR_TEMPLATE, cache="/var/lib/rigbook/hf/hub", port=8090,
+                  script=MIRROR_SCRIPT)
     assert ("ExecStart=/usr/bin/python3 /opt/rigbook/models/mirror.py --cache "
             "/var/lib/rigbook/hf/hub --host 0.0.0.0 --port 8090") in text
     assert "User=nobody" in text and "ProtectSystem=strict" in text

@@ -173,13 +173,13 @@ def test_env_file_layers_venv_recipe_platform_and_rigbook():
     lines = render_env(plan, LAUNCHER).splitlines()
     body = [x for x in lines if not x.startswith("#")]
     assert body == [
-        f"CUDA_HOME={LAUNCHER['CUDA_HOME']}", f"PATH={LAUNCHER['PATH']}",
-        f"VIRTUAL_ENV={LAUNCHER['VIRTUAL_ENV']}", "NCCL_P2P_DISABLE=1", "HF_HUB_OFFLINE=1",
-        "HF_HUB_CACHE=/var/lib/rigbook/hf/hub", "RIGBOOK_RECIPE=dual-3090-draft",
+        f'CUDA_HOME="{LAUNCHER["CUDA_HOME"]}"', f'PATH="{LAUNCHER["PATH"]}"',
+        f'VIRTUAL_ENV="{LAUNCHER["VIRTUAL_ENV"]}"', 'NCCL_P2P_DISABLE="1"', 'HF_HUB_OFFLINE="1"',
+        'HF_HUB_CACHE="/var/lib/rigbook/hf/hub"', 'RIGBOOK_RECIPE="dual-3090-draft"',
     ]
     wsl = Rig.model_validate({**dual_rig().model_dump(exclude_defaults=True),
                               "platform": "wsl2", "recipe": "wsl2-dual-3090-tp2"})
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in render_env(
+    assert 'PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False"' in render_env(
         serve_plan(wsl, "rig3"), LAUNCHER)
 
 

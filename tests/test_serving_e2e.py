@@ -116,7 +116,7 @@ def test_serving_story(sandbox, tmp_path: Path):
         assert "--n_ctx 512" in cmdline and KEY not in cmdline
         assert rig_ssh(rig, f"stat -c '%a %U' {KEY_PATH}").stdout.split() == ["600", "root"]
         env = rig_ssh(rig, f"cat {ENV_PATH}").stdout
-        assert "HF_HUB_OFFLINE=1" in env and "RIGBOOK_RECIPE=tiny-cpu-a" in env
+        assert 'HF_HUB_OFFLINE="1"' in env and 'RIGBOOK_RECIPE="tiny-cpu-a"' in env
         assert KEY not in env
         unit = rig_ssh(rig, f"systemctl show -p TimeoutStopUSec,Restart,User {UNIT_NAME}").stdout
         assert "TimeoutStopUSec=2min" in unit and "Restart=on-failure" in unit
@@ -157,7 +157,7 @@ def test_serving_story(sandbox, tmp_path: Path):
         assert "refused before any change, nothing was changed" in huge.stderr
         assert "host RAM: the recipe needs 4096.0 GiB" in huge.stderr and "short by" in huge.stderr
         assert main_pid(rig) == pid and api(rig, 8101)[0] == 200
-        assert "RIGBOOK_RECIPE=tiny-cpu-b" in rig_ssh(rig, f"cat {ENV_PATH}").stdout
+        assert 'RIGBOOK_RECIPE="tiny-cpu-b"' in rig_ssh(rig, f"cat {ENV_PATH}").stdout
     finally:  # leave rig1 as the other tests know it: no engine, unit, model or venv of ours
         rig_ssh(rig, f"systemctl disable --now {UNIT_NAME}; rm -rf {UNIT_PATH} {CONF_DIR} "
                      f"{CACHE}/models--local--tiny {VENVS_DIR}/tiny-cpu {VENVS_DIR}/tiny-cpu-* "

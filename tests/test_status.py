@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 from pyinfra.api import Inventory
-from pyinfra.api.util import get_template
 from pyinfra.facts.files import FindInFile
 from rich.console import Console
 
@@ -37,6 +36,7 @@ from roles.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_kern
 from roles.inventory import select_hosts as limit_hosts
 from roles.models import ModelCache
 from roles.power import PowerUnitFile, desired_caps, render_unit, unit_caps
+from roles.render import render as render_template
 from roles.serving import ENV_PATH as SERVE_ENV_PATH
 from roles.serving import HEALTH_PATH, KEY_PATH, ServeProbe, probe_args, render_env, serve_plan
 from roles.serving import UNIT_PATH as SERVE_UNIT_PATH
@@ -117,7 +117,7 @@ def unit_fact(rig: Rig, gpus, smi: str = SMI, enabled: str = "enabled") -> objec
 
 
 def sysctl_file(rig: Rig) -> list[str]:
-    return get_template(str(SYSCTL_TEMPLATE)).render(cfg=rig).splitlines()
+    return render_template(SYSCTL_TEMPLATE, cfg=rig).splitlines()
 
 
 def live_sysctls(rig: Rig, read_only: bool = True, **values: str) -> dict:

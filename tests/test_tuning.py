@@ -60,9 +60,9 @@ def rig(**data) -> Rig:
 
 
 def render(cfg: Rig) -> str:
-    from pyinfra.api.util import get_template
+    from roles.render import render as render_template
 
-    return get_template(str(SYSCTL_TEMPLATE)).render(cfg=cfg)
+    return render_template(SYSCTL_TEMPLATE, cfg=cfg)
 
 
 def file_values(text: str) -> dict[str, str]:

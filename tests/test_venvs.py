@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 from pyinfra.api import FunctionCommand
-from pyinfra.api.util import get_template
 
 from roles.errors import RigbookError
 from roles.facts import _RC, _SMI
 from roles.gpus import Gpu, GpuProbe
+from roles.render import render
 from roles.spec import Rig, VenvSpec, parse_rig
 from roles.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
 from roles.venvs import (
@@ -276,23 +276,22 @@ def test_venv_environment_with_nvcc_on_path_or_in_cuda_home():
 
 
 def render_env(name: str, env: dict[str, str]) -> list[str]:
-    """The env file as venv_env_file writes it (same template, same jinja settings)."""
-    template = get_template(str(ENV_TEMPLATE), {"trim_blocks": True, "lstrip_blocks": True})
-    return template.render(name=name, env=env).splitlines()
+    """The env file as venv_env_file writes it (roles.render, the same template)."""
+    return render(ENV_TEMPLATE, name=name, env=env).splitlines()
 
 
 def test_env_file_content_with_and_without_nvcc():
     without = render_env("vllm", venv_environment(h200_layout()))
     settings = [line for line in without if not line.startswith("#")]
     assert settings == [
-        "CUDA_HOME=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13",
-        "PATH=/opt/torch/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        "VIRTUAL_ENV=/opt/torch/.venv",
-        "VLLM_USE_FLASHINFER_SAMPLER=0",
+        'CUDA_HOME="/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13"',
+        'PATH="/opt/torch/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"',
+        'VIRTUAL_ENV="/opt/torch/.venv"',
+        'VLLM_USE_FLASHINFER_SAMPLER="0"',
     ]
     assert any("EnvironmentFile=/opt/rigbook/venvs/vllm.env" in line for line in without)
     with_nvcc = render_env("vllm", venv_environment(h200_layout(path_nvcc="/usr/bin/nvcc")))
-    assert "VLLM_USE_FLASHINFER_SAMPLER=0" not in with_nvcc
+    assert 'VLLM_USE_FLASHINFER_SAMPLER="0"' not in with_nvcc
     # What systemd and `set -a; .` read back: exactly the dict.
     env_file = "\n".join(without)
     proc = subprocess.run(["sh", "-c", f"set -a; {env_file}\nenv"], capture_output=True,

@@ -69,11 +69,10 @@ def test_serving_environment_only_on_wsl2():
 
 
 def test_profile_script_exports_it(tmp_path):
-    from pyinfra.api.util import get_template
+    from roles.render import render
 
-    text = get_template(str(wsl.FILES / "wsl" / "rigbook-wsl.sh.j2")).render(
-        cfg=rig(), env=serving_environment(rig())
-    )
+    text = render(wsl.FILES / "wsl" / "rigbook-wsl.sh.j2", cfg=rig(),
+                  env=serving_environment(rig()))
     assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False\n" in text
     script = tmp_path / "rigbook-wsl.sh"
     script.write_text(text)

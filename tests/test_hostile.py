@@ -1,0 +1,191 @@
+"""Hostile host data: every value is refused before any connection, or rendered inert.
+
+One table of values a careful attacker (or a bad paste) would try, across every free-text,
+path, URL, address, number and flag field of host data and recipes: control characters,
+quotes, `$()`, backticks, `%`, newlines, scope ids, leading dashes, path traversal, look-alike
+Unicode, huge and negative numbers, wrong types. Each refused value is a host of one inventory
+that the real pyinfra CLI is run on, every host pointing at a counting loopback listener: the
+run must exit 1 naming every host, and the listener must count no connection. Each value that
+is accepted must come out of the renderer inert: read back by the format's own rules as the
+value itself, with no extra line, directive or variable.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+
+import pytest
+
+from roles.render import env_line, one_line, systemd_word, unit_text
+from roles.spec import parse_rig
+from tests.conftest import PYINFRA, ROOT
+from tests.test_spec import GOOD, listener  # noqa: F401  (the counting loopback listener)
+
+NL = "\n"
+#: (key, value) -> refused before connecting. Each becomes one host of the inventory.
+REFUSED = [
+    # control characters and newlines in every kind of text
+    ("driver_version", "580.95.05\n"), ("driver_version", "580.95.05\nTrusted: yes"),
+    ("driver_repo_uri", "http://mirror/\nTrusted: yes"), ("driver_repo_uri", "http://mir ror/"),
+    ("driver_repo_uri", "http://user:pw@mirror/"), ("driver_repo_uri", "ftp://mirror/"),
+    ("driver_repo_uri", "file:/srv/../etc"), ("driver_repo_uri", "http://mirror/\"x\""),
+    ("driver_repo_uri", "http://mirror/`id`"),
+    ("driver_repo_uri", "javascript:alert(1)"),
+    ("driver_modprobe_options", {"NVreg_X": "1\noptions evil x=1"}),
+    ("driver_modprobe_options", {"NVreg X": "1"}),
+    ("driver_modprobe_options", {"NVreg_X": "$(id)"}),
+    ("driver_modprobe_options", {"NVreg_X": "a#b"}), ("driver_modprobe_options", {"-X": "1"}),
+    ("shm_size", "2G\n"), ("shm_size", "2G; rm -rf /"), ("shm_size", "-2G"), ("shm_size", "2T"),
+    ("shm_size", "１G"),  # a full-width digit: looks like 1G
+    ("sysctl_extra", {"vm.x\n": 1}), ("sysctl_extra", {"vm.x": "1\nkernel.y = 2"}),
+    ("sysctl_extra", {"vm.x": "1 # 2"}), ("sysctl_extra", {"vm.x": "$(id)"}),
+    ("sysctl_extra", {"../../etc/passwd": 1}), ("sysctl_extra", {"vm.x": "'1'"}),
+    ("stale_files", ["/etc/x\n/etc/y"]), ("stale_files", ["/etc/../root/.ssh/id_rsa"]),
+    ("stale_files", ["etc/x"]), ("stale_files", ["/tmp/$(id)"]), ("stale_files", ["/tmp/a b"]),
+    ("stale_files", ["/tmp/`id`"]), ("stale_files", ["/tmp/'x'"]), ("stale_files", ["/"]),
+    ("stale_files", ["/etc/ｓhadow"]),  # look-alike: a full-width s
+    ("models_cache", "/var/lib/hf\nLD_PRELOAD=/tmp/x.so"), ("models_cache", "relative/hub"),
+    ("models_cache", "/var/lib/../../etc"), ("models_cache", "/var/lib/hf%h"),
+    ("models_cache", "/var/lib/hf$HOME"), ("models_cache", "-/var/lib/hf"),
+    ("models_endpoint", "http://mirror:8080/\n"), ("models_endpoint", "https://u:p@mirror/"),
+    ("models_endpoint", "file:///etc"), ("models_endpoint", "http://"),
+    ("models_token_file", "hf_abcdefghijklmnopqrstuvwxyz012345"),
+    ("models_token_file", "/tmp/token\n"),
+    ("models", [{"repo": "org/name\n", "revision": "a" * 40}]),
+    ("models", [{"repo": "../etc", "revision": "a" * 40}]),
+    ("models", [{"repo": "org/name", "revision": "A" * 40}]),
+    ("models", [{"repo": "org/name", "revision": "a" * 40, "allow_patterns": ["-x"]}]),
+    ("models", [{"repo": "org/name", "revision": "a" * 40, "allow_patterns": ["*\n*"]}]),
+    ("models_only", "org/name\n"),
+    ("python_find_links", "/srv/wheels\n--index-url http://evil/"),
+    ("python_find_links", "--index-url=http://evil/"), ("python_find_links", "ftp://x/"),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["six=="]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["==1.16.0"]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["--index-url=http://evil/"]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["-e ."]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["six>=1.0"]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["six @ http://evil/six.whl"]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["six==1.16.0\nevil==1"]}]),
+    ("venvs", [{"name": "../v", "engine": "none", "packages": ["six==1.16.0"]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["six==1.16.0"],
+                "services": ["x.service\nExecStartPre=+/bin/sh"]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["six==1.16.0"],
+                "services": ["-x.service"]}]),
+    ("venvs", [{"name": "v", "engine": "none", "packages": ["six==1.16.0"],
+                "extra_index_urls": ["http://u:p@index/"]}]),
+    ("guards_shm_patterns", ["vllm_*\n"]), ("guards_shm_patterns", ["../x*"]),
+    ("guards_shm_patterns", ["-rf"]), ("guards_shm_patterns", ["*"]),
+    # addresses
+    ("serving_bind", "::1%eth0"), ("serving_bind", "fe80::1%25lo"), ("serving_bind", "lan"),
+    ("serving_bind", "127.0.0.1\n"), ("serving_bind", "0.0.0.0"),  # wide without a key
+    ("verify_url", "http://rig:8000\n"), ("verify_url", "http://user:pw@rig:8000"),
+    # names and files on this machine
+    ("recipe", "no-such-recipe"), ("recipe", "dual-3090-tp2\n"), ("recipe", "../x"),
+    ("serving_api_key_file", "/tmp/key\n"), ("serving_api_key_file", "-/tmp/key"),
+    ("serving_recipe_dirs", ["/no/such/folder"]), ("serving_recipe_dirs", ["/tmp/a\nb"]),
+    # power and GPU keys
+    ("power_caps", {"01": 300}), ("power_caps", {"GPU-nope": 300}), ("power_caps", {"-1": 300}),
+    ("power_caps", {"0": -5}), ("power_caps", {"0": True}), ("power_caps", {"5": 300}),
+    ("power_cap_watts", -5), ("power_cap_watts", 0), ("power_cap_watts", "300"),
+    ("power_cap_watts", 3.5), ("power_cap_watts", True),
+    ("nvlink", 1), ("nvlink", "yes"),
+    # wrong types and out-of-range numbers
+    ("gpu_count", True), ("gpu_count", 0), ("gpu_count", 10**12), ("gpu_count", -1),
+    ("gpu_count", "2"), ("allow_reboot", "yes"), ("allow_reboot", 1), ("driver_branch", 590),
+    ("wsl_tdr_delay", 10**9), ("serving_port", 22), ("serving_port", 70000),
+    ("sysctl_inotify_max_user_watches", -1), ("models_mirror_port", "8080"),
+]
+#: Values that are accepted and must render inert (as the formats read them back).
+ACCEPTED_ARGS = ["--flag=$(id)", "100%", "a b", 'say "hi"', "back\\slash", "`id`", "$HOME",
+                 "-x", ";rm -rf /", "%h%n", "'single'", "ünïcode"]
+
+
+def _host(number: int, port: int, key: str, value) -> str:
+    data = {**GOOD, "ssh_hostname": "127.0.0.1", "ssh_port": port, key: value}
+    if key == "nvlink":
+        data["gpu_class"] = "a6000"
+        data["power_profile"] = "stock"
+    return f"    ('h{number:03d}', {data!r}),"
+
+
+def test_every_hostile_value_is_refused_before_any_connection(tmp_path, listener):  # noqa: F811
+    assert len(REFUSED) >= 80
+    inventory = tmp_path / "hostile.py"
+    inventory.write_text("rigs = [\n" + "\n".join(
+        _host(i, listener.port, key, value) for i, (key, value) in enumerate(REFUSED)
+    ) + "\n]\n")
+    proc = subprocess.run([PYINFRA, "-y", str(inventory), "deploys/rig.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert listener.connections == 0
+    named = {line.split(":")[0] for line in proc.stderr.splitlines() if line.startswith("h")}
+    missed = [(i, key, value) for i, (key, value) in enumerate(REFUSED) if f"h{i:03d}" not in named]
+    assert not missed, missed
+    # messages say where and what is allowed; they never echo a secret nor dump host data
+    assert "hf_abcdefghijklmnop" not in proc.stderr and "u:p@" not in proc.stderr
+    assert "ssh_port" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "pyinfra error in" not in proc.stderr  # no internal file and line before a refusal
+
+
+@pytest.mark.parametrize("arg", ACCEPTED_ARGS)
+def test_an_accepted_engine_argument_reads_back_unchanged_from_the_unit(arg):
+    """systemd.syntax(7): ExecStart= words unquote like a shell's, and %% / $$ are literal."""
+    line = "ExecStart=/bin/engine " + systemd_word(arg)
+    assert NL not in line
+    words = shlex.split(line.removeprefix("ExecStart="))
+    assert [word.replace("%%", "%").replace("$$", "$") for word in words] == ["/bin/engine", arg]
+
+
+@pytest.mark.parametrize("value", ACCEPTED_ARGS)
+def test_an_accepted_env_value_reads_back_unchanged_from_the_env_file(value):
+    """KEY="value" as sh reads it (systemd's EnvironmentFile= unquotes the same way)."""
+    text = env_line("ENGINE_FLAG", value)
+    out = subprocess.run(["sh", "-c", f"{text}\nprintf %s \"$ENGINE_FLAG\""],
+                         capture_output=True, text=True, check=True, env={})
+    assert out.stdout == value and NL not in text
+
+
+@pytest.mark.parametrize("value", ["a\nb", "x\rExecStartPre=+/bin/sh", "tab\there", "\x1b[31m"])
+def test_a_control_character_never_reaches_a_file(value):
+    for render in (one_line, unit_text, systemd_word, lambda v: env_line("K", v)):
+        with pytest.raises(ValueError):
+            render(value)
+
+
+def test_the_refused_table_is_refused_by_the_models_themselves():
+    """The same values, one by one, through parse_rig and the checks that need no rig."""
+    from roles.errors import RigbookError
+    from roles.inventory import rig_problems
+
+    for key, value in REFUSED:
+        data = {**GOOD, key: value}
+        if key == "nvlink":
+            data.update(gpu_class="a6000", power_profile="stock")
+        try:
+            rig = parse_rig("h", json.loads(json.dumps(data)) if key != "nvlink" else data)
+        except RigbookError:
+            continue
+        assert rig_problems(rig, "h"), (key, value)
+
+
+def test_a_hostile_recipe_file_is_refused_with_its_file_and_field(tmp_path):
+    from roles.errors import RigbookError
+    from roles.recipes import load_recipe
+
+    good = (ROOT / "tests" / "recipes" / "tiny-cpu-a.toml").read_text()
+    hostile = {
+        "served_name": good.replace(
+            'file = "tiny.gguf"', 'file = "tiny.gguf"\nserved_name = "x\\nExecStartPre=+/bin/sh"'),
+        "bind": good.replace("[model]", 'bind = "::1%eth0"\n[model]', 1),
+        "extra_args": good.replace("[model]", 'extra_args = ["--x\\nExecStartPre=+/bin/sh"]\n'
+                                              "[model]", 1),
+        "env": good.replace("[model]", 'env = {"A" = "1\\nB=2"}\n[model]', 1),
+        "api_key_file": good.replace("[model]", 'api_key_file = "/tmp/k\\n"\n[model]', 1),
+    }
+    for field, text in hostile.items():
+        path = tmp_path / "tiny-cpu-a.toml"
+        path.write_text(text)
+        with pytest.raises(RigbookError, match=field):
+            load_recipe(path)
