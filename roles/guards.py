@@ -147,6 +147,8 @@ def gpu_lost_reason(mark: GpuLost | None) -> str | None:
 
 #: The most Xid lines read per boot: a flapping card can log thousands.
 XID_LINES = 500
+#: The kernel-log lines roles.xid reads: Xids, and fallen-off-the-bus reports without one.
+KLOG_PATTERN = "NVRM: (Xid|GPU |The NVIDIA GPU )|fallen off the bus"
 _KLOG = "##RIGBOOK_KLOG##"
 _EARLIER = "##RIGBOOK_KLOG_ALL_BOOTS##"
 
@@ -185,7 +187,7 @@ class KernelXids(FactBase[KernelLog]):
         return KernelLog(None, error="no output from the kernel-log probe")
 
     def command(self) -> str:
-        grep = f"grep -F 'NVRM: Xid' | tail -n {XID_LINES}"
+        grep = f"grep -E '{KLOG_PATTERN}' | tail -n {XID_LINES}"
         journal = "journalctl -k -o short -q --no-pager"
         return (
             "if command -v journalctl >/dev/null 2>&1 && "
@@ -247,18 +249,19 @@ def fault_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         found.append(warn("faults", f"kernel log not readable ({log.error}): GPU faults unknown"))
     probe = facts.probe
     events = xid_events(log, probe.gpus if probe is not None and probe.ok else ()) if log else []
-    seen: set[tuple[int, str]] = set()
-    for xid, this_boot, gpu in events:
-        if not this_boot or (xid.code, xid.pci) in seen:
-            continue
-        seen.add((xid.code, xid.pci))
-        count = sum(1 for x, now, _ in events if now and (x.code, x.pci) == (xid.code, xid.pci))
-        where = f"GPU {gpu.index}" if gpu else f"PCI {xid.pci}"
+    latest: dict[tuple[int, str | None], tuple[Xid, Gpu | None, int]] = {}
+    for xid, this_boot, gpu in events:  # this boot's, by code and GPU: the last one, counted
+        if this_boot:
+            count = latest.get((xid.code, xid.pci), (None, None, 0))[2] + 1
+            latest[(xid.code, xid.pci)] = (xid, gpu, count)
+    for xid, gpu, count in latest.values():
+        where = f"GPU {gpu.index}" if gpu else f"PCI {xid.pci or '?'}"
         times = f" ({count}x)" if count > 1 else ""
+        action = f"; NVIDIA's action: {xid.action}" if xid.gone and xid.action else ""
         found.append(Finding(
             "gone" if xid.gone else "warn", "faults",
-            f"{where}: Xid {xid.code} {xid.label} since boot{times}, last at {xid.when or '?'}",
-            gpu=gpu.uuid if gpu else None,
+            f"{where}: Xid {xid.code} {xid.label} since boot{times}, last at "
+            f"{xid.when or '?'}{action}", gpu=gpu.uuid if gpu else None,
         ))
     lost = gpu_lost_reason(facts.gpu_lost)
     if lost:  # the Xid watch's mark: serving refuses to start on this boot

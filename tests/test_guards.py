@@ -471,7 +471,7 @@ def test_watch_marks_this_boots_fatal_xids_and_logs_engine_faults(watch_dir, tmp
     assert faults.read_text().splitlines() == [next(line for line in sim if "): 31," in line)]
     assert ("GPU lost: do not restart serving: Xid 79 (fallen off the bus) on PCI 0000:01:00 "
             "at 2026-09-12T03:14:15+0000") in done.stderr
-    assert "engine fault: Xid 31 (MMU fault) on PCI 0000:01:00" in done.stdout
+    assert "engine fault: Xid 31 (GPU memory page fault) on PCI 0000:01:00" in done.stdout
     # A restart of the watch replays this boot: nothing is written twice.
     before = (mark.read_text(), faults.read_text())
     again = run_watch(watch_dir, tmp_path, f"cat {SIM_KMSG}", f"cat {SIM_KMSG}")
@@ -510,14 +510,14 @@ def test_cleared_recovery_and_unknown_xids_are_not_acted_on(watch_dir, tmp_path)
     log.write_text(
         "[  950.100000] NVRM: Xid (PCI:0000:02:00): 154, GPU recovery action changed from 0x1 "
         "(GPU Reset Required) to 0x0 (None)\n"
-        "[315905.140252] NVRM: Xid (PCI:0000:03:00): 62, 00000a9f 00000a85 00000a72 00003786\n"
+        "[315905.140252] NVRM: Xid (PCI:0000:03:00): 43, pid=123, name=python3, Ch 00000008\n"
     )
     done = run_watch(watch_dir, tmp_path, "true", f"cat {log}")
     assert done.returncode == 0
     assert not (tmp_path / "run" / "gpu-lost").exists()
     assert "Xid 154 (recovery action cleared) on PCI 0000:02:00 at 950.100000: not acted on" in (
         done.stdout)
-    assert "Xid 62 (Xid 62) on PCI 0000:03:00" in done.stdout
+    assert "Xid 43 (GPU stopped processing) on PCI 0000:03:00" in done.stdout  # IGNORE
 
 
 def test_a_failing_source_is_reported_and_exits_nonzero(watch_dir, tmp_path):
@@ -776,3 +776,27 @@ def test_topology_report_warns_and_never_changes(caplog):
     commands, fake = run_op(topology_report, {"NvidiaGpus": None}, rig=rig())
     assert commands == [] and fake.noops == ["GPU topology not read: no nvidia-smi"]
 
+
+
+@pytest.mark.parametrize("log", [
+    "klog/dmesg-open-module-fallen-off-bus-no-xid.txt",  # three lines, no Xid at all
+    "klog/dmesg-T-xid62-154-4x3090.txt",  # 62: RESET_GPU in NVIDIA's catalogue
+    "klog/journal-nohost-xid120-154-rtxpro6000.txt",  # 120: GSP error, RESET_GPU
+])
+def test_reset_or_reboot_bound_faults_as_the_field_logs_them_set_the_mark(watch_dir, tmp_path,
+                                                                           log):
+    real = ROOT / "tests" / "fixtures" / "real" / log
+    done = run_watch(watch_dir, tmp_path, "true", f"cat {real}")
+    assert done.returncode == 0, done.stderr
+    mark = (tmp_path / "run" / "gpu-lost").read_text().splitlines()
+    assert mark[0] == "GPU lost: do not restart serving" and len(mark) >= 2
+    check = run_watch(watch_dir, tmp_path, "true", "true", "--check")
+    assert check.returncode == 1, check.stdout + check.stderr
+
+
+def test_an_empty_mark_is_a_mark_all_the_same(watch_dir, tmp_path):
+    mark = tmp_path / "run" / "gpu-lost"
+    mark.parent.mkdir(parents=True)
+    mark.write_text("")
+    check = run_watch(watch_dir, tmp_path, "true", "true", "--check")
+    assert check.returncode == 1 and "(empty)" in check.stderr

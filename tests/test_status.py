@@ -394,9 +394,10 @@ def test_xid_79_since_boot_names_the_gpu():
     status = build_rig_status("rig1", dual_3090(), converged_dual().replace(klog=klog))
     assert status.state == "gpu-gone" and status.exit_code == 2
     assert drifts(status, "gone") == [
-        ("faults", UUID1, "GPU 1: Xid 79 fallen off the bus since boot, last at 8812.004000"),
+        ("faults", UUID1, "GPU 1: Xid 79 fallen off the bus since boot, last at 8812.004000; "
+                          "NVIDIA's action: RESTART_BM"),
         ("faults", UUID1, "GPU 1: Xid 154 recovery: Node Reboot Required since boot, last at "
-                          "8812.009000"),
+                          "8812.009000; NVIDIA's action: XID_154"),
     ]
     assert [(x.code, x.gpu_index, x.this_boot) for x in status.kernel_log.xids] == [
         (79, 1, True), (154, 1, True)]
@@ -411,7 +412,7 @@ def test_xid_of_a_card_nvidia_smi_no_longer_lists():
     status = build_rig_status("rig1", dual_3090(), converged_dual().replace(klog=klog))
     assert drifts(status, "gone") == [
         ("faults", None, "PCI 0000:03:00: Xid 79 fallen off the bus since boot, last at "
-                         "77.000001")]
+                         "77.000001; NVIDIA's action: RESTART_BM")]
     assert "no GPU listed: Xid 79" in table_text(status)
 
 
@@ -433,10 +434,11 @@ def test_earlier_boots_and_app_faults_are_not_gone():
     assert status.state == "as-declared" and status.exit_code == 0
     assert [(x.code, x.gpu_index, x.this_boot) for x in status.kernel_log.xids] == [
         (31, 0, True), (79, 1, False)]
-    assert ("faults", UUID0, "GPU 0: Xid 31 MMU fault since boot, last at Nov 29 10:11:12") in (
+    assert ("faults", UUID0, "GPU 0: Xid 31 GPU memory page fault since boot, last at Nov 29 "
+            "10:11:12") in (
         drifts(status, "warn"))
     text = table_text(status)
-    assert "Xid 31 MMU fault" in text and "1 in earlier boots" in text
+    assert "Xid 31 GPU memory page fault" in text and "1 in earlier boots" in text
 
 
 def test_unreadable_kernel_log_is_a_warning():

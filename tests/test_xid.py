@@ -91,11 +91,11 @@ def test_journalctl_short_iso_and_crlf():
         (JOURNAL_154, "recovery: GPU Reset Required", True),
         (DMESG_154_REBOOT, "recovery: Node Reboot Required", True),
         (CLEARED_154, "recovery action cleared", False),
-        ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed", "node reboot required",
-         True),
-        (DMESG_31, "MMU fault", False),
-        (JOURNAL_13, "graphics engine exception", False),
-        (DMESG_62, "Xid 62", False),
+        ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed",
+         "GPU Recovery Action Changed", True),
+        (DMESG_31, "GPU memory page fault", False),
+        (JOURNAL_13, "Graphics Engine Exception", False),
+        (DMESG_62, "Internal micro-controller halt (newer drivers)", True),  # RESET_GPU
     ],
 )
 def test_classification(line, label, gone):
