@@ -169,7 +169,10 @@ QUERY_FIELDS: tuple[str, ...] = tuple(_COLUMNS)
 
 _REQUIRED = ("index", "uuid", "name", "pci.bus_id")
 
-_HEADER_CELL = re.compile(r"^[a-z][a-z0-9_.]*(?: \[[^\]]*\])?$")
+#: A header cell: a field name (lower-case first; later capitals, as in pci.baseClass), with its
+#: unit. A value never looks like one: values are numbers, [N/A], names with spaces, or words
+#: with a capital first ("Enabled").
+_HEADER_CELL = re.compile(r"[a-z][A-Za-z0-9_.]*(?: \[[^\]]*\])?")
 
 
 def query_args(header: bool = False) -> str:
@@ -182,15 +185,16 @@ def query_args(header: bool = False) -> str:
     return f"--query-gpu={','.join(QUERY_FIELDS)} --format={fmt}"
 
 
-def _header(cells: list[str]) -> list[str] | None:
-    """Field names if this csv row is nvidia-smi's header ('power.limit [W]'), else None."""
-    if not all(_HEADER_CELL.match(cell) for cell in cells):
-        return None
-    return [cell.split(" [", 1)[0] for cell in cells]
-
-
 def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in next(csv.reader([line], skipinitialspace=True))]
+
+
+def csv_header(line: str) -> list[str] | None:
+    """Field names if this csv line is nvidia-smi's header ('power.limit [W]'), else None."""
+    cells = _cells(line)
+    if not all(_HEADER_CELL.fullmatch(cell) for cell in cells):
+        return None
+    return [cell.split(" [", 1)[0] for cell in cells]
 
 
 def parse_query_csv(
@@ -215,7 +219,7 @@ def parse_query_csv(
     ]
     columns = list(fields)
     if rows:
-        header = _header(_cells(rows[0][1]))
+        header = csv_header(rows[0][1])
         if header is not None:
             columns = header
             rows = rows[1:]
@@ -248,6 +252,47 @@ def parse_query_csv(
                 raise ValueError(f"line {number}: bad {column} ({e}): {line!r}") from None
         gpus.append(Gpu(**values))
     return gpus
+
+
+# --- nvidia-smi failures, in its own words ------------------------------------------------------
+
+#: What nvidia-smi says when it cannot answer, and what that means (real messages: see
+#: tests/fixtures/real/smi-errors and pl). The first pattern that matches names the kind.
+_SMI_FAILURES = (
+    ("gpu-lost", re.compile(r"GPU is lost|fallen off the bus")),
+    ("version-mismatch", re.compile(r"Driver/library version mismatch")),
+    ("no-driver", re.compile(r"couldn't communicate with the NVIDIA driver|Driver Not Loaded")),
+    ("no-devices", re.compile(r"No devices were found")),
+    ("handle-unknown-error", re.compile(r"Unable to determine the device handle.*Unknown Error")),
+    ("permission", re.compile(r"Insufficient Permissions")),
+    ("out-of-range", re.compile(r"is not a valid power limit")),
+    ("not-supported", re.compile(r"(?i)not supported")),
+    ("bad-option", re.compile(r"is not recognized")),
+)
+#: What the operator does about each kind.
+SMI_ADVICE = {
+    "gpu-lost": "the GPU is lost: reboot the rig, then check the Xids (rigbook status)",
+    "version-mismatch": "the driver was upgraded without a reboot: reboot the rig",
+    "no-driver": "no NVIDIA driver is loaded: install it (deploys/rig.py) or reboot into it",
+    "no-devices": "the driver sees no GPU: check that the cards are seated and powered",
+    "handle-unknown-error": "the GPU does not answer: reboot the rig, then check the Xids",
+    "permission": "setting a cap needs root on the host (not in a container)",
+    "out-of-range": "the card does not allow that cap: pick one inside its range",
+    "not-supported": "this card does not let the driver change it (laptop GPUs, some GeForce)",
+    "bad-option": "this nvidia-smi is too old for the command: update the driver",
+}
+_PL_RANGE = re.compile(r"between (\d+(?:\.\d+)?) W and (\d+(?:\.\d+)?) W")
+
+
+def smi_failure(text: str) -> str | None:
+    """The kind of failure nvidia-smi's output reports (SMI_ADVICE's keys), None when none."""
+    return next((kind for kind, pattern in _SMI_FAILURES if pattern.search(text)), None)
+
+
+def pl_range(text: str) -> tuple[float, float] | None:
+    """(min, max) watts that a refused `nvidia-smi -pl` names, when it names them."""
+    match = _PL_RANGE.search(text)
+    return (float(match.group(1)), float(match.group(2))) if match else None
 
 
 # --- nvidia-smi -L -------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from rich.table import Table
 from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.errors import RigbookError
 from roles.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
-from roles.gpus import Gpu, GpuProbe
+from roles.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
 from roles.messages import warn_once
 from roles.render import render, template
 from roles.spec import Rig
@@ -342,7 +342,9 @@ def _visible_gpus() -> tuple[GpuProbe | None, str | None]:
     if probe is None:
         return None, "driver not installed: no nvidia-smi"
     if not probe.ok:
-        return probe, f"driver not loaded: {probe.smi}: {probe.error}"
+        kind = smi_failure(probe.error or "")
+        said = (probe.error or "").strip().splitlines()[0] if probe.error else "no output"
+        return probe, f"{SMI_ADVICE.get(kind, 'nvidia-smi fails')}: {probe.smi}: {said}"
     if not probe.gpus:
         return probe, f"{probe.smi} lists no GPUs"
     return probe, None
@@ -436,6 +438,22 @@ def _refusal(error: RigbookError, gpus: Iterable[Gpu]) -> FunctionCommand:
         for gpu in gpus
     )
     return FunctionCommand(_refuse, (str(error), rows), {})
+
+
+def _set_cap(state, host, smi: str, cap: GpuCap) -> bool:
+    """FunctionCommand body: `nvidia-smi -i <UUID> -pl <W>`; a refusal fails the rig with what
+    nvidia-smi said and what to do (it may exit 0 on a card that does not support it)."""
+    command = StringCommand(QuoteString(smi), "-i", QuoteString(cap.uuid), "-pl", cap.watts_arg)
+    ok, output = host.run_shell_command(command)
+    text = "\n".join(output.stdout_lines + output.stderr_lines)
+    kind = smi_failure(text)
+    if ok and kind is None:
+        return True
+    said = next((line.strip() for line in text.splitlines() if line.strip()), "no output")
+    advice = f": {SMI_ADVICE[kind]}" if kind else ""
+    host.log_styled(f"{cap.label}: {smi} -pl {cap.watts_arg} failed ({said}){advice}",
+                    fg="red", log_func=logger.error)
+    return False
 
 
 def _read_back(state, host, smi: str, caps: tuple[GpuCap, ...]) -> bool:
@@ -563,9 +581,7 @@ def live_power_caps(rig: Rig):
         for cap in todo:
             warn_once(f"{cap.label}: cap {watts(cap.live_w)} W -> {cap.watts_arg} W ({cap.source})")
     for cap in todo:
-        yield StringCommand(
-            QuoteString(probe.smi), "-i", QuoteString(cap.uuid), "-pl", cap.watts_arg
-        )
+        yield FunctionCommand(_set_cap, (probe.smi, cap), {})
     yield FunctionCommand(_read_back, (probe.smi, caps), {})
 
 

@@ -494,13 +494,17 @@ class VenvLayoutFact(FactBase[VenvLayout | None]):
         return VenvLayout(venv, site, cu13, cu13_nvcc, nvcc)
 
 
-_HEADER = re.compile(r"Driver Version:\s*(\S+)\s+CUDA Version:\s*(\S+)")
+#: The plain table's header: "Driver Version: 580.95.05  CUDA Version: 13.0", and from the 610
+#: drivers on "KMD Version: 610.57.04  CUDA UMD Version: 13.3"; old drivers print no CUDA, WSL2
+#: may print "ERR!" and some "N/A".
+_DRIVER = re.compile(r"(?:Driver|KMD) Version:\s*(\d+\.\d+(?:\.\d+)?)")
+_CUDA = re.compile(r"CUDA (?:UMD )?Version:\s*(\d+\.\d+)")
 
 
-def parse_smi_header(text: str) -> tuple[str, str] | None:
-    """(driver, CUDA) from plain `nvidia-smi` output's header; None when it has none."""
-    match = _HEADER.search(text)
-    return (match.group(1), match.group(2)) if match else None
+def parse_smi_header(text: str) -> tuple[str, str | None] | None:
+    """(driver, CUDA or None) from plain `nvidia-smi` output's header; None without a driver."""
+    driver, cuda = _DRIVER.search(text), _CUDA.search(text)
+    return (driver.group(1), cuda.group(1) if cuda else None) if driver else None
 
 
 class NvidiaSmiHeader(FactBase[tuple[str, str] | None]):

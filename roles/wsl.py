@@ -80,6 +80,10 @@ def serving_environment(rig: Rig) -> dict[str, str]:
 # --- detection ------------------------------------------------------------------------------
 
 
+#: A WSL1 kernel release: "3.4.0-Microsoft", "4.4.0-18362-Microsoft" (capital M).
+_WSL1_KERNEL = re.compile(r"-Microsoft\b")
+
+
 @dataclass(frozen=True)
 class WslSignals:
     """What says "this is WSL": the kernel release and the files WSL's init creates."""
@@ -89,8 +93,20 @@ class WslSignals:
     run_wsl: bool  # /run/WSL exists
 
     @property
+    def version(self) -> int | None:
+        """1 or 2 on WSL, None elsewhere. WSL1 kernels end in "-Microsoft" (4.4.0-19041-Microsoft;
+        it has no GPU); WSL2's say "microsoft-standard" (a custom build may say nothing: then
+        WSL's own files tell)."""
+        if _WSL1_KERNEL.search(self.kernel):
+            return 1
+        if "microsoft" in self.kernel.lower() or self.interop or self.run_wsl:
+            return 2
+        return None
+
+    @property
     def detected(self) -> bool:
-        return "microsoft" in self.kernel.lower() or self.interop or self.run_wsl
+        """This is WSL2 (the only WSL with a GPU)."""
+        return self.version == 2
 
     def evidence(self) -> str:
         found = []
@@ -132,7 +148,10 @@ class Wsl(FactBase[WslSignals]):
 
 def platform_problem(platform: str, signals: WslSignals) -> str | None:
     """Why the declared platform and what the host is disagree (what it is, what is allowed),
-    or None when they agree."""
+    or None when they agree. WSL1 is refused whatever is declared: it has no GPU."""
+    if signals.version == 1:
+        return (f"this host is WSL1 (kernel {signals.kernel}), which has no GPU; allowed: a "
+                "WSL2 distribution (on Windows: wsl --set-version <distro> 2)")
     if platform == "wsl2" and not signals.detected:
         return (f"declared wsl2 but this host is not WSL2 ({signals.evidence()}); allowed: "
                 "ubuntu or debian for this host, or deploy to the WSL2 distribution itself")

@@ -16,12 +16,13 @@ import pytest
 from rich.console import Console
 
 from roles.errors import RigbookError
-from roles.gpus import Gpu, GpuProbe, parse_query_csv
+from roles.gpus import SMI_ADVICE, Gpu, GpuProbe, parse_query_csv
 from roles.power import (
     UNIT_NAME,
     UNIT_PATH,
     CapRow,
     GpuCap,
+    _set_cap,
     cap_table,
     desired_caps,
     live_power_caps,
@@ -290,9 +291,15 @@ def test_refusal_fails_the_rig_and_records_unchanged_rows():
 
 @pytest.mark.parametrize("probe, why", [
     (None, "driver not installed: no nvidia-smi"),
+    (GpuProbe(smi=SMI, error="Unable to determine the device handle for GPU 0000:02:00.0: GPU "
+                             "is lost. Reboot the system to recover this GPU", exit_code=15),
+     f"the GPU is lost: reboot the rig, then check the Xids (rigbook status): {SMI}: Unable to "
+     "determine the device handle for GPU 0000:02:00.0: GPU is lost. Reboot the system to "
+     "recover this GPU"),
     (GpuProbe(smi=SMI, error="Failed to initialize NVML: Driver/library version mismatch",
               exit_code=18),
-     f"driver not loaded: {SMI}: Failed to initialize NVML: Driver/library version mismatch"),
+     f"the driver was upgraded without a reboot: reboot the rig: {SMI}: Failed to initialize "
+     "NVML: Driver/library version mismatch"),
 ])
 def test_no_gpus_yet_is_a_noop_that_says_so(probe, why):
     for op in (power_unit, live_power_caps):
@@ -307,8 +314,9 @@ def test_live_op_sets_only_the_gpus_that_differ_then_reads_back():
     gpus = (rtx3090(0, UUID0, 290.0), rtx3090(1, UUID1, 350.0))
     commands, _ = power_op(live_power_caps, dual_3090(), unit_facts(probe_of(gpus)))
     assert [describe(c) for c in commands] == [
-        f"{SMI} -i {UUID1} -pl 290", "call _read_back",
+        "call _set_cap", "call _read_back",
     ]
+    assert commands[0].args[1].uuid == UUID1 and commands[0].args[1].watts_arg == "290"
 
 
 def test_live_op_is_a_noop_when_the_caps_are_in_place():
@@ -354,7 +362,7 @@ def test_h200_fact_output_plans_a_cap_by_uuid_and_a_noop_at_stock():
     (gpu,) = probe.gpus
     commands, _ = power_op(live_power_caps, h200_rig(power_cap_watts=500), unit_facts(probe))
     assert [describe(c) for c in commands] == [
-        f"{H200_SMI} -i {gpu.uuid} -pl 500", "call _read_back",
+        "call _set_cap", "call _read_back",
     ]
     commands, host = power_op(live_power_caps, h200_rig(power_profile="stock"), unit_facts(probe))
     assert commands == [] and host.noops == ["power caps are already GPU 0 700 W"]
@@ -385,3 +393,24 @@ def test_cap_table_shows_rig_gpu_old_and_new():
 def test_gpucap_formats_watts():
     cap = GpuCap(0, UUID0, "x", 350.5, "s", 350.0, 100.0, 400.0)
     assert (cap.watts_arg, cap.range, cap.in_place) == ("350.5", "100-400 W", True)
+
+
+class _Output:
+    def __init__(self, text: str):
+        self.stdout_lines, self.stderr_lines = text.splitlines(), []
+
+
+@pytest.mark.parametrize("name, ok, kind", [
+    ("pl/permission-container.txt", False, "permission"),
+    ("pl/out-of-range-h100-700w.txt", False, "out-of-range"),
+    ("pl/not-supported-rtx4080-mobile.txt", True, "not-supported"),
+])
+def test_a_refused_cap_says_what_nvidia_smi_said_and_what_to_do(name, ok, kind):
+    """Real -pl messages (tests/fixtures/real/pl): the laptop's exits 0 and still failed."""
+    text = (ROOT / "tests" / "fixtures" / "real" / name).read_text()
+    host = FakeHost({})
+    host.run_shell_command = lambda command: (ok, _Output(text))
+    cap = desired_caps(dual_3090(), "rig1", DUAL)[0]
+    assert _set_cap(None, host, SMI, cap) is False
+    said = text.strip().splitlines()[0].strip()
+    assert host.logged == [f"{cap.label}: {SMI} -pl 290 failed ({said}): {SMI_ADVICE[kind]}"]

@@ -13,6 +13,9 @@ import re
 
 import pytest
 
+from roles.gpus import csv_header, pl_range, smi_failure
+from roles.venvs import parse_smi_header
+from roles.wsl import WslSignals, platform_problem
 from roles.xid import GONE_ACTIONS, parse_xid_lines
 from tests.conftest import ROOT
 
@@ -51,3 +54,46 @@ def test_kernel_logs_as_the_field_prints_them(name, want):
     for fault in faults:  # every reset- or reboot-bound code takes the GPU out of service
         assert fault.gone == (fault.fallen or fault.action in GONE_ACTIONS or (
             fault.code == 154 and "to 0x0 " not in fault.message))
+
+
+@pytest.mark.parametrize("name, want", readings("smi-table/"),
+                         ids=[n for n, _ in readings("smi-table/")])
+def test_plain_tables_old_and_new_layouts_give_driver_and_cuda(name, want):
+    """parse_smi_header: the venv role's runtime-vs-driver check reads these two versions."""
+    assert parse_smi_header((REAL / name).read_text()) == (want["driver"], want["cuda"])
+
+
+@pytest.mark.parametrize("name, want", readings("smi-csv/"),
+                         ids=[n for n, _ in readings("smi-csv/")])
+def test_csv_headers_are_told_from_data_rows(name, want):
+    first = (REAL / name).read_text().splitlines()[0]
+    assert csv_header(first) == (want["fields"] if want["header"] else None)
+
+
+@pytest.mark.parametrize("name, want", readings("wsl/"), ids=[n for n, _ in readings("wsl/")])
+def test_wsl1_is_told_from_wsl2_by_its_kernel(name, want):
+    text = (REAL / name).read_text().split()
+    # uname -r: the release; uname -a: its third word; /proc/version: the third as well
+    release = text[0] if len(text) == 1 else text[2]
+    assert release == want["kernel"]
+    signals = WslSignals(release, interop=False, run_wsl=False)
+    if release == "3.4.0+":  # 2016's WSL1 said nothing of Microsoft: only WSL's files tell
+        assert signals.version is None
+        return
+    assert signals.version == want["wsl"]
+    assert signals.detected == (want["wsl"] == 2)
+    problem = platform_problem("wsl2", signals)
+    assert (problem is None) == (want["wsl"] == 2)
+    if want["wsl"] == 1:
+        assert problem.startswith(f"this host is WSL1 (kernel {release}), which has no GPU")
+
+
+@pytest.mark.parametrize("name, want", readings("smi-errors/") + readings("pl/"),
+                         ids=[n for n, _ in readings("smi-errors/") + readings("pl/")])
+def test_nvidia_smi_failures_are_named_in_words(name, want):
+    """smi_failure: what the power role and status say when nvidia-smi cannot answer."""
+    text = (REAL / name).read_text()
+    kind = None if want.get("ok") else want["kind"]
+    assert smi_failure(text) == kind
+    if want.get("min_w") is not None:
+        assert pl_range(text) == (want["min_w"], want["max_w"])
