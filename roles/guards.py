@@ -46,7 +46,7 @@ from roles.gpus import Gpu
 from roles.messages import notice, refuse, warn_once
 from roles.render import template
 from roles.spec import Rig
-from roles.xid import Xid, parse_xid_line, parse_xid_lines, same_device
+from roles.xid import Xid, parse_xid_lines, same_device
 
 SOURCES = FILES / "guards"
 XID_SOURCE = FILES.parent / "roles" / "xid.py"
@@ -95,7 +95,7 @@ class GpuLost:
 
     @property
     def events(self) -> tuple[Xid, ...]:
-        return tuple(x for x in map(parse_xid_line, self.lines) if x is not None)
+        return tuple(parse_xid_lines(self.lines))
 
 
 def parse_gpu_lost(lines: Iterable[str]) -> GpuLost:

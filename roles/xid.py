@@ -290,8 +290,11 @@ def parse_xid_lines(lines: list[str]) -> list[Xid]:
             named = None
             if faults and (faults[-1].code, faults[-1].pci, faults[-1].fallen) == (79, pci, False):
                 continue  # the same event as the Xid 79 line just before it
+            # one line that reads back alone (the GPU-lost mark keeps one line per event)
+            line = first.strip() if "fallen off the bus" in first else (
+                f"{first.strip()} (has fallen off the bus)")
             faults.append(Xid(
-                code=79, pci=pci, fallen=True, line=first.strip(),
+                code=79, pci=pci, fallen=True, line=line,
                 message=f"GPU {address.group('pci')} has fallen off the bus",
                 when=_when(first[: address.start()]) or None,
             ))

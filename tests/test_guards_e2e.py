@@ -250,6 +250,32 @@ def test_xid_79_marks_the_gpu_lost_blocks_serving_and_a_reboot_clears_it(guarded
     assert ssh(f"/usr/bin/python3 {WATCH} --check", check=False).returncode == 0
 
 
+@pytest.mark.parametrize("log, says", [
+    ("kmsg-reset-required.log", "Xid 62 (Internal micro-controller halt (newer drivers)) on PCI "
+                                "0000:01:00 at 2026-09-12T03:20:07+0000"),
+    ("kmsg-fallen-no-xid.log", "Xid 79 (fallen off the bus (no Xid line)) on PCI 0000:01:00 at "
+                               "2026-09-12T03:31:44+0000"),
+])
+def test_a_reset_required_xid_or_a_fall_without_xid_marks_the_gpu_lost(guarded, log, says):
+    sim = (ROOT / "sandbox" / "simulated" / log).read_text()
+    write(THIS_BOOT, sim)
+    write(ALL_BOOTS, sim)
+    write(FEED_DROPIN, FEED)
+    try:
+        ssh(f"rm -f {GPU_LOST_MARK}; systemctl daemon-reload && systemctl restart {WATCH_UNIT}")
+        wait_for(f"test -s {GPU_LOST_MARK}", 30)
+        headline = ssh(f"head -n 1 {GPU_LOST_MARK}").stdout.strip()
+        assert headline == "GPU lost: do not restart serving"
+        stand_in_serving_unit()
+        assert ssh(f"systemctl start {STAND_IN}", check=False).returncode != 0
+        assert says in journal(STAND_IN)
+        fleet = rigbook_status()
+        assert fleet.rigs[0].state == "gpu-gone" and fleet.exit_code == 2
+    finally:
+        ssh(f"rm -f {GPU_LOST_MARK} {FEED_DROPIN} {THIS_BOOT} {ALL_BOOTS}; systemctl "
+            f"daemon-reload; systemctl restart {WATCH_UNIT}", check=False)
+
+
 def test_the_xid_watch_can_be_turned_off_and_on(guarded):
     off = run_pyinfra(SANDBOX_INVENTORY, guarded, "--limit", RIG,
                       "--data", "guards_xid_watch=false")

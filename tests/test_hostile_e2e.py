@@ -26,7 +26,7 @@ pytestmark = pytest.mark.sandbox
 
 UNIT = "rigbook-hostile.service"
 DUMP = "/usr/local/bin/rigbook-argv-dump"
-OUT = "/run/rigbook-hostile.json"
+OUT = "/tmp/rigbook-hostile.json"  # written as the unit's user
 ENV_HERE = "/etc/rigbook-hostile/engine.env"
 ENV = {"HOSTILE_A": "$HOME", "HOSTILE_B": 'say "hi" `id` \\ %h $(id)', "HOSTILE_C": "-x ;"}
 DUMPER = f"""#!/usr/bin/python3
