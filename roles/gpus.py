@@ -110,7 +110,7 @@ class GpuProbe:
 # --- nvidia-smi --query-gpu ----------------------------------------------------------------
 
 
-def _na(value: str) -> bool:
+def na(value: str) -> bool:
     """nvidia-smi writes every value it cannot give in brackets ([N/A], [Not Supported], ...)."""
     return value in ("", "N/A", "Not Supported") or (value.startswith("[") and value.endswith("]"))
 
@@ -118,7 +118,7 @@ def _na(value: str) -> bool:
 _NUMBER = re.compile(r"^(-?\d+(?:\.\d+)?)(?:\s*[A-Za-z%]+)?$")
 
 
-def _number(value: str) -> str:
+def number(value: str) -> str:
     """'700.00 W' / '143771 MiB' / '38' -> the number alone (csv with or without units)."""
     match = _NUMBER.match(value)
     if not match:
@@ -127,11 +127,11 @@ def _number(value: str) -> str:
 
 
 def _int(value: str) -> int:
-    return int(_number(value))
+    return int(number(value))
 
 
 def _float(value: str) -> float:
-    return float(_number(value))
+    return float(number(value))
 
 
 def _enabled(value: str) -> bool:
@@ -197,6 +197,26 @@ def csv_header(line: str) -> list[str] | None:
     return [cell.split(" [", 1)[0] for cell in cells]
 
 
+def parse_fields(columns: list[str], lines: list[str], *, start: int = 1,
+                 skip_mismatched: bool = False) -> list[tuple[int, str, dict[str, str]]]:
+    """(line number, line, {field: cell}) per row of a --query-gpu csv without its header (`start`:
+    the first line's number). A row with another number of cells than columns is a ValueError
+    naming it (nvidia-smi never writes one: two outputs were mixed), or skipped."""
+    rows = []
+    for number, line in enumerate(lines, start):
+        if not line.strip():
+            continue
+        cells = _cells(line)
+        if len(cells) != len(columns):
+            if skip_mismatched:
+                continue
+            raise ValueError(
+                f"line {number}: expected {len(columns)} columns, got {len(cells)}: {line!r}"
+            )
+        rows.append((number, line, dict(zip(columns, cells, strict=True))))
+    return rows
+
+
 def parse_query_csv(
     text: str, fields: tuple[str, ...] | list[str] = QUERY_FIELDS, *, skip_mismatched: bool = False
 ) -> list[Gpu]:
@@ -205,43 +225,28 @@ def parse_query_csv(
     A header line, when the first line is one, names the columns and `fields` is not used;
     otherwise `fields` are the columns in order. Units are stripped; [N/A], N/A and
     [Not Supported] become None; columns that are not Gpu fields are ignored. index, uuid, name
-    and pci.bus_id must be among the columns.
-
-    A row whose column count differs from the header is an error (ValueError naming the line),
-    since nvidia-smi never writes one: it means two outputs were mixed. skip_mismatched=True
-    skips such rows instead, for captures that append a second, different query (the H200
+    and pci.bus_id must be among the columns. Rows are read by `parse_fields`; skip_mismatched
+    skips rows of another width, for captures that append a second, different query (the H200
     fixture does).
     """
-    rows = [
-        (number, line)
-        for number, line in enumerate(text.splitlines(), 1)
-        if line.strip()
-    ]
-    columns = list(fields)
-    if rows:
-        header = csv_header(rows[0][1])
-        if header is not None:
-            columns = header
-            rows = rows[1:]
+    lines = text.splitlines()
+    columns, start = list(fields), 1
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    header = csv_header(lines[first]) if first is not None else None
+    if header is not None:
+        columns, lines, start = header, lines[first + 1:], first + 2
     missing = [name for name in _REQUIRED if name not in columns]
     if missing:
         raise ValueError(f"query lacks required fields: {', '.join(missing)}")
-
     gpus = []
-    for number, line in rows:
-        cells = _cells(line)
-        if len(cells) != len(columns):
-            if skip_mismatched:
-                continue
-            raise ValueError(
-                f"line {number}: expected {len(columns)} columns, got {len(cells)}: {line!r}"
-            )
+    for number, line, row in parse_fields(columns, lines, start=start,
+                                          skip_mismatched=skip_mismatched):
         values: dict[str, Any] = {}
-        for column, cell in zip(columns, cells, strict=True):
+        for column, cell in row.items():
             if column not in _COLUMNS:
                 continue
             attribute, convert = _COLUMNS[column]
-            if _na(cell):
+            if na(cell):
                 if column in _REQUIRED:
                     raise ValueError(f"line {number}: {column} is {cell}: {line!r}")
                 values[attribute] = None

@@ -14,6 +14,7 @@ cache, is drift, and a cached repo that models does not list is a warning.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -59,6 +60,13 @@ def explain(done: subprocess.CompletedProcess) -> str:
            f"{done.stderr[-3000:]}"
 
 
+#: Sets one card's health readings in the simulator's live state (sandbox/simulated/README.md).
+SET_HEALTH = (
+    "python3 -c 'import json; p = \"/run/rigbook-sim/state.json\"; s = json.load(open(p)); "
+    "s[\"{uuid}\"][\"health\"] = {health}; json.dump(s, open(p, \"w\"))'"
+)
+
+
 def test_status_as_declared_drift_and_unreachable(sandbox):
     names = sorted(sandbox)
     converge = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py")
@@ -99,6 +107,23 @@ def test_status_as_declared_drift_and_unreachable(sandbox):
         assert [g.cap_live_w for g in drifted.gpus] == [by_hand, rig1.gpus[1].cap_live_w]
     finally:
         rig_ssh(sandbox["rig1"], f"nvidia-smi -i {gpu.uuid} -pl {desired:g}")
+
+    # 2b. rig1's second GPU reports uncorrected ECC errors and a failed row remapping (the
+    # simulator's live state, as the driver would count them): drift on that GPU, exit 1.
+    sick = rig1.gpus[1]
+    rig_ssh(sandbox["rig1"], SET_HEALTH.format(uuid=sick.uuid, health=json.dumps({
+        "ecc.errors.uncorrected.volatile.total": "3", "remapped_rows.failure": "Yes"})))
+    try:
+        done = rigbook_status("rig1")
+        assert done.returncode == 1, explain(done)
+        [rig] = fleet_of(done).rigs
+        assert [(f.level, f.gpu, f.reason.split(":")[1].strip()) for f in rig.findings
+                if f.area == "health"] == [
+            ("drift", sick.uuid, "3 uncorrected ECC error(s) since the driver loaded"),
+            ("drift", sick.uuid, "a row remapping failed"),
+        ], explain(done)
+    finally:
+        rig_ssh(sandbox["rig1"], SET_HEALTH.format(uuid=sick.uuid, health="{}"))
 
     # 3. rig2's sshd stopped: one clear line for it, the others still read, exit 2.
     victim = "rig2" if "rig2" in sandbox else names[-1]

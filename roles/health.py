@@ -1,0 +1,157 @@
+"""GPU health as the driver reports it: memory errors, throttling, heat and the PCIe link.
+
+`rigbook status` shows, per GPU, what needs a person before the next model is loaded:
+uncorrected ECC errors (volatile and aggregate), retired pages and remapped rows pending or
+failed, the clock-event (throttle) reasons active now, the temperature against the slowdown
+threshold, and a PCIe link below its maximum while the card is busy. Xids since boot are the
+guards' check (roles/guards.py). Each finding says what it means and what to do.
+
+The values come from `nvidia-smi --query-gpu` (nvidia-smi is NVML's own command line), read on
+the rig with the same wrapper as the GPU facts; a driver too old for one of the fields answers
+with an error, and the health is then reported as not read. Status only: no deploy refuses a
+rig on these (a throttling card still serves; a failing one is the Xid watch's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyinfra.api import FactBase
+from pyinfra.api.exceptions import FactProcessError
+
+from roles.checks import Check, Facts, Finding, Read, warn
+from roles.facts import _smi_attempts, _smi_script
+from roles.gpus import csv_header, na, number, parse_fields
+from roles.spec import Rig
+
+#: The fields read, in order (nvidia-smi --help-query-gpu names them; driver 535 and newer).
+HEALTH_FIELDS = (
+    "index", "uuid", "temperature.gpu", "temperature.gpu.tlimit",
+    "ecc.errors.uncorrected.volatile.total", "ecc.errors.uncorrected.aggregate.total",
+    "retired_pages.pending", "remapped_rows.pending", "remapped_rows.failure",
+    "clocks_event_reasons.sw_power_cap", "clocks_event_reasons.hw_slowdown",
+    "clocks_event_reasons.hw_thermal_slowdown", "clocks_event_reasons.sw_thermal_slowdown",
+    "pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current",
+    "pcie.link.width.max", "utilization.gpu",
+)
+#: Degrees below the slowdown limit under which a card is close to it (temperature.gpu.tlimit).
+NEAR_SLOWDOWN_C = 5
+#: The hardware notes' rule: a power plateau at 78 °C means the card is throttling.
+PLATEAU_C = 78
+#: A link below its maximum matters only while the card works.
+BUSY_PERCENT = 50
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """One GPU's health readings; None where the card reports none ([N/A])."""
+
+    index: int
+    uuid: str
+    values: dict[str, str | None]
+
+    def number(self, field: str) -> int | None:
+        value = self.values.get(field)
+        try:
+            return int(float(number(value))) if value is not None else None
+        except ValueError:
+            return None
+
+    def active(self, field: str) -> bool:
+        return self.values.get(field) in ("Active", "Yes")
+
+
+class GpuHealthReadings(FactBase[list[GpuHealth] | None]):
+    """
+    `nvidia-smi --query-gpu=<HEALTH_FIELDS> --format=csv,nounits`, per GPU; None without an
+    nvidia-smi. Output (H200, tests/fixtures/nvidia-h200/health.csv)::
+
+        index, uuid, temperature.gpu, temperature.gpu.tlimit, ecc.errors.uncorrected...
+        0, GPU-fe498097-b8b0-08f8-71e6-602f1062937d, 44, 43, 0, 0, [N/A], No, No, Not Active, ...
+    """
+
+    def command(self) -> str:
+        return _smi_script(f"--query-gpu={','.join(HEALTH_FIELDS)} --format=csv,nounits")
+
+    def process(self, output: list[str]) -> list[GpuHealth] | None:
+        attempts = _smi_attempts(output)
+        if attempts is None:
+            return None
+        path, lines, status = next((a for a in attempts if a[2] == 0), attempts[0])
+        if status != 0:
+            raise FactProcessError(f"{path}: {' '.join(lines)[:300]}")
+        try:
+            return parse_health(lines)
+        except ValueError as error:
+            raise FactProcessError(str(error)) from error
+
+
+def parse_health(lines: list[str]) -> list[GpuHealth]:
+    """GpuHealth per row of the health query (its header names the columns)."""
+    header = csv_header(lines[0]) if lines else None
+    if header is None:
+        raise FactProcessError(f"no header in the health query's output: {lines[:2]!r}")
+    return [GpuHealth(int(row["index"]), row["uuid"],
+                      {field: None if na(cell) else cell for field, cell in row.items()})
+            for _, _, row in parse_fields(header, lines[1:], start=2)]
+
+
+def health_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    if "health" in facts.unread:
+        return [warn("health", f"GPU health not read: {facts.unread['health']}")]
+    found: list[Finding] = []
+    for gpu in facts.health or ():
+        found += _gpu_findings(gpu)
+    return found
+
+
+def _gpu_findings(gpu: GpuHealth) -> list[Finding]:
+    label, found = f"GPU {gpu.index}", []
+
+    def add(level, text: str) -> None:
+        found.append(Finding(level, "health", f"{label}: {text}", gpu=gpu.uuid))
+
+    volatile = gpu.number("ecc.errors.uncorrected.volatile.total")
+    aggregate = gpu.number("ecc.errors.uncorrected.aggregate.total")
+    if volatile:
+        add("drift", f"{volatile} uncorrected ECC error(s) since the driver loaded: its memory "
+                     "failed; stop serving on it, reset the GPU or reboot, and look for Xid 48/63/"
+                     "64/94/95 (rigbook status)")
+    elif aggregate:
+        add("warn", f"{aggregate} uncorrected ECC error(s) over its life: watch it; repeated "
+                    "ones mean the card needs service")
+    if gpu.active("remapped_rows.failure"):
+        add("drift", "a row remapping failed: the card's memory cannot be repaired; it needs "
+                     "service (RMA)")
+    if gpu.active("remapped_rows.pending") or gpu.active("retired_pages.pending"):
+        add("warn", "memory repair pending (remapped rows / retired pages): reset the GPU or "
+                    "reboot to apply it")
+    for field, what in (("clocks_event_reasons.hw_thermal_slowdown", "HW thermal slowdown"),
+                        ("clocks_event_reasons.sw_thermal_slowdown", "SW thermal slowdown"),
+                        ("clocks_event_reasons.hw_slowdown", "HW slowdown")):
+        if gpu.active(field):
+            add("warn", f"{what} active now: the card is too hot or its power brake fired; "
+                        "check the cooling and the power supply")
+            break
+    temperature, margin = gpu.number("temperature.gpu"), gpu.number("temperature.gpu.tlimit")
+    if margin is not None and margin <= NEAR_SLOWDOWN_C:
+        add("warn", f"{margin} °C below its slowdown limit ({temperature} °C): it is about to "
+                    "throttle; check the cooling or lower the cap")
+    if (gpu.active("clocks_event_reasons.sw_power_cap") and temperature is not None
+            and temperature >= PLATEAU_C):
+        add("warn", f"held at its power cap at {temperature} °C: the hardware notes read a "
+                    f"power plateau at {PLATEAU_C} °C as throttling; improve the cooling, or "
+                    "a lower cap loses less")
+    busy = gpu.number("utilization.gpu")
+    for kind in ("gen", "width"):
+        now, most = gpu.number(f"pcie.link.{kind}.current"), gpu.number(f"pcie.link.{kind}.max")
+        if busy is not None and busy >= BUSY_PERCENT and now and most and now < most:
+            add("warn", f"PCIe link {kind} {now} of {most} while {busy}% busy: reseat the card "
+                        "or check the slot and riser")
+    return found
+
+
+CHECKS = (Check(
+    "GPU health", lambda rig, name: [Read("health", GpuHealthReadings, "GPU health")],
+    health_findings,
+),)
