@@ -10,8 +10,8 @@ Three sources, one shape:
 
 - `nvidia-smi --query-gpu=... --format=csv` (`parse_query_csv`), what the facts use;
 - `nvidia-smi -L` (`parse_list`), the cheap "is the card still there" check;
-- the NVML probe below (`nvml_probe`, `parse_probe_json`), for hosts where nvidia-smi is not on
-  PATH or lies (WSL2 shadowing) but the driver's NVML library loads.
+- the NVML probe below (`nvml_probe`, `parse_probe_json`): `rigbook status` runs it on a rig with
+  the tools venv's python for the GPU health readings (roles/health.py).
 """
 
 from __future__ import annotations
@@ -346,10 +346,12 @@ def nvml_probe() -> dict[str, Any]:
                    "enforced_mw": 700000, "power_usage_mw": 126412, "persistence": 1,
                    "cc": [9, 0], "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16,
                    "pcie_width_max": 16, "temp": 38, "procs": [{"pid": 1, "used_mib": 10}],
-                   "mem": [total_bytes, used_bytes], "mem_reserved": bytes}]}
+                   "mem": [total_bytes, used_bytes], "mem_reserved": bytes,
+                   "tlimit": 43, "ecc_uncorrected": [0, 0], "retired_pending": null,
+                   "remapped": [0, 0, 0, 0], "events": 0, "util": 0}]}
 
-    A value the card does not support is null. Raises ProbeError when pynvml is missing or
-    NVML does not initialise.
+    (the last six are GPU health, roles/health.py.) A value the card does not support is null.
+    Raises ProbeError when pynvml is missing or NVML does not initialise.
     """
     try:
         import pynvml
@@ -397,6 +399,7 @@ def nvml_probe() -> dict[str, Any]:
                 "pcie_width": ask(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
                 "pcie_width_max": ask(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
                 "temp": ask(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU),
+                **_nvml_health(pynvml, ask, handle),
                 "procs": [
                     {
                         "pid": proc.pid,
@@ -419,6 +422,24 @@ def nvml_probe() -> dict[str, Any]:
         raise ProbeError(f"NVML query failed: {e}") from None
     finally:
         ask(pynvml.nvmlShutdown)
+
+
+def _nvml_health(pynvml, ask, handle) -> dict[str, Any]:
+    """The readings of roles/health.py, as NVML gives them (null where the card has none)."""
+    margin = (ask(pynvml.nvmlDeviceGetMarginTemperature, handle)  # nvidia-ml-py 12.555+
+              if hasattr(pynvml, "nvmlDeviceGetMarginTemperature") else None)
+    remapped = ask(pynvml.nvmlDeviceGetRemappedRows, handle)
+    utilization = ask(pynvml.nvmlDeviceGetUtilizationRates, handle)
+    errors = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    return {
+        "tlimit": getattr(margin, "marginTemperature", margin),
+        "ecc_uncorrected": [ask(pynvml.nvmlDeviceGetTotalEccErrors, handle, errors, counter)
+                            for counter in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC)],
+        "retired_pending": ask(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle),
+        "remapped": list(remapped) if remapped is not None else None,
+        "events": ask(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
+        "util": getattr(utilization, "gpu", None),
+    }
 
 
 def parse_probe_json(text: str) -> tuple[str, str, list[Gpu]]:

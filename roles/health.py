@@ -6,15 +6,22 @@ failed, the clock-event (throttle) reasons active now, the temperature against t
 threshold, and a PCIe link below its maximum while the card is busy. Xids since boot are the
 guards' check (roles/guards.py). Each finding says what it means and what to do.
 
-The values come from `nvidia-smi --query-gpu` (nvidia-smi is NVML's own command line), read on
-the rig with the same wrapper as the GPU facts; a driver too old for one of the fields answers
-with an error, and the health is then reported as not read. Status only: no deploy refuses a
-rig on these (a throttling card still serves; a failing one is the Xid watch's).
+The values come from NVML: rigbook's probe (roles/gpus.py, `--probe`) run by the tools venv's
+python, which holds nvidia-ml-py (roles/tools.py). Where there is no tools venv or NVML does not
+load there, from `nvidia-smi --query-gpu` (NVML's own command line) with the same wrapper as the
+GPU facts; a driver too old for one of its fields answers with an error, and the health is then
+reported as not read. Both give the same readings, named as nvidia-smi names them. Status only:
+no deploy refuses a rig on these (a throttling card still serves; a failing one is the Xid
+watch's).
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
@@ -23,6 +30,7 @@ from roles.checks import Check, Facts, Finding, Read, warn
 from roles.facts import _smi_attempts, _smi_script
 from roles.gpus import csv_header, na, number, parse_fields
 from roles.spec import Rig
+from roles.tools import TOOLS_PYTHON
 
 #: The fields read, in order (nvidia-smi --help-query-gpu names them; driver 535 and newer).
 HEALTH_FIELDS = (
@@ -34,6 +42,18 @@ HEALTH_FIELDS = (
     "pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current",
     "pcie.link.width.max", "utilization.gpu",
 )
+#: NVML's clock-event reason bits (nvml.h) -> the nvidia-smi field that reports them.
+EVENT_BITS = {
+    0x04: "clocks_event_reasons.sw_power_cap",
+    0x08: "clocks_event_reasons.hw_slowdown",
+    0x80: "clocks_event_reasons.hw_slowdown",  # HW power brake: nvidia-smi counts it as HW slowdown
+    0x20: "clocks_event_reasons.sw_thermal_slowdown",
+    0x40: "clocks_event_reasons.hw_thermal_slowdown",
+}
+#: First line of the fact's output when the NVML probe answered.
+_NVML = "##RIGBOOK_NVML##"
+#: The probe's source, run with `python -c` on the rig: nothing of rigbook is installed there.
+_PROBE = Path(__file__).with_name("gpus.py")
 #: Degrees below the slowdown limit under which a card is close to it (temperature.gpu.tlimit).
 NEAR_SLOWDOWN_C = 5
 #: The hardware notes' rule: a power plateau at 78 °C means the card is throttling.
@@ -63,17 +83,26 @@ class GpuHealth:
 
 class GpuHealthReadings(FactBase[list[GpuHealth] | None]):
     """
-    `nvidia-smi --query-gpu=<HEALTH_FIELDS> --format=csv,nounits`, per GPU; None without an
-    nvidia-smi. Output (H200, tests/fixtures/nvidia-h200/health.csv)::
+    The NVML probe's JSON from the tools venv (roles/gpus.py), else `nvidia-smi
+    --query-gpu=<HEALTH_FIELDS> --format=csv,nounits`, per GPU; None without either. The CSV
+    (H200, tests/fixtures/nvidia-h200/health.csv)::
 
         index, uuid, temperature.gpu, temperature.gpu.tlimit, ecc.errors.uncorrected...
         0, GPU-fe498097-b8b0-08f8-71e6-602f1062937d, 44, 43, 0, 0, [N/A], No, No, Not Active, ...
     """
 
     def command(self) -> str:
-        return _smi_script(f"--query-gpu={','.join(HEALTH_FIELDS)} --format=csv,nounits")
+        probe = f"{TOOLS_PYTHON} -I -c {shlex.quote(_PROBE.read_text())} --probe 2>/dev/null"
+        smi = _smi_script(f"--query-gpu={','.join(HEALTH_FIELDS)} --format=csv,nounits")
+        return (f'if [ -x {TOOLS_PYTHON} ] && nvml=$({probe}); then echo "{_NVML}"; '
+                f'printf "%s\\n" "$nvml"; else {smi}; fi')
 
     def process(self, output: list[str]) -> list[GpuHealth] | None:
+        if output and output[0].strip() == _NVML:
+            try:
+                return health_from_probe(json.loads("\n".join(output[1:])))
+            except (ValueError, KeyError, TypeError) as error:
+                raise FactProcessError(f"NVML probe: {error}: {output[1:3]!r}") from error
         attempts = _smi_attempts(output)
         if attempts is None:
             return None
@@ -94,6 +123,38 @@ def parse_health(lines: list[str]) -> list[GpuHealth]:
     return [GpuHealth(int(row["index"]), row["uuid"],
                       {field: None if na(cell) else cell for field, cell in row.items()})
             for _, _, row in parse_fields(header, lines[1:], start=2)]
+
+
+def health_from_probe(probe: dict[str, Any]) -> list[GpuHealth]:
+    """GpuHealth per GPU of the NVML probe, each reading as nvidia-smi would print it."""
+    def text(value: Any) -> str | None:
+        return None if value is None else str(value)
+
+    def flag(value: Any, on: str = "Yes", off: str = "No") -> str | None:
+        return None if value is None else on if value else off
+
+    found = []
+    for gpu in probe["gpus"]:
+        volatile, aggregate = gpu["ecc_uncorrected"]
+        remapped, events = gpu["remapped"], gpu["events"]
+        values = {
+            "temperature.gpu": text(gpu["temp"]), "temperature.gpu.tlimit": text(gpu["tlimit"]),
+            "ecc.errors.uncorrected.volatile.total": text(volatile),
+            "ecc.errors.uncorrected.aggregate.total": text(aggregate),
+            "retired_pages.pending": flag(gpu["retired_pending"]),
+            "remapped_rows.pending": flag(remapped and remapped[2]) if remapped else None,
+            "remapped_rows.failure": flag(remapped and remapped[3]) if remapped else None,
+            "pcie.link.gen.current": text(gpu["pcie_gen"]),
+            "pcie.link.gen.max": text(gpu["pcie_gen_max"]),
+            "pcie.link.width.current": text(gpu["pcie_width"]),
+            "pcie.link.width.max": text(gpu["pcie_width_max"]),
+            "utilization.gpu": text(gpu["util"]),
+        }
+        for bit, field in EVENT_BITS.items():
+            if events is not None and (events & bit or field not in values):
+                values[field] = flag(events & bit, "Active", "Not Active")
+        found.append(GpuHealth(gpu["index"], gpu["uuid"], values))
+    return found
 
 
 def health_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:

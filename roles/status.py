@@ -19,8 +19,8 @@ Exit status: 0 every rig as declared, 1 drift, 2 a rig unreachable or a GPU gone
 fails, Xid 79 / 154 since the last boot, or the Xid watch's GPU-lost mark is set).
 docs/status.md explains every column.
 
-GPU facts come from nvidia-smi (roles.facts.NvidiaGpus): NVML through rigbook's own Python on
-the rig (roles/gpus.py --probe) is not used here, since a rig need not have rigbook installed.
+GPU facts come from nvidia-smi (roles.facts.NvidiaGpus). GPU health (roles/health.py) comes from
+NVML through rigbook's probe where the tools venv can run it, else from nvidia-smi.
 """
 
 from __future__ import annotations

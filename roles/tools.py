@@ -1,10 +1,12 @@
-"""rigbook's own tools venv on a rig: pinned uv (builds the serving venvs) and huggingface_hub.
+"""rigbook's own tools venv on a rig: pinned uv (builds the serving venvs), huggingface_hub and
+nvidia-ml-py.
 
 Roles that need a Python tool on the rig run it from /opt/rigbook/tools, never from the system
 Python or a serving venv: the venvs role builds with `UV`, the models role pulls with
-huggingface_hub. The pins are exact so that every rig builds with the same uv; uv comes from its
-wheel, which carries the standalone binary (no `curl | sh`). huggingface_hub brings hf_xet by its
-own dependency marker wherever a wheel of it exists (x86_64 and arm64).
+huggingface_hub, status reads GPU health through NVML (roles/health.py). The pins are exact so
+that every rig builds with the same uv; uv comes from its wheel, which carries the standalone
+binary (no `curl | sh`). huggingface_hub brings hf_xet by its own dependency marker wherever a
+wheel of it exists (x86_64 and arm64).
 
 Packages come from the rig's package source (python_find_links / python_no_index), the same one
 the serving venvs use. The venv is made once (`python3 -m venv`, Debian's python3-venv) and
@@ -27,7 +29,7 @@ TOOLS_PYTHON = f"{TOOLS_VENV}/bin/python"
 UV = f"{TOOLS_VENV}/bin/uv"
 
 #: Exact versions in the tools venv (distribution name as pip spells it -> version).
-TOOLS_PINS = {"uv": "0.13.9", "huggingface_hub": "2.4.0"}
+TOOLS_PINS = {"uv": "0.13.9", "huggingface_hub": "2.4.0", "nvidia-ml-py": "13.610.43"}
 
 
 def canonical(name: str) -> str:
@@ -110,6 +112,6 @@ def tools_packages(rig: Rig):
 
 @deploy("rigbook tools venv")
 def tools_venv(rig: Rig) -> None:
-    """/opt/rigbook/tools with pinned uv and huggingface_hub (python3-venv first on apt hosts)."""
+    """/opt/rigbook/tools with the pinned tools (python3-venv first on apt hosts)."""
     apt.packages(name="python3-venv (for the tools venv)", packages=["python3-venv"])
     tools_packages(rig, name=f"Pinned tools in {TOOLS_VENV}")

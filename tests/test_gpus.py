@@ -269,6 +269,14 @@ def _fake_pynvml(init_error: str | None = None) -> types.SimpleNamespace:
             types.SimpleNamespace(pid=4242, usedGpuMemory=2048 * gpus.MIB),
             types.SimpleNamespace(pid=4243, usedGpuMemory=None),
         ],
+        # GPU health, as NVML answered on an H200 (nvml-health.json)
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0, NVML_AGGREGATE_ECC=1,
+        nvmlDeviceGetMarginTemperature=lambda _: types.SimpleNamespace(marginTemperature=51),
+        nvmlDeviceGetTotalEccErrors=lambda _, kind, counter: 0,
+        nvmlDeviceGetRetiredPagesPendingStatus=not_supported,
+        nvmlDeviceGetRemappedRows=lambda _: (0, 0, 0, 0),
+        nvmlDeviceGetCurrentClocksEventReasons=lambda _: 1,
+        nvmlDeviceGetUtilizationRates=lambda _: types.SimpleNamespace(gpu=0, memory=0),
     )
 
 
@@ -283,6 +291,10 @@ def test_probe_main_prints_what_parse_probe_json_reads(monkeypatch, capsys):
     assert (driver, cuda) == ("580.159.04", "13.0")
     assert json.loads(printed)["gpus"][0]["procs"] == [
         {"pid": 4242, "used_mib": 2048}, {"pid": 4243, "used_mib": None}]
+    health = ("tlimit", "ecc_uncorrected", "retired_pending", "remapped", "events", "util")
+    real = json.loads(fixture("nvml-health.json"))["gpus"][0]
+    assert {key: json.loads(printed)["gpus"][0][key] for key in health} == {
+        key: real[key] for key in health}
 
 
 def test_probe_without_nvml_prints_error_and_exits_3(monkeypatch, capsys):

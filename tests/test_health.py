@@ -1,9 +1,15 @@
 """roles.health: the health query read from a real H200 (tests/fixtures/nvidia-h200/health.csv),
-and the findings each fault gives, on that same row with one value changed at a time.
+and the findings each fault gives, on that same row with one value changed at a time; the NVML
+probe's answer and nvidia-smi's, captured one after the other on another H200, read the same;
+the fact's shell takes NVML when the tools venv answers and nvidia-smi otherwise.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +17,21 @@ from pyinfra.api.exceptions import FactProcessError
 
 from roles.checks import Facts
 from roles.facts import _NO_SMI, _RC, _SMI
-from roles.health import HEALTH_FIELDS, GpuHealthReadings, health_findings, parse_health
+from roles.health import (
+    HEALTH_FIELDS,
+    GpuHealthReadings,
+    health_findings,
+    health_from_probe,
+    parse_health,
+)
 from roles.spec import Rig
+from roles.tools import TOOLS_PYTHON
 
-CAPTURE = (Path(__file__).parent / "fixtures" / "nvidia-h200" / "health.csv").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
+CAPTURE = (H200 / "health.csv").read_text()
+PROBE = json.loads((H200 / "nvml-health.json").read_text())
+SAME_MOMENT = (H200 / "health-same-moment.csv").read_text()
 HEADER, ROW = CAPTURE.splitlines()
 UUID = "GPU-fe498097-b8b0-08f8-71e6-602f1062937d"
 RIG = Rig(platform="ubuntu", gpu_class="other", gpu_count=1, gpu_limits_watts=(200, 700),
@@ -91,3 +108,70 @@ def test_rows_that_do_not_match_the_header_are_a_fact_error():
         GpuHealthReadings().process(smi_output(HEADER, ROW.rsplit(", ", 1)[0]))
     with pytest.raises(FactProcessError, match="no header"):
         GpuHealthReadings().process(smi_output(ROW))
+
+
+def readings(health) -> list[tuple[int, str, dict]]:
+    return [(gpu.index, gpu.uuid, {field: gpu.values.get(field) for field in HEALTH_FIELDS[2:]})
+            for gpu in health]
+
+
+def test_nvml_and_nvidia_smi_read_the_same_h200_the_same():
+    from_nvml = readings(health_from_probe(PROBE))
+    assert from_nvml == readings(parse_health(SAME_MOMENT.splitlines()))
+    [(_, _, values)] = from_nvml
+    assert values["temperature.gpu.tlimit"] == "51"  # NVML's margin is nvidia-smi's T.Limit
+    assert values["remapped_rows.failure"] == "No" and values["retired_pages.pending"] is None
+
+
+@pytest.mark.parametrize("events, active", [
+    (0x01, []),  # GPU idle only, as the H200 reported
+    (0x04, ["clocks_event_reasons.sw_power_cap"]),
+    (0x80, ["clocks_event_reasons.hw_slowdown"]),  # HW power brake
+    (0x48, ["clocks_event_reasons.hw_slowdown", "clocks_event_reasons.hw_thermal_slowdown"]),
+    (0x20, ["clocks_event_reasons.sw_thermal_slowdown"]),
+])
+def test_nvml_clock_event_bits_are_the_reasons_nvidia_smi_names(events, active):
+    probe = json.loads(json.dumps(PROBE))
+    probe["gpus"][0]["events"] = events
+    [gpu] = health_from_probe(probe)
+    assert sorted(field for field in HEALTH_FIELDS if gpu.active(field)) == active
+
+
+def fact_output(tmp_path: Path, python: str) -> list[str]:
+    """The fact's own shell, with the tools venv's python swapped for `python` and a stand-in
+    nvidia-smi on PATH that prints the H200's health query."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat {H200 / 'health-same-moment.csv'}\n")
+    smi.chmod(0o755)
+    command = GpuHealthReadings().command().replace(TOOLS_PYTHON, python)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
+                          check=True)
+    return done.stdout.splitlines()
+
+
+def test_the_fact_takes_nvml_from_the_tools_venv_and_nvidia_smi_without_it(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat {H200 / 'nvml-health.json'}\n")
+    fake.chmod(0o755)
+    with_nvml = fact_output(tmp_path, str(fake))
+    assert with_nvml[0] == "##RIGBOOK_NVML##"
+    without = fact_output(tmp_path, str(tmp_path / "no-such-python"))
+    assert without[0].startswith("##RIGBOOK_SMI##")
+    assert readings(GpuHealthReadings().process(with_nvml)) == readings(
+        GpuHealthReadings().process(without))
+
+
+def test_the_real_probe_answers_or_nvidia_smi_does(tmp_path):
+    """The real probe run by this python (nvidia-ml-py installed): without a driver here it
+    exits 3 and the stand-in nvidia-smi answers; with one, NVML answers."""
+    probe = subprocess.run([sys.executable, str(ROOT / "roles" / "gpus.py"), "--probe"],
+                           capture_output=True, text=True)
+    out = fact_output(tmp_path, sys.executable)
+    if probe.returncode == 0:
+        assert out[0] == "##RIGBOOK_NVML##", out[:3]
+    else:
+        assert probe.returncode == 3 and '"error"' in probe.stdout
+        assert out[0].startswith("##RIGBOOK_SMI##"), out[:3]
+        [gpu] = GpuHealthReadings().process(out)
+        assert gpu.uuid == PROBE["gpus"][0]["uuid"]

@@ -1,11 +1,19 @@
-"""The nastiest values rigbook accepts, rendered into a real unit and env file on a sandbox rig.
+"""The nastiest values rigbook accepts, rendered into the real files it writes on a sandbox rig.
 
 The serving unit and its engine.env are rendered exactly as roles/serving.py renders them, for a
 recipe whose engine arguments and environment hold quotes, `$()`, backticks, `%` specifiers,
 backslashes, spaces and a leading dash (tests/test_hostile.py lists them). On the rig,
 `systemd-analyze verify` checks the unit, and systemd itself starts it with a stand-in engine
 that writes down the argv and environment it was given: they must be the recipe's values
-exactly, with no extra argument, directive or variable. Nothing of it is left on the rig.
+exactly, with no extra argument, directive or variable.
+
+The other files whose text comes from host data get the same treatment with the most hostile
+values their types accept: the /dev/shm reaper's unit (globs with [ ] * ?) and the hub mirror's
+unit (a cache path with : = , + @) are verified and started, their argv read back; the driver's
+apt source (a URL holding $( ), ;, #, %, & and ?) is read by apt itself, which must see one
+repository at that URL; the modprobe options file is read by modprobe itself, which must see one
+`options nvidia` line with those values. (The power unit, sysctl file and fstab line take only
+numbers, sizes and nvidia-smi's own UUIDs.) Nothing of it is left on the rig.
 """
 
 from __future__ import annotations
@@ -16,7 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from roles.render import systemd_word
+from roles.driver import TEMPLATES, AptSource, ModprobeConf
+from roles.guards import REAPER, REAPER_UNIT
+from roles.guards import SOURCES as GUARD_FILES
+from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
+from roles.render import render, systemd_word
 from roles.serving import ENV_PATH, SERVE_HOME, SERVE_USER, render_env, render_unit, serve_plan
 from roles.spec import Rig
 from tests.conftest import ROOT, rig_ssh
@@ -34,6 +46,8 @@ import json, os, sys
 json.dump({{"argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items()
                                           if k.startswith("HOSTILE_")}}}}, open("{OUT}", "w"))
 """
+#: For units with a private /tmp: the argv to the journal.
+PRINTER = '#!/usr/bin/python3\nimport json, sys\nprint(json.dumps({"argv": sys.argv[1:]}))\n'
 
 
 def put(rig: dict, path: str, text: str, mode: str = "644") -> None:
@@ -94,3 +108,54 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
     finally:
         rig_ssh(rig, f"systemctl stop {UNIT}; rm -f /etc/systemd/system/{UNIT} {DUMP} {OUT}; "
                      "rm -rf /etc/rigbook-hostile; systemctl daemon-reload", check=False)
+
+
+#: Accepted by the types (roles/types.py, roles/spec.py), and as hostile as they allow.
+GLOBS = ("x[a-z]*?.mmap", "_.-*", "a[!b]c")
+CACHE = "/srv/hf:cache=a,b+c@d"
+APT_URL = "https://mirror.lan:8080/nv/$(id);#%41?x=1&y=$HOME,a+b"
+MODPROBE = {"NVreg_A": "0x00", "NVreg_B": "a=b,c:d/+-.0"}
+
+
+def started_argv(rig: dict, name: str, unit: str, program: str) -> list[str]:
+    """Writes `unit` with `program` swapped for the dumper, verifies and starts it: its argv."""
+    assert f"ExecStart={program} " in unit
+    unit = unit.replace(f"ExecStart={program} ", f"ExecStart={DUMP} ", 1)
+    put(rig, f"/etc/systemd/system/{name}", unit)
+    verify = rig_ssh(rig, f"systemd-analyze verify /etc/systemd/system/{name}", check=False)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    rig_ssh(rig, f"systemctl daemon-reload && systemctl start {name}")
+    rig_ssh(rig, f"timeout 30 sh -c 'until journalctl -u {name} -o cat | grep -q argv; do "
+                 "sleep 0.2; done'")
+    printed = rig_ssh(rig, f"journalctl -u {name} -o cat | grep argv | tail -n 1").stdout
+    return json.loads(printed)["argv"]
+
+
+def test_accepted_hostile_values_are_inert_in_every_other_file_rigbook_writes(sandbox):
+    rig = sandbox["rig1"]
+    reaper = render(GUARD_FILES / f"{REAPER_UNIT}.j2", patterns=GLOBS)
+    mirror = render(MIRROR_TEMPLATE, cache=CACHE, port=8080, script=MIRROR_SCRIPT)
+    try:
+        put(rig, DUMP, PRINTER, "755")
+        argv = started_argv(rig, "rigbook-hostile-reaper.service", reaper, "/usr/bin/python3")
+        assert argv == [REAPER, *[word for glob in GLOBS for word in ("--pattern", glob)]]
+        argv = started_argv(rig, "rigbook-hostile-mirror.service", mirror, "/usr/bin/python3")
+        assert argv == [MIRROR_SCRIPT, "--cache", CACHE, "--host", "0.0.0.0", "--port", "8080"]
+
+        put(rig, "/tmp/rigbook-hostile-apt/parts/nvidia.sources",
+            render(TEMPLATES / "nvidia.sources.j2", cfg=AptSource(uri=APT_URL, trusted=True)))
+        uris = rig_ssh(rig, "cd /tmp/rigbook-hostile-apt && mkdir -p lists/partial && "
+                            "apt-get -o Dir::Etc::SourceList=/dev/null -o Dir::Etc::SourceParts="
+                            "parts -o Dir::State::Lists=lists --print-uris update").stdout
+        fetched = [line.split(" ", 1)[0].strip("'") for line in uris.splitlines() if line]
+        assert fetched and all(uri.rsplit("/", 1)[0] == APT_URL for uri in fetched), uris
+
+        put(rig, "/tmp/rigbook-hostile-modprobe.conf",
+            render(TEMPLATES / "modprobe.conf.j2", cfg=ModprobeConf(MODPROBE)))
+        shown = rig_ssh(rig, "modprobe -C /tmp/rigbook-hostile-modprobe.conf -c").stdout
+        ours = [line for line in shown.splitlines() if not line.startswith("alias ")]
+        assert ours == ["options nvidia NVreg_A=0x00 NVreg_B=a=b,c:d/+-.0"], ours
+    finally:
+        rig_ssh(rig, "systemctl stop rigbook-hostile-reaper.service rigbook-hostile-mirror.service;"
+                     " rm -rf /etc/systemd/system/rigbook-hostile-* /tmp/rigbook-hostile-* "
+                     f"{DUMP}; systemctl reset-failed; systemctl daemon-reload", check=False)

@@ -657,9 +657,10 @@ def test_tools_venv_installs_only_what_differs():
     assert shell(commands) == [
         f"python3 -m venv {TOOLS_VENV}",
         f"{TOOLS_VENV}/bin/python -m pip install --quiet --disable-pip-version-check --no-input "
-        "--no-index --find-links /srv/w uv==0.13.9 huggingface_hub==2.4.0",
+        "--no-index --find-links /srv/w uv==0.13.9 huggingface_hub==2.4.0 nvidia-ml-py==13.610.43",
     ]
-    installed = {"uv": "0.13.9", "huggingface-hub": "2.3.0", "pip": "23.0.1"}
+    installed = {"uv": "0.13.9", "huggingface-hub": "2.3.0", "nvidia_ml_py": "13.610.43",
+                 "pip": "23.0.1"}
     commands, _ = run_op(tools_packages, {"ToolsVersions": installed}, rig())
     assert shell(commands) == [
         f"{TOOLS_VENV}/bin/python -m pip install --quiet --disable-pip-version-check --no-input "
@@ -669,7 +670,7 @@ def test_tools_venv_installs_only_what_differs():
     installed["Huggingface_Hub"] = "2.4.0"
     commands, host = run_op(tools_packages, {"ToolsVersions": installed}, rig())
     assert commands == [] and host.noops == [
-        "/opt/rigbook/tools already holds uv 0.13.9, huggingface_hub 2.4.0"
+        "/opt/rigbook/tools already holds uv 0.13.9, huggingface_hub 2.4.0, nvidia-ml-py 13.610.43"
     ]
     assert differing_pins(None) == TOOLS_PINS
 
