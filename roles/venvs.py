@@ -92,11 +92,13 @@ def engine_venv(engine: str, name: str | None = None, **fields: Any) -> dict[str
     """A venvs[] entry with rigbook's pins for `engine`, for Python inventories.
 
     `engine_venv("vllm", services=["vllm.service"])` ->
-    {"name": "vllm", "engine": "vllm", "packages": ["vllm==0.33.0", "torch==2.14.0"], ...}
+    {"name": "vllm-0.33", "engine": "vllm", "packages": ["vllm==0.33.0", "torch==2.14.0"], ...}
+    (the name the shipped recipes give that engine's venv, unless `name` says another).
     """
     if engine not in ENGINE_PINS:
         raise RigbookError(f"no shipped pins for engine {engine!r}; allowed: {sorted(ENGINE_PINS)}")
-    entry = {"name": name or engine, "engine": engine, "packages": ENGINE_PINS[engine]["packages"]}
+    pins = ENGINE_PINS[engine]
+    entry = {"name": name or pins["venv"], "engine": engine, "packages": pins["packages"]}
     entry.update(fields)
     return VenvSpec.model_validate(entry).model_dump(mode="json")
 

@@ -14,6 +14,17 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
 fi
 
+# The venv is current when it was installed from this pyproject.toml and its packages are all
+# there: then nothing is fetched, so the demo also runs offline.
+stamp=.venv/.rigbook-pyproject.sha256
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] &&
+        .venv/bin/python -m pip check -q >/dev/null 2>&1 && [ -x .venv/bin/rigbook ]; then
+    echo "setup: .venv is current (pyproject.toml unchanged since its install): nothing fetched"
+    exit 0
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
+rm -f "$stamp"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
+echo "$want" > "$stamp"

@@ -25,6 +25,7 @@ from pyinfra.api import FunctionCommand
 from roles.errors import RigbookError
 from roles.facts import _RC, _SMI
 from roles.gpus import Gpu, GpuProbe
+from roles.recipes import VENV_ENGINE
 from roles.render import render
 from roles.spec import Rig, VenvSpec, parse_rig
 from roles.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
@@ -731,7 +732,13 @@ def test_shipped_engine_pins_resolve_with_the_cuda_they_claim(tmp_path):
 def test_engine_venv_uses_the_shipped_pins():
     entry = engine_venv("vllm", services=["vllm.service"])
     assert entry["packages"] == ["vllm==0.33.0", "torch==2.14.0"]
-    assert entry["name"] == "vllm" and entry["services"] == ["vllm.service"]
+    assert entry["name"] == "vllm-0.33" and entry["services"] == ["vllm.service"]
     assert rig(venvs=[entry]).venvs[0].engine == "vllm"
     with pytest.raises(RigbookError, match="no shipped pins for engine 'tgi'"):
         engine_venv("tgi")
+
+
+def test_engine_venv_names_the_venv_as_every_shipped_recipe_does():
+    for path in sorted((ROOT / "files" / "recipes").glob("*.toml")):
+        recipe = tomllib.loads(path.read_text())
+        assert engine_venv(VENV_ENGINE[recipe["engine"]])["name"] == recipe["venv"], path.name
