@@ -27,7 +27,7 @@ from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
 from roles.checks import Check, Facts, Finding, Read, warn
-from roles.facts import _smi_attempts, _smi_script
+from roles.facts import SMI_TIMEOUT_S, _smi_attempts, _smi_script
 from roles.gpus import csv_header, na, number, parse_fields
 from roles.spec import Rig
 from roles.tools import TOOLS_PYTHON
@@ -94,7 +94,9 @@ class GpuHealthReadings(FactBase[list[GpuHealth] | None]):
     def command(self) -> str:
         probe = f"{TOOLS_PYTHON} -I -c {shlex.quote(_PROBE.read_text())} --probe 2>/dev/null"
         smi = _smi_script(f"--query-gpu={','.join(HEALTH_FIELDS)} --format=csv,nounits")
-        return (f'if [ -x {TOOLS_PYTHON} ] && nvml=$({probe}); then echo "{_NVML}"; '
+        # a wedged GPU can hang NVML: past the limit (or without `timeout`) nvidia-smi answers
+        return (f'if [ -x {TOOLS_PYTHON} ] && nvml=$(timeout {SMI_TIMEOUT_S} {probe}); then '
+                f'echo "{_NVML}"; '
                 f'printf "%s\\n" "$nvml"; else {smi}; fi')
 
     def process(self, output: list[str]) -> list[GpuHealth] | None:

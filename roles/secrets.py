@@ -57,18 +57,25 @@ class Secret:
 def read_secret_file(field: str, path: str, noun: str, forbidden: str = "") -> str:
     """The one secret in an operator-side file named by host-data `field`.
 
-    RigbookError, naming the field and the file, when it cannot be read or holds anything but
-    one word (or holds one of the `forbidden` characters).
+    RigbookError, naming the field and the file, when it cannot be read, when other users of
+    this machine may read or write it, or when it holds anything but one word (or holds one of
+    the `forbidden` characters).
     """
     file = Path(path).expanduser()
     shown = "the file named" if looks_secret(path) else str(file)
     try:
+        mode = file.stat().st_mode & 0o777
         text = file.read_text().strip()
     except OSError as error:
         raise RigbookError(
             f"{field}: cannot read {shown} on this machine ({error.strerror}); "
             f"allowed: the path of a readable file holding one {noun} (not the {noun} itself)"
         ) from None
+    if mode & 0o077:
+        raise RigbookError(
+            f"{field}: other users of this machine may read {shown} (mode {mode:04o}); "
+            f"allowed: a file only its owner can read (chmod 600)"
+        )
     if not text or len(text.split()) != 1 or any(c in text for c in forbidden):
         no = f", none of {' '.join(forbidden)}" if forbidden else ""
         raise RigbookError(

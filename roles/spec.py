@@ -288,8 +288,9 @@ class Rig(_Model):
     serving_api_key_file: LocalPath | None = Field(
         None,
         description=(
-            "API key file on the operator's machine; copied root-only to the rig, passed to the "
-            "engine in its environment, never on its command line."
+            "API key file on the operator's machine, readable by its owner only (chmod 600); "
+            "copied root-only to the rig, passed to the engine in its environment, never on its "
+            "command line."
         ),
     )
     serving_health_timeout_s: StrictInt = Field(
@@ -371,7 +372,8 @@ class Rig(_Model):
     )
     models_token_file: LocalPath | None = Field(
         None,
-        description="HF token file on the operator's machine (wins over the HF_TOKEN env var).",
+        description=("HF token file on the operator's machine, readable by its owner only (chmod "
+                     "600); wins over the HF_TOKEN env var."),
     )
     models_prune: StrictBool = Field(
         False, description="Remove cached repos that models does not list (else only report)."

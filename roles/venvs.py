@@ -771,7 +771,8 @@ def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
     plan = BuildPlan(
         name=spec.name, build=build, python=spec.python, install_args=install_args(spec, rig),
         uv_env=uv_environment(rig), smoke_input=smoke_input(spec, rig, digest, build, driver),
-        prune=tuple(prune_selection(others, rig.venvs_keep, prefer=state.target_build)),
+        # the build it replaces may still run an engine: kept this run even with venvs_keep 0
+        prune=tuple(prune_selection(others, max(rig.venvs_keep, 1), prefer=state.target_build)),
         services=spec.services, reuse=decision.action == "swap",
     )
     yield StringCommand(build_script(plan))

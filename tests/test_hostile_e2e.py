@@ -111,10 +111,15 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
 
 
 #: Accepted by the types (roles/types.py, roles/spec.py), and as hostile as they allow.
-GLOBS = ("x[a-z]*?.mmap", "_.-*", "a[!b]c")
+GLOBS = ("x[a-z]*?.mmap", "_.-*", "a[b]c")
 CACHE = "/srv/hf:cache=a,b+c@d"
 APT_URL = "https://mirror.lan:8080/nv/$(id);#%41?x=1&y=$HOME,a+b"
 MODPROBE = {"NVreg_A": "0x00", "NVreg_B": "a=b,c:d/+-.0"}
+#: The rig that declares them: validated here, so they are values rigbook does accept.
+ACCEPTED = Rig.model_validate({
+    "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "guards_shm_patterns": GLOBS,
+    "models_cache": CACHE, "driver_repo_uri": APT_URL, "driver_modprobe_options": MODPROBE,
+})
 
 
 def started_argv(rig: dict, name: str, unit: str, program: str) -> list[str]:
@@ -133,8 +138,9 @@ def started_argv(rig: dict, name: str, unit: str, program: str) -> list[str]:
 
 def test_accepted_hostile_values_are_inert_in_every_other_file_rigbook_writes(sandbox):
     rig = sandbox["rig1"]
-    reaper = render(GUARD_FILES / f"{REAPER_UNIT}.j2", patterns=GLOBS)
-    mirror = render(MIRROR_TEMPLATE, cache=CACHE, port=8080, script=MIRROR_SCRIPT)
+    reaper = render(GUARD_FILES / f"{REAPER_UNIT}.j2", patterns=ACCEPTED.guards_shm_patterns)
+    mirror = render(MIRROR_TEMPLATE, cache=ACCEPTED.models_cache, port=8080,
+                    script=MIRROR_SCRIPT)
     try:
         put(rig, DUMP, PRINTER, "755")
         argv = started_argv(rig, "rigbook-hostile-reaper.service", reaper, "/usr/bin/python3")
@@ -143,7 +149,8 @@ def test_accepted_hostile_values_are_inert_in_every_other_file_rigbook_writes(sa
         assert argv == [MIRROR_SCRIPT, "--cache", CACHE, "--host", "0.0.0.0", "--port", "8080"]
 
         put(rig, "/tmp/rigbook-hostile-apt/parts/nvidia.sources",
-            render(TEMPLATES / "nvidia.sources.j2", cfg=AptSource(uri=APT_URL, trusted=True)))
+            render(TEMPLATES / "nvidia.sources.j2",
+                   cfg=AptSource(uri=ACCEPTED.driver_repo_uri, trusted=True)))
         apt = "/tmp/rigbook-hostile-apt"
         uris = rig_ssh(rig, f"mkdir -p {apt}/lists/partial && apt-get -o Dir::Etc::SourceList="
                             f"/dev/null -o Dir::Etc::SourceParts={apt}/parts -o "
@@ -152,7 +159,8 @@ def test_accepted_hostile_values_are_inert_in_every_other_file_rigbook_writes(sa
         assert fetched and all(uri.rsplit("/", 1)[0] == APT_URL for uri in fetched), uris
 
         put(rig, "/tmp/rigbook-hostile-modprobe.conf",
-            render(TEMPLATES / "modprobe.conf.j2", cfg=ModprobeConf(MODPROBE)))
+            render(TEMPLATES / "modprobe.conf.j2",
+                   cfg=ModprobeConf(dict(ACCEPTED.driver_modprobe_options))))
         shown = rig_ssh(rig, "modprobe -C /tmp/rigbook-hostile-modprobe.conf -c").stdout
         # (modprobe -c also lists the kernel command line's options and the module aliases)
         ours = [line for line in shown.splitlines() if "nvidia " in line or "NVreg" in line]

@@ -445,6 +445,10 @@ def test_operator_token_sources(tmp_path):
     path = tmp_path / "token"
     path.write_text("hf_fromfile\n")
     cfg = rig(models_token_file=str(path))
+    with pytest.raises(RigbookError, match=r"other users of this machine may read .* \(mode 0644\)"
+                                           r"; allowed: a file only its owner can read"):
+        operator_token(cfg, {"HF_TOKEN": TOKEN})
+    path.chmod(0o600)
     assert operator_token(cfg, {"HF_TOKEN": TOKEN}).reveal() == "hf_fromfile"  # the file wins
     path.write_text("two words\n")
     with pytest.raises(RigbookError, match="must hold one token"):

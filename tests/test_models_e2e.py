@@ -208,8 +208,12 @@ def test_leftovers_cleaned_and_unlisted_repos_reported_then_pruned(rig_with_stub
                  f"head -c 2097152 /dev/zero > {old}/blobs/{'f' * 40} && "
                  f"ln -s ../../blobs/{'f' * 40} {old}/snapshots/{'f' * 40}/config.json")
 
+    rig_ssh(rig, f"install -d -m 700 /etc/rigbook/secrets && install -m 600 /dev/null {TOKEN_PATH}")
     run = deploy(rig)
     assert run.returncode == 0, run.explain()
+    # No token supplied this time: the one an earlier run placed is gone from the rig.
+    assert changed(run, f"No HF token on the rig ({TOKEN_PATH}): none supplied this run")
+    assert rig_ssh(rig, f"test -e {TOKEN_PATH}", check=False).returncode == 1
     assert "removed 1 .incomplete leftover(s) (0.00 MiB)" in run.stderr
     assert "nothing to download" in run.stderr
     assert "cached but not in models: 1 repo(s), 2.00 MiB: old/model (2.00 MiB)" in run.stderr

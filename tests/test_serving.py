@@ -158,7 +158,7 @@ def test_unit_runs_unprivileged_with_graceful_stop_and_the_gpu_check():
 
 def test_cpu_recipes_have_no_gpu_check_and_a_key_file_when_bound_wider(tmp_path: Path):
     key = tmp_path / "key"
-    key.write_text("s3cret-key\n")
+    _write(key, "s3cret-key\n")
     plan = serve_plan(cpu_rig(serving_bind="0.0.0.0", serving_api_key_file=str(key)), "rig1")
     unit = render_unit(plan, SMI)
     assert "ExecStartPre" not in unit and f"EnvironmentFile={KEY_PATH}" in unit
@@ -211,6 +211,7 @@ def test_bad_serving_input_names_rig_and_field(tmp_path: Path, rig, expected):
 
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
+    path.chmod(0o600)
     return path
 
 

@@ -97,6 +97,7 @@ def test_serving_story(sandbox, tmp_path: Path):
     place_model(rig, gguf, revision)
     key_file = tmp_path / "api-key"
     key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
 
     def run(deploy: str, recipe: str):
         return run_pyinfra(SANDBOX_INVENTORY, deploy, *data_args(recipe, revision, key_file))

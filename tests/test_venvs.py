@@ -594,6 +594,25 @@ def test_back_on_the_old_driver_deploys_venvs_swaps_to_the_build_made_for_it():
     assert "rm -rf" not in script  # the build it replaces is the one venvs_keep keeps
 
 
+def test_venvs_keep_0_never_removes_the_build_an_engine_may_still_run_from():
+    r = rig(venvs=[DEMO], venvs_keep=0)
+    digest = spec_hash(spec(), r)
+    live = build_name("demo", digest, "20261101T000000Z")
+    older = build_name("demo", digest, "20261001T000000Z")
+    state = VenvState(f"/opt/rigbook/venvs/{live}", False, {
+        live: manifest(live, "580.95.05", digest), older: manifest(older, "580.95.05", digest)})
+    commands, _ = run_op(venv_build, facts(state, driver="580.159.04"), r, spec(),
+                         rebuild_stale=True)
+    (script,) = shell(commands)
+    assert " pip install " in script and f"/opt/rigbook/venvs/{older}" in script
+    prune = script[script.index("rm -rf --"):].splitlines()[0]
+    assert older in prune and live not in prune
+    # The next run, on the new build, removes it.
+    new = next(b for b in re.findall(r"demo-[0-9a-f]{12}-\d{8}T\d{6}Z", script) if b != live
+               and b != older)
+    assert prune_selection({new: {}, live: {}}, 0, live=new) == [live]
+
+
 def test_stale_venv_warns_in_a_converge_and_is_rebuilt_by_deploys_venvs():
     r = rig(venvs=[DEMO])
     stale = current(r, spec(), driver="580.95.05")

@@ -126,9 +126,9 @@ def test_venv_build_swap_fail_stale_rebuild(sandbox):
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", built["built_at"])
         assert six_version(rig1) == "1.16.0"
         env = rig_ssh(rig1, f"cat {env_file(NAME)}").stdout.splitlines()
-        assert f"PATH={VENVS_DIR}/{NAME}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:" \
-               "/sbin:/bin" in env
-        assert "VLLM_USE_FLASHINFER_SAMPLER=0" in env  # no nvcc anywhere on a sandbox rig
+        assert f'PATH="{VENVS_DIR}/{NAME}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:' \
+               '/sbin:/bin"' in env
+        assert 'VLLM_USE_FLASHINFER_SAMPLER="0"' in env  # no nvcc anywhere on a sandbox rig
         assert not any(line.startswith("CUDA_HOME=") for line in env)  # no torch, no nvidia/cu13
 
         # 2. Second converge: nothing changes.

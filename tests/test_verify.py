@@ -258,6 +258,7 @@ def rig(**data):
 def test_plan_from_host_data(tmp_path: Path):
     key = tmp_path / "key"
     key.write_text(KEY + "\n")
+    key.chmod(0o600)
     wide = rig(serving_bind="0.0.0.0", serving_api_key_file=str(key), verify_prefill_tokens=300,
                verify_needle_exact=False)
     target_, settings = verify_plan(wide, "rigA", "10.231.1.2")

@@ -62,6 +62,7 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
     place_model(rig, gguf, revision)
     key_file = tmp_path / "api-key"
     key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
     base = data_args("tiny-cpu-a", revision, key_file)
 
     def verify(**more: str):
