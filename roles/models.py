@@ -689,6 +689,9 @@ def models(rig: Rig) -> None:
     except RigbookError as error:
         refused(name="Read the HF token on this machine", message=f"{host.name}: {error}")
         return
+    if token is None:  # pulls without one; a token given before does not stay on the rig
+        files.file(name=f"No HF token on the rig ({TOKEN_PATH}): none supplied this run",
+                   path=TOKEN_PATH, present=False)
     if specs:
         tools_venv(rig)
         files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
@@ -700,9 +703,6 @@ def models(rig: Rig) -> None:
             hf_token(name=f"Place the HF token in {TOKEN_PATH} (root only)", token=token)
         for spec in specs:
             model_snapshot(name=f"Pull {label(spec)}", spec=spec, rig=rig, token=token)
-    if token is None:
-        files.file(name=f"No HF token on the rig ({TOKEN_PATH}): none supplied this run",
-                   path=TOKEN_PATH, present=False)
     if rig.models_only is None:
         prune_models(
             name="Cached repos not in models",

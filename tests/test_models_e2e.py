@@ -182,10 +182,20 @@ def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, 
                          f"| grep -c {TOKEN}", check=False).stdout.split()
     assert leaks == ["0"], leaks
 
+    # 4. No token supplied any more: the complete snapshot asks nothing of the hub, and the
+    # token does not stay on the rig.
+    monkeypatch.delenv("HF_TOKEN")
+    fourth = deploy(rig)
+    assert fourth.returncode == 0, fourth.explain()
+    assert len(fourth.changed()) == 1, fourth.explain()
+    assert changed(fourth, f"No HF token on the rig ({TOKEN_PATH})"), fourth.explain()
+    assert rig_ssh(rig, f"test -e {TOKEN_PATH}", check=False).returncode == 1
+    assert len(stub.requests()) == before
+
 
 def test_disk_full_preflight_refuses_with_numbers(rig_with_stub, monkeypatch):
     rig, stub = rig_with_stub
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)  # the stub's repo is gated
     stub.start()
     run = deploy(rig, models=(TINY, HUGE), models_only=HUGE.repo_id)
     assert run.returncode != 0, run.explain()
@@ -199,7 +209,7 @@ def test_disk_full_preflight_refuses_with_numbers(rig_with_stub, monkeypatch):
 
 def test_leftovers_cleaned_and_unlisted_repos_reported_then_pruned(rig_with_stub, monkeypatch):
     rig, stub = rig_with_stub
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)  # the stub's repo is gated
     stub.start()
     blobs = f"{CACHE}/{repo_folder(TINY.repo_id)}/blobs"
     old = f"{CACHE}/models--old--model"
@@ -208,12 +218,8 @@ def test_leftovers_cleaned_and_unlisted_repos_reported_then_pruned(rig_with_stub
                  f"head -c 2097152 /dev/zero > {old}/blobs/{'f' * 40} && "
                  f"ln -s ../../blobs/{'f' * 40} {old}/snapshots/{'f' * 40}/config.json")
 
-    rig_ssh(rig, f"install -d -m 700 /etc/rigbook/secrets && install -m 600 /dev/null {TOKEN_PATH}")
     run = deploy(rig)
     assert run.returncode == 0, run.explain()
-    # No token supplied this time: the one an earlier run placed is gone from the rig.
-    assert changed(run, f"No HF token on the rig ({TOKEN_PATH}): none supplied this run")
-    assert rig_ssh(rig, f"test -e {TOKEN_PATH}", check=False).returncode == 1
     assert "removed 1 .incomplete leftover(s) (0.00 MiB)" in run.stderr
     assert "nothing to download" in run.stderr
     assert "cached but not in models: 1 repo(s), 2.00 MiB: old/model (2.00 MiB)" in run.stderr
@@ -233,7 +239,7 @@ def test_leftovers_cleaned_and_unlisted_repos_reported_then_pruned(rig_with_stub
 def test_fleet_pull_through_rigbook_mirror(rig_with_stub, monkeypatch):
     """models_mirror_port serves the rig's complete snapshots; another cache pulls from it."""
     rig, stub = rig_with_stub
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)  # the stub's repo is gated
     stub.start()
     mirror_port, other = PORT + 1, "/var/lib/rigbook/hf/hub2"
     try:
