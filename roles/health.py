@@ -2,8 +2,8 @@
 
 `rigbook status` shows, per GPU, what needs a person before the next model is loaded:
 uncorrected ECC errors (volatile and aggregate), retired pages and remapped rows pending or
-failed, the clock-event (throttle) reasons active now, the temperature against the slowdown
-threshold, and a PCIe link below its maximum while the card is busy. Xids since boot are the
+failed, the clock-event (throttle) reasons active now, the temperature against the card's
+T.Limit, and a PCIe link below its maximum while the card is busy. Xids since boot are the
 guards' check (roles/guards.py). Each finding says what it means and what to do.
 
 The values come from NVML: rigbook's probe (roles/gpus.py, `--probe`) run by the tools venv's
@@ -54,7 +54,8 @@ EVENT_BITS = {
 _NVML = "##RIGBOOK_NVML##"
 #: The probe's source, run with `python -c` on the rig: nothing of rigbook is installed there.
 _PROBE = Path(__file__).with_name("gpus.py")
-#: Degrees below the slowdown limit under which a card is close to it (temperature.gpu.tlimit).
+#: Degrees below its T.Limit (temperature.gpu.tlimit: the throttling limit; the slowdown starts
+#: a few degrees earlier) under which a card is about to throttle.
 NEAR_SLOWDOWN_C = 5
 #: The hardware notes' rule: a power plateau at 78 °C means the card is throttling.
 PLATEAU_C = 78
@@ -198,7 +199,7 @@ def _gpu_findings(gpu: GpuHealth) -> list[Finding]:
             break
     temperature, margin = gpu.number("temperature.gpu"), gpu.number("temperature.gpu.tlimit")
     if margin is not None and margin <= NEAR_SLOWDOWN_C:
-        add("warn", f"{margin} °C below its slowdown limit ({temperature} °C): it is about to "
+        add("warn", f"{margin} °C below its T.Limit ({temperature} °C now): it is about to "
                     "throttle; check the cooling or lower the cap")
     if (gpu.active("clocks_event_reasons.sw_power_cap") and temperature is not None
             and temperature >= PLATEAU_C):

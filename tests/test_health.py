@@ -76,7 +76,7 @@ def test_the_h200_capture_reads_as_one_healthy_gpu():
       "clocks_event_reasons__hw_slowdown": "Active"},
      [("warn", "GPU 0: HW thermal slowdown active now")]),
     ({"temperature__gpu": "83", "temperature__gpu__tlimit": "4"},
-     [("warn", "GPU 0: 4 °C below its slowdown limit (83 °C)")]),
+     [("warn", "GPU 0: 4 °C below its T.Limit (83 °C now)")]),
     ({"temperature__gpu": "80", "clocks_event_reasons__sw_power_cap": "Active"},
      [("warn", "GPU 0: held at its power cap at 80 °C")]),
     ({"pcie__link__gen__current": "3", "utilization__gpu": "97"},
