@@ -87,6 +87,12 @@ def _smi_attempts(output: list[str]) -> list[tuple[str, list[str], int]] | None:
     return attempts
 
 
+def _smi_answer(attempts: list[tuple[str, list[str], int]]) -> tuple[str, list[str], int]:
+    """The first nvidia-smi that exited 0; if none did, the first one, whose message (what a user
+    on that host gets by typing nvidia-smi) says what is broken."""
+    return next((attempt for attempt in attempts if attempt[2] == 0), attempts[0])
+
+
 class NvidiaGpus(FactBase[GpuProbe | None]):
     """
     The GPUs as nvidia-smi reports them, or why it cannot; None when no nvidia-smi exists.
@@ -118,9 +124,7 @@ class NvidiaGpus(FactBase[GpuProbe | None]):
         attempts = _smi_attempts(output)
         if attempts is None:
             return None
-        # The first nvidia-smi that exited 0 answers; if none did, the first one's message
-        # (the nvidia-smi a user on that host gets by typing it) says what is broken.
-        path, lines, status = next((a for a in attempts if a[2] == 0), attempts[0])
+        path, lines, status = _smi_answer(attempts)
         text = "\n".join(lines)
         if status == 124:  # coreutils timeout: the card hangs nvidia-smi
             text = f"nvidia-smi did not answer within {SMI_TIMEOUT_S} s\n{text}"

@@ -41,7 +41,7 @@ from pyinfra.operations.util import any_changed
 from roles import FILES
 from roles.checks import Check, Facts, Finding, Read, warn
 from roles.errors import RigbookError
-from roles.facts import GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
+from roles.facts import GPUS_READ, NvidiaGpus, _smi_answer, _smi_attempts, _smi_script
 from roles.gpus import Gpu
 from roles.messages import notice, refuse, warn_once
 from roles.render import template
@@ -431,7 +431,7 @@ def parse_topology(output: list[str]) -> Topology:
     links = _smi_attempts(_section(output, _NVLINK_S, None))
     if topo is None:
         return Topology(error="no nvidia-smi")
-    smi, lines, status = next((a for a in topo if a[2] == 0), topo[0])
+    smi, lines, status = _smi_answer(topo)
     if status != 0:
         why = " ".join(" ".join(lines).split())[:200] or f"exit {status}"
         return Topology(smi=smi, error=f"{smi} topo -m failed: {why}")
@@ -441,7 +441,7 @@ def parse_topology(output: list[str]) -> Topology:
         return Topology(smi=smi, error=f"{smi} topo -m: {e}")
     nvlinks, error = None, None
     if links is not None:
-        path, link_lines, link_status = next((a for a in links if a[2] == 0), links[0])
+        path, link_lines, link_status = _smi_answer(links)
         if link_status == 0:
             try:
                 nvlinks = parse_nvlink_status(link_lines)

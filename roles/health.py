@@ -27,7 +27,7 @@ from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
 from roles.checks import Check, Facts, Finding, Read, warn
-from roles.facts import SMI_TIMEOUT_S, _smi_attempts, _smi_script
+from roles.facts import SMI_TIMEOUT_S, _smi_answer, _smi_attempts, _smi_script
 from roles.gpus import csv_header, na, number, parse_fields
 from roles.spec import Rig
 from roles.tools import TOOLS_PYTHON
@@ -109,7 +109,7 @@ class GpuHealthReadings(FactBase[list[GpuHealth] | None]):
         attempts = _smi_attempts(output)
         if attempts is None:
             return None
-        path, lines, status = next((a for a in attempts if a[2] == 0), attempts[0])
+        path, lines, status = _smi_answer(attempts)
         if status != 0:
             raise FactProcessError(f"{path}: {' '.join(lines)[:300]}")
         try:

@@ -26,8 +26,8 @@ from roles.health import (
 )
 from roles.spec import Rig
 from roles.tools import TOOLS_PYTHON
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
 CAPTURE = (H200 / "health.csv").read_text()
 PROBE = json.loads((H200 / "nvml-health.json").read_text())
