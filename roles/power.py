@@ -19,7 +19,6 @@ the live caps (docs/power.md, "WSL2").
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from pyinfra.operations import systemd
 from rich.console import Console
 from rich.table import Table
 
+from roles.cap_check import LINE as CAP_LINE
 from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.errors import RigbookError
 from roles.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
@@ -210,9 +210,6 @@ def render_unit(smi: str, caps: Iterable[GpuCap]) -> str:
 
 _UNIT = "##RIGBOOK_UNIT##"
 _ENABLED = "##RIGBOOK_ENABLED##"
-_EXEC_START = re.compile(
-    r"^ExecStart=-?(?P<smi>\S+)\s+-i\s+(?P<gpu>\S+)\s+-pl\s+(?P<watts>\d+(?:\.\d+)?)\s*$"
-)
 
 
 @dataclass(frozen=True)
@@ -261,7 +258,7 @@ def unit_caps(exec_starts: Iterable[str]) -> tuple[dict[str, float], list[str]]:
     """({GPU UUID: watts}, lines that are not `nvidia-smi -i <UUID> -pl <W>`) of a unit."""
     caps, other = {}, []
     for line in exec_starts:
-        match = _EXEC_START.match(line)
+        match = CAP_LINE.match(line)
         if match:
             caps[match.group("gpu")] = float(match.group("watts"))
         else:

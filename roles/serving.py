@@ -33,6 +33,7 @@ import io
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
@@ -40,7 +41,7 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files, server
 
-from roles import FILES
+from roles import FILES, cap_check, power
 from roles.checks import Check, Facts, Finding, Read, drift, error, refusal
 from roles.errors import RigbookError
 from roles.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
@@ -91,6 +92,9 @@ KEY_PATH = f"{CONF_DIR}/api-key.env"
 SERVING_DIR = "/opt/rigbook/serving"
 HEALTH_PATH = f"{SERVING_DIR}/health.py"
 HEALTH_SOURCE = FILES / "serving" / "health.py"
+#: The unit's ExecStartPre that refuses a start when the live caps differ from the power unit.
+CAP_CHECK_PATH = f"{SERVING_DIR}/cap_check.py"
+CAP_CHECK_SOURCE = Path(cap_check.__file__)
 #: systemd's TimeoutStopSec: above vLLM's 30 s drain, as the seeds' units carry it.
 STOP_TIMEOUT_S = 120
 JOURNAL_LINES = 40
@@ -130,6 +134,11 @@ class ServePlan:
     @property
     def gpu(self) -> bool:
         return not self.recipe.cpu_only
+
+    @property
+    def capped(self) -> bool:
+        """Whether the engine starts only on caps the power unit set (WSL2: Windows owns them)."""
+        return self.gpu and self.rig.platform != "wsl2"
 
     @property
     def url(self) -> str:
@@ -206,7 +215,8 @@ def render_unit(plan: ServePlan, smi: str | None) -> str:
         plan=plan, user=SERVE_USER, home=SERVE_HOME, env_path=ENV_PATH,
         key_path=KEY_PATH if plan.key is not None else None, smi=smi if plan.gpu else None,
         exec_start=" ".join(systemd_word(arg) for arg in plan.argv),
-        stop_timeout=STOP_TIMEOUT_S,
+        stop_timeout=STOP_TIMEOUT_S, cap_check=CAP_CHECK_PATH if plan.capped else None,
+        power_unit=power.UNIT_PATH, tolerance=power.TOLERANCE_W,
     )
 
 
@@ -359,7 +369,7 @@ def probe_args(plan: ServePlan) -> str:
     """ServeProbe's argument: one JSON string (a fact's arguments must be hashable)."""
     return json.dumps({
         "unit": UNIT_NAME, "user": SERVE_USER, "entry": plan.argv[0],
-        "files": [UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH],
+        "files": [UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH, power.UNIT_PATH],
         "markers": ENGINE_MARKERS, "gpu": plan.gpu, "smi_paths": list(NVIDIA_SMI_PATHS),
         "health": HEALTH_PATH, "url": plan.url, "key": KEY_PATH if plan.key else None,
     }, sort_keys=True)
@@ -443,6 +453,9 @@ def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: 
             why = f"nvidia-smi --query-gpu failed: {gpus.error if gpus else 'no nvidia-smi'}"
         if why is not None:
             checks.fail("gpus", why)
+        if plan.capped and probe.files.get(power.UNIT_PATH) is None:
+            checks.fail("power caps", f"no {power.UNIT_PATH}: the engine would start uncapped; "
+                                      "run deploys/power_cap.py (or deploys/rig.py) first")
         p2p = p2p_disable_problem(dict(plan.env), plan.rig, topology)
         if p2p is not None:
             checks.fail("topology", p2p)
@@ -617,6 +630,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         UNIT_PATH: _sha(unit_text), ENV_PATH: _sha(env_text),
         KEY_PATH: plan.key.sha256 if plan.key else None,
         HEALTH_PATH: _sha(HEALTH_SOURCE.read_bytes()),
+        CAP_CHECK_PATH: _sha(CAP_CHECK_SOURCE.read_bytes()),
     }
     differs = {path for path, sha in wanted.items() if probe.files.get(path) != sha}
     restart = bool(differs & {UNIT_PATH, ENV_PATH, KEY_PATH}) or not probe.running
@@ -647,8 +661,9 @@ def serve_recipe(plan: ServePlan) -> Iterator:
             SERVE_USER, group=SERVE_USER, home=SERVE_HOME, shell="/usr/sbin/nologin",
             system=True, ensure_home=True,
         )
-    if HEALTH_PATH in differs:
-        yield from files.put._inner(src=str(HEALTH_SOURCE), dest=HEALTH_PATH, mode="644")
+    for path, source in ((HEALTH_PATH, HEALTH_SOURCE), (CAP_CHECK_PATH, CAP_CHECK_SOURCE)):
+        if path in differs:
+            yield from files.put._inner(src=str(source), dest=path, mode="644")
     if ENV_PATH in differs:
         yield from _put(env_text, ENV_PATH)
     if plan.key is not None and KEY_PATH in differs:

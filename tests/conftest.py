@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,6 +94,27 @@ def rig_ssh(rig: dict, command: str, check: bool = True) -> subprocess.Completed
          f"root@{rig['address']}", command],
         capture_output=True, text=True, check=check, timeout=300,
     )
+
+
+#: (rig, unit, exposure) that end-to-end tests measured, printed at the end of the run.
+EXPOSURES: list[tuple[str, str, float]] = []
+
+
+def security_exposure(rig: dict, unit: str) -> float:
+    """`systemd-analyze security` exposure of a unit on a rig (0 safest, 10 unsafe), recorded
+    for the run's summary."""
+    out = rig_ssh(rig, f"systemd-analyze security --no-pager {unit}").stdout
+    match = re.search(rf"Overall exposure level for {re.escape(unit)}: (\d+\.\d+)", out)
+    assert match, out
+    EXPOSURES.append((rig["name"], unit, float(match.group(1))))
+    return float(match.group(1))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if EXPOSURES:
+        terminalreporter.section("systemd-analyze security, measured on sandbox rigs")
+        for rig, unit, exposure in EXPOSURES:
+            terminalreporter.write_line(f"{rig}: {unit}: exposure {exposure}")
 
 
 @pytest.fixture(autouse=True)

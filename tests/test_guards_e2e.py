@@ -36,7 +36,14 @@ from roles.guards import (
     WATCH_UNIT,
 )
 from roles.status import FleetStatus
-from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.conftest import (
+    ROOT,
+    SANDBOX_INVENTORY,
+    rig_ssh,
+    rigbook,
+    run_pyinfra,
+    security_exposure,
+)
 
 pytestmark = pytest.mark.sandbox
 
@@ -140,6 +147,13 @@ def guarded(sandbox, tmp_path_factory):
         yield str(deploy)
     finally:
         clean()
+
+
+def test_the_guards_run_hardened(guarded):
+    """systemd-analyze security on the rig: 3.0 or less (the tests below prove they still work:
+    the watch reads the log and writes its mark, the reaper reads every process and deletes)."""
+    for unit in (WATCH_UNIT, REAPER_UNIT):
+        assert security_exposure(RIGS[RIG], unit) <= 3.0
 
 
 def test_reaper_fails_closed_reaps_leaks_and_keeps_held_buffers(guarded):

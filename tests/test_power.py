@@ -184,8 +184,8 @@ def test_unit_text():
     text = render_unit(SMI, caps)
     lines = text.splitlines()
     assert [line for line in lines if line.startswith("ExecStart=")] == [
-        f"ExecStart={SMI} -i {UUID0} -pl 290",
-        f"ExecStart={SMI} -i {UUID1} -pl 300",
+        f"ExecStart=-{SMI} -i {UUID0} -pl 290",
+        f"ExecStart=-{SMI} -i {UUID1} -pl 300",
     ]
     for line in ("Type=oneshot", "RemainAfterExit=yes", "After=nvidia-persistenced.service",
                  "Requires=nvidia-persistenced.service", "WantedBy=multi-user.target"):
@@ -198,7 +198,7 @@ def test_unit_text_for_the_h200_capture_by_uuid():
     caps = desired_caps(h200_rig(power_cap_watts=450), "h200", h200_gpus())
     text = render_unit("/usr/local/nvidia/bin/nvidia-smi", caps)
     assert (
-        "ExecStart=/usr/local/nvidia/bin/nvidia-smi -i "
+        "ExecStart=-/usr/local/nvidia/bin/nvidia-smi -i "
         "GPU-b76da475-45a0-f91f-b11d-022ca55575ef -pl 450\n"
     ) in text
 
@@ -367,7 +367,7 @@ def test_h200_fact_output_plans_a_cap_by_uuid_and_a_noop_at_stock():
     commands, host = power_op(live_power_caps, h200_rig(power_profile="stock"), unit_facts(probe))
     assert commands == [] and host.noops == ["power caps are already GPU 0 700 W"]
     commands, _ = power_op(power_unit, h200_rig(power_cap_watts=500), unit_facts(probe))
-    assert f"ExecStart={H200_SMI} -i {gpu.uuid} -pl 500\n" in commands[0].src.getvalue()
+    assert f"ExecStart=-{H200_SMI} -i {gpu.uuid} -pl 500\n" in commands[0].src.getvalue()
 
 
 def test_wsl2_writes_no_unit_and_changes_no_cap_but_reports_them():

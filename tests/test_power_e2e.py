@@ -19,7 +19,10 @@ import pytest
 
 from roles.gpus import Gpu, parse_query_csv, query_args
 from roles.power import UNIT_NAME, UNIT_PATH
+from roles.serving import CAP_CHECK_PATH, CAP_CHECK_SOURCE, render_unit, serve_plan
+from roles.status import FleetStatus
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.test_serving import SMI, dual_rig
 
 pytestmark = pytest.mark.sandbox
 
@@ -72,7 +75,7 @@ def test_power_caps_converge_change_survive_reboot_and_refuse(sandbox):
         text = unit_text(rig1)
         assert text is not None
         smi = rig_ssh(rig1, "command -v nvidia-smi").stdout.strip()
-        assert exec_starts(text) == [f"ExecStart={smi} -i {gpu.uuid} -pl 290" for gpu in cards]
+        assert exec_starts(text) == [f"ExecStart=-{smi} -i {gpu.uuid} -pl 290" for gpu in cards]
         for line in ("Type=oneshot", "RemainAfterExit=yes", "After=nvidia-persistenced.service",
                      "Requires=nvidia-persistenced.service", "WantedBy=multi-user.target"):
             assert line in text.splitlines()
@@ -93,7 +96,7 @@ def test_power_caps_converge_change_survive_reboot_and_refuse(sandbox):
         assert change.changed() == {UNIT_OP: ["rig1"], LIVE_OP: ["rig1"]}, change.explain()
         assert live_caps(rig1) == [300.0, 300.0]
         text = unit_text(rig1)
-        assert exec_starts(text) == [f"ExecStart={smi} -i {gpu.uuid} -pl 300" for gpu in cards]
+        assert exec_starts(text) == [f"ExecStart=-{smi} -i {gpu.uuid} -pl 300" for gpu in cards]
         assert "GPU power caps" in change.stderr
         for gpu in cards:
             row = rf"rig1\W+{gpu.index} {re.escape(gpu.uuid)}\W+290 W\W+300 W\W+set\b"
@@ -148,3 +151,82 @@ def test_power_caps_converge_change_survive_reboot_and_refuse(sandbox):
         # Leave rig1 and rig2 as their inventory says (sweet spot), for whatever runs next.
         run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1", "--limit",
                     "rig2")
+
+
+# A stand-in for rigbook-serve.service (in /run: gone at reboot) carrying the lines the real
+# unit of a GPU recipe has for the caps, and an "engine" that only sleeps.
+STAND_IN = "rigbook-test-capped.service"
+GPUS_FILE = "/etc/rigbook-sim/gpus.json"
+
+
+def capped_stand_in() -> str:
+    real = render_unit(serve_plan(dual_rig(), "rig1"), SMI).splitlines()
+    unit = [line for line in real if line.startswith(("Requires=", "After="))]
+    service = [line for line in real if CAP_CHECK_PATH in line]
+    assert len(unit) == 2 and len(service) == 1, real
+    return "\n".join(["[Unit]", *unit, "[Service]", "Type=exec", "DynamicUser=yes", *service,
+                      "ExecStart=/bin/sleep infinity", ""])
+
+
+def start(rig: dict) -> tuple[bool, str]:
+    """Start the stand-in: (whether it runs, the cap check's line from its journal)."""
+    rig_ssh(rig, f"systemctl reset-failed {STAND_IN}", check=False)
+    since = rig_ssh(rig, "date +%s.%N").stdout.strip()
+    started = rig_ssh(rig, f"systemctl restart {STAND_IN}", check=False).returncode == 0
+    said = rig_ssh(rig, f"journalctl -u {STAND_IN} -o cat --no-pager --since @{since}").stdout
+    return started, said
+
+
+def test_an_engine_never_starts_uncapped_and_a_replaced_card_fails_only_its_own_line(sandbox):
+    rig1 = sandbox["rig1"]
+    converged = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
+    assert converged.returncode == 0, converged.explain()
+    cards = gpus(rig1)
+    assert [gpu.power_limit_w for gpu in cards] == [290.0, 290.0]
+    rig_ssh(rig1, f"mkdir -p {CAP_CHECK_PATH.rsplit('/', 1)[0]} && cat > {CAP_CHECK_PATH} "
+                  f"<<'RIGBOOK_EOF'\n{CAP_CHECK_SOURCE.read_text()}RIGBOOK_EOF")
+    rig_ssh(rig1, f"cat > /run/systemd/system/{STAND_IN} <<'RIGBOOK_EOF'\n{capped_stand_in()}"
+                  "RIGBOOK_EOF\nsystemctl daemon-reload")
+    rig_ssh(rig1, f"cp {GPUS_FILE} {GPUS_FILE}.orig")
+    try:
+        # 1. Caps as the unit says: the engine starts (as an unprivileged user).
+        started, said = start(rig1)
+        assert started, said
+        assert f"caps as the unit says: {cards[0].uuid} 290 W, {cards[1].uuid} 290 W" in said
+
+        # 2. A live cap changed behind the unit's back: the start is refused, with both values.
+        rig_ssh(rig1, f"systemctl stop {STAND_IN}; nvidia-smi -i {cards[1].uuid} -pl 350")
+        started, said = start(rig1)
+        assert not started
+        assert f"{cards[1].uuid} runs at a 350.0 W cap, the unit says 290 W" in said, said
+
+        # 3. Card 1 is replaced (a new UUID, at its default cap) and the rig reboots (card 0
+        # back at its default): the unit still caps card 0, as its own line fails alone.
+        replaced = cards[1].uuid[:-4] + "beef"
+        rig_ssh(rig1, f"python3 -c \"import json; p='{GPUS_FILE}'; d=json.load(open(p)); "
+                      f"d['gpus'][1]['uuid']='{replaced}'; json.dump(d, open(p, 'w'))\"")
+        rig_ssh(rig1, f"nvidia-smi -i {cards[0].uuid} -pl 350")
+        rig_ssh(rig1, f"systemctl restart {UNIT_NAME}")
+        assert rig_ssh(rig1, f"systemctl is-active {UNIT_NAME}").stdout.strip() == "active"
+        assert live_caps(rig1) == [290.0, 350.0]
+        started, said = start(rig1)
+        assert not started
+        assert f"{cards[1].uuid} (capped at 290 W by the unit) is not listed" in said, said
+        assert f"{replaced} is not capped by the unit" in said, said
+        status = FleetStatus.model_validate_json(
+            rigbook("status", SANDBOX_INVENTORY, "--json", "--limit", "rig1", check=False).stdout)
+        (row,) = status.rigs
+        assert ("drift", "power", f"nvidia-power-limit.service caps {cards[1].uuid}, which "
+                "nvidia-smi does not list") in [(f.level, f.area, f.reason) for f in row.findings]
+
+        # 4. The converge writes the unit for the new card; the engine starts again.
+        fixed = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
+        assert fixed.returncode == 0, fixed.explain()
+        assert live_caps(rig1) == [290.0, 290.0]
+        started, said = start(rig1)
+        assert started, said
+    finally:
+        rig_ssh(rig1, f"systemctl stop {STAND_IN}; rm -f /run/systemd/system/{STAND_IN} "
+                      f"{CAP_CHECK_PATH}; mv {GPUS_FILE}.orig {GPUS_FILE}; systemctl "
+                      "daemon-reload", check=False)
+        run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")

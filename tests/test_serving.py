@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -14,8 +16,11 @@ from roles.errors import RigbookError
 from roles.gpus import Gpu, GpuProbe
 from roles.guards import GpuLost, Topology, parse_topo_matrix
 from roles.models import parse_cache
+from roles.power import UNIT_PATH as POWER_UNIT
 from roles.recipes import vram_need_gib
 from roles.serving import (
+    CAP_CHECK_PATH,
+    CAP_CHECK_SOURCE,
     ENV_PATH,
     HEALTH_PATH,
     HEALTH_SOURCE,
@@ -79,7 +84,7 @@ def gpu(index: int, used_mib: int = 300, total_mib: int = 24576) -> Gpu:
 def state(**changes) -> ServeState:
     base = {
         "mem_total_kib": 64 * 1024**2, "mem_available_kib": 60 * 1024**2, "active": "inactive",
-        "sub": "dead", "enabled": "", "files": {}, "user": True, "entry": True,
+        "sub": "dead", "enabled": "", "files": {POWER_UNIT: "0" * 64}, "user": True, "entry": True,
         "smi": {"path": SMI, "rc": 0, "out": "GPU 0: ...\nGPU 1: ..."}, "apps": (),
     }
     base.update(changes)
@@ -223,6 +228,14 @@ def test_preflight_passes_when_everything_fits():
     assert preflight(plan, state(), GPUS, FULL_CACHE, VENV_OK) == []
 
 
+def test_a_gpu_engine_is_refused_without_the_power_unit():
+    """Without the boot caps the engine would start uncapped: refused before any change."""
+    plan = serve_plan(dual_rig(), "rig1")
+    problems = preflight(plan, state(files={}), GPUS, FULL_CACHE, VENV_OK)
+    assert problems == [f"power caps: no {POWER_UNIT}: the engine would start uncapped; "
+                        "run deploys/power_cap.py (or deploys/rig.py) first"]
+
+
 def test_a_gone_card_is_never_restarted():
     plan = serve_plan(dual_rig(), "rig1")
     gone = state(smi={"path": SMI, "rc": 6, "out": "No devices were found"})
@@ -317,7 +330,8 @@ def test_the_probe_runs_on_a_real_host_and_parses():
     plan = serve_plan(cpu_rig(), "rig1")
     probe = local_fact(ServeProbe, args=probe_args(plan))
     assert probe.mem_total_kib > probe.mem_available_kib > 0
-    assert set(probe.files) == {UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH}
+    assert set(probe.files) == {UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH,
+                                POWER_UNIT}
     assert not probe.running and probe.unit_pids == ()
     assert not any("PROBE" in cmd or "hashlib" in cmd for _, cmd in probe.engines)
     assert "llama_cpp.server" not in PROBE_SCRIPT  # so the probe never matches itself
@@ -346,6 +360,7 @@ def deployed(plan, launcher=LAUNCHER) -> dict:
         UNIT_PATH: sha256(render_unit(plan, SMI)), ENV_PATH: sha256(render_env(plan, launcher)),
         KEY_PATH: plan.key.sha256 if plan.key else None,
         HEALTH_PATH: sha256(HEALTH_SOURCE.read_bytes()),
+        CAP_CHECK_PATH: sha256(CAP_CHECK_SOURCE.read_bytes()), POWER_UNIT: "0" * 64,
     }
 
 
@@ -542,3 +557,69 @@ def test_a_failed_health_check_shows_the_journal_and_stops_the_unit(tmp_path: Pa
     )
     assert "unrecognized arguments: --no_such_flag 1" in message and "k3y-secret" not in message
     assert message.endswith("rigbook-serve.service is stopped: this rig serves nothing now.")
+
+
+# --- caps that fail closed (roles/cap_check.py) -------------------------------------------------
+
+H200_CAPS = ROOT / "tests" / "fixtures" / "nvidia-h200" / "uuid-power-limit.csv"
+H200_UUID = H200_CAPS.read_text().split(",")[0]
+
+
+def cap_check(tmp_path: Path, unit_lines: list[str] | None, smi_rc: int = 0):
+    """Run cap_check.py against a power unit of `unit_lines` and an nvidia-smi that prints the
+    H200's real `--query-gpu=uuid,power.limit` answer (None: no unit file)."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat {H200_CAPS}\nexit {smi_rc}\n")
+    smi.chmod(0o755)
+    unit = tmp_path / "nvidia-power-limit.service"
+    if unit_lines is not None:
+        unit.write_text("[Service]\n" + "".join(
+            f"ExecStart=-{smi} -i {uuid} -pl {watts}\n" for uuid, watts in unit_lines))
+    return subprocess.run([sys.executable, str(CAP_CHECK_SOURCE), "--unit", str(unit)],
+                          capture_output=True, text=True)
+
+
+def test_the_cap_check_passes_when_every_live_cap_is_the_units(tmp_path):
+    run = cap_check(tmp_path, [(H200_UUID, 700)])
+    assert run.returncode == 0, run.stdout
+    assert run.stdout == f"caps as the unit says: {H200_UUID} 700 W\n"
+
+
+@pytest.mark.parametrize("lines, says", [
+    ([(H200_UUID, 500)], f"{H200_UUID} runs at a 700.0 W cap, the unit says 500 W"),
+    ([(H200_UUID, 700), ("GPU-00000000-1111-2222-3333-444444444444", 300)],
+     "GPU-00000000-1111-2222-3333-444444444444 (capped at 300 W by the unit) is not listed: "
+     "replaced or off the bus"),
+    ([("GPU-00000000-1111-2222-3333-444444444444", 700)], f"{H200_UUID} is not capped by the unit"),
+    ([], "caps no GPU"),
+    (None, "cannot read"),
+])
+def test_the_cap_check_refuses_a_start_that_would_run_uncapped(tmp_path, lines, says):
+    run = cap_check(tmp_path, lines)
+    assert run.returncode == 1
+    assert run.stdout.startswith("rigbook: not starting the engine uncapped: ")
+    assert says in run.stdout
+
+
+def test_the_cap_check_refuses_when_nvidia_smi_fails(tmp_path):
+    run = cap_check(tmp_path, [(H200_UUID, 700)], smi_rc=15)
+    assert run.returncode == 1 and "cannot list the caps" in run.stdout
+
+
+def test_the_h200_capture_of_the_cap_check_is_what_the_program_prints():
+    """The run on a real H200 (tests/fixtures/nvidia-h200/cap-check.txt), read only."""
+    text = (ROOT / "tests" / "fixtures" / "nvidia-h200" / "cap-check.txt").read_text()
+    assert f"caps as the unit says: {H200_UUID} 700 W\nexit 0" in text
+    assert f"{H200_UUID} runs at a 700.0 W cap, the unit says 500 W" in text and "exit 1" in text
+
+
+def test_a_gpu_unit_requires_the_caps_and_checks_them_a_cpu_one_does_not():
+    gpu = render_unit(serve_plan(dual_rig(), "rig1"), SMI)
+    assert "Requires=nvidia-power-limit.service\n" in gpu
+    assert (f"ExecStartPre=/usr/bin/python3 {CAP_CHECK_PATH} --unit {POWER_UNIT} "
+            "--tolerance 0.5\n") in gpu
+    assert "DeviceAllow=char-nvidia* rw\n" in gpu and "DevicePolicy=closed\n" in gpu
+    wsl = Rig.model_validate({**dual_rig().model_dump(exclude_defaults=True),
+                              "platform": "wsl2", "recipe": "wsl2-dual-3090-tp2"})
+    windows_caps = render_unit(serve_plan(wsl, "rig3"), SMI)  # the Windows driver owns them
+    assert "Requires=nvidia-power-limit" not in windows_caps and CAP_CHECK_PATH not in windows_caps

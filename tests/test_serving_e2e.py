@@ -29,7 +29,7 @@ import pytest
 
 from roles.serving import CONF_DIR, ENV_PATH, KEY_PATH, UNIT_NAME, UNIT_PATH
 from roles.venvs import VENVS_DIR
-from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra, security_exposure
 from tests.standins import CACHE, LLAMA_SERVER, place_model, wheelhouse_for_llama
 from tests.tinymodel import FILE, REPO, revision_of, write_tiny_gguf
 
@@ -121,6 +121,7 @@ def test_serving_story(sandbox, tmp_path: Path):
         assert KEY not in env
         unit = rig_ssh(rig, f"systemctl show -p TimeoutStopUSec,Restart,User {UNIT_NAME}").stdout
         assert "TimeoutStopUSec=2min" in unit and "Restart=on-failure" in unit
+        assert security_exposure(rig, UNIT_NAME) <= 4.0  # and the engine serves under it
 
         # 2. a second converge changes nothing
         second = run(CONVERGE, "tiny-cpu-a")
