@@ -57,6 +57,18 @@ def forget_power_caps(rig: dict) -> None:
             rig_ssh(rig, f"nvidia-smi -i {gpu.uuid} -pl {gpu.default_limit_w:g}")
 
 
+def reboot(rig: dict) -> None:
+    """Restart the rig and wait until the power unit ran at boot (it must end active)."""
+    rigbook("sandbox", "restart", rig["name"])
+    deadline = time.monotonic() + 90
+    while True:
+        state = rig_ssh(rig, f"systemctl is-active {UNIT_NAME}", check=False).stdout.strip()
+        if state in ("active", "failed") or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert state == "active", rig_ssh(rig, f"systemctl status {UNIT_NAME}", check=False)
+
+
 def power_changes(run) -> dict[str, list[str]]:
     return {name: hosts for name, hosts in run.changed().items() if name.startswith("Power")}
 
@@ -106,14 +118,7 @@ def test_power_caps_converge_change_survive_reboot_and_refuse(sandbox):
         assert again.returncode == 0 and again.changed() == {}, again.explain()
 
         # 4. A reboot forgets the live cap; the unit sets it again at boot.
-        rigbook("sandbox", "restart", "rig1")
-        deadline = time.monotonic() + 90
-        while True:
-            state = rig_ssh(rig1, f"systemctl is-active {UNIT_NAME}", check=False).stdout.strip()
-            if state in ("active", "failed") or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert state == "active", rig_ssh(rig1, f"systemctl status {UNIT_NAME}", check=False)
+        reboot(rig1)
         assert live_caps(rig1) == [300.0, 300.0]
 
         # 5. One pass over two rigs at once: rig1 refuses a cap outside its cards' range in the
@@ -168,6 +173,11 @@ def capped_stand_in() -> str:
                       "ExecStart=/bin/sleep infinity", ""])
 
 
+def install_stand_in(rig: dict) -> None:
+    rig_ssh(rig, f"cat > /run/systemd/system/{STAND_IN} <<'RIGBOOK_EOF'\n{capped_stand_in()}"
+                 "RIGBOOK_EOF\nsystemctl daemon-reload")
+
+
 def start(rig: dict) -> tuple[bool, str]:
     """Start the stand-in: (whether it runs, the cap check's line from its journal)."""
     rig_ssh(rig, f"systemctl reset-failed {STAND_IN}", check=False)
@@ -179,14 +189,13 @@ def start(rig: dict) -> tuple[bool, str]:
 
 def test_an_engine_never_starts_uncapped_and_a_replaced_card_fails_only_its_own_line(sandbox):
     rig1 = sandbox["rig1"]
-    converged = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
+    converged = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", "--limit", "rig1")
     assert converged.returncode == 0, converged.explain()
     cards = gpus(rig1)
     assert [gpu.power_limit_w for gpu in cards] == [290.0, 290.0]
     rig_ssh(rig1, f"mkdir -p {CAP_CHECK_PATH.rsplit('/', 1)[0]} && cat > {CAP_CHECK_PATH} "
                   f"<<'RIGBOOK_EOF'\n{CAP_CHECK_SOURCE.read_text()}RIGBOOK_EOF")
-    rig_ssh(rig1, f"cat > /run/systemd/system/{STAND_IN} <<'RIGBOOK_EOF'\n{capped_stand_in()}"
-                  "RIGBOOK_EOF\nsystemctl daemon-reload")
+    install_stand_in(rig1)
     rig_ssh(rig1, f"cp {GPUS_FILE} {GPUS_FILE}.orig")
     try:
         # 1. Caps as the unit says: the engine starts (as an unprivileged user).
@@ -200,15 +209,16 @@ def test_an_engine_never_starts_uncapped_and_a_replaced_card_fails_only_its_own_
         assert not started
         assert f"{cards[1].uuid} runs at a 350.0 W cap, the unit says 290 W" in said, said
 
-        # 3. Card 1 is replaced (a new UUID, at its default cap) and the rig reboots (card 0
-        # back at its default): the unit still caps card 0, as its own line fails alone.
+        # 3. Card 1 is replaced (a new UUID) and the rig boots: the power unit still caps card 0
+        # and ends active, as card 1's line fails alone; the new card runs at its default.
         replaced = cards[1].uuid[:-4] + "beef"
         rig_ssh(rig1, f"python3 -c \"import json; p='{GPUS_FILE}'; d=json.load(open(p)); "
                       f"d['gpus'][1]['uuid']='{replaced}'; json.dump(d, open(p, 'w'))\"")
-        rig_ssh(rig1, f"nvidia-smi -i {cards[0].uuid} -pl 350")
-        rig_ssh(rig1, f"systemctl restart {UNIT_NAME}")
-        assert rig_ssh(rig1, f"systemctl is-active {UNIT_NAME}").stdout.strip() == "active"
+        reboot(rig1)
         assert live_caps(rig1) == [290.0, 350.0]
+        failed = rig_ssh(rig1, f"journalctl -b -u {UNIT_NAME} -o cat --no-pager").stdout
+        assert "No devices were found" in failed and "Finished nvidia-power-limit" in failed, failed
+        install_stand_in(rig1)  # it lived in /run
         started, said = start(rig1)
         assert not started
         assert f"{cards[1].uuid} (capped at 290 W by the unit) is not listed" in said, said
@@ -219,7 +229,7 @@ def test_an_engine_never_starts_uncapped_and_a_replaced_card_fails_only_its_own_
         assert ("drift", "power", f"nvidia-power-limit.service caps {cards[1].uuid}, which "
                 "nvidia-smi does not list") in [(f.level, f.area, f.reason) for f in row.findings]
 
-        # 4. The converge writes the unit for the new card; the engine starts again.
+        # 4. The fleet cap converge writes the new card's line and caps it; the engine starts.
         fixed = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
         assert fixed.returncode == 0, fixed.explain()
         assert live_caps(rig1) == [290.0, 290.0]
