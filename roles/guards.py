@@ -7,7 +7,9 @@ Three failure classes from a real host's runbook, guarded against rather than do
   (files/guards/rigbook-shm-reaper, run by rigbook-shm-reaper.service) that the serving unit
   starts once its engine has stopped, and that deploys/reap_shm.py runs on demand. It deletes a
   file only when it could read the mappings and open files of EVERY process and none holds it:
-  an unreadable holder is indistinguishable from no holder, so it fails closed.
+  an unreadable holder is indistinguishable from no holder, so it fails closed. It reads them
+  twice, the second time with the file set aside in a quarantine folder, so a process that
+  took the file in between keeps it. Its patterns follow roles/shmglob.py, installed beside it.
 - Xid 79 (fallen off the bus) and 154 (node reboot required) mean the card is gone until a
   reboot; restarting an engine then only adds a confusing second failure. The Xid watch
   (files/guards/rigbook-xid-watch, a copy of roles/xid.py beside it for the classification)
@@ -50,11 +52,13 @@ from roles.xid import Xid, parse_xid_lines, same_device
 
 SOURCES = FILES / "guards"
 XID_SOURCE = FILES.parent / "roles" / "xid.py"
+SHMGLOB_SOURCE = FILES.parent / "roles" / "shmglob.py"
 
 GUARDS_DIR = "/opt/rigbook/guards"
 REAPER = f"{GUARDS_DIR}/rigbook-shm-reaper"
 WATCH = f"{GUARDS_DIR}/rigbook-xid-watch"
 XID_COPY = f"{GUARDS_DIR}/xid.py"
+SHMGLOB_COPY = f"{GUARDS_DIR}/shmglob.py"
 UNITS_DIR = "/etc/systemd/system"
 REAPER_UNIT = "rigbook-shm-reaper.service"
 WATCH_UNIT = "rigbook-xid-watch.service"
@@ -629,7 +633,7 @@ class ShmVerdict:
     path: str
     size: int
     resident: int
-    action: str  # delete, keep or refuse
+    action: str  # delete, restore (a leftover of a stopped run put back), keep or refuse
     reason: str
     line: str  # the reaper's own log line for it
 
@@ -639,6 +643,10 @@ class ReapPlan:
     installed: bool
     verdicts: tuple[ShmVerdict, ...] = ()
     error: str | None = None
+
+
+#: The dry run's words for what a real run changes, and what the deploy says while it runs.
+_DOING = {"delete": ("would reap", "reaping"), "restore": ("would restore", "restoring")}
 
 
 def reaper_args(patterns: Iterable[str]) -> list:
@@ -687,10 +695,10 @@ def reap_shm(patterns: tuple[str, ...]) -> Iterator:
 
     + patterns: file-name globs in /dev/shm (``Rig.guards_shm_patterns``)
 
-    Runs the installed reaper as a dry run first: nothing to delete (no match, or every match
-    held) is a no-op that says so; a refusal (a process whose mappings could not be read) fails
-    the rig with the reaper's reason and deletes nothing; otherwise the reaper runs for real and
-    decides again (a holder that appeared meanwhile keeps its file).
+    Runs the installed reaper as a dry run first: nothing to delete or put back (no match, or
+    every match held) is a no-op that says so; a refusal (a process whose mappings could not be
+    read) fails the rig with the reaper's reason and deletes nothing; otherwise the reaper runs
+    for real and decides again (a holder that appeared meanwhile keeps its file).
     """
     plan = host.get_fact(ShmReapPlan, patterns=tuple(patterns))
     run = StringCommand("python3", REAPER, *reaper_args(patterns))
@@ -708,14 +716,14 @@ def reap_shm(patterns: tuple[str, ...]) -> Iterator:
         yield refuse(f"{host.name}: /dev/shm reaper refused, nothing was deleted:\n"
                      + "\n".join(f"  - {line}" for line in refused))
         return
-    doomed = [v for v in plan.verdicts if v.action == "delete"]
-    if not doomed:
+    changes = [v for v in plan.verdicts if v.action in _DOING]
+    if not changes:
         kept = [v.line for v in plan.verdicts]
         host.noop("nothing to reap in /dev/shm: "
                   + ("; ".join(kept) if kept else f"no file matches {' '.join(patterns)}"))
         return
-    for verdict in doomed:
-        yield notice(verdict.line.replace("would reap", "reaping", 1))
+    for verdict in changes:
+        yield notice(verdict.line.replace(*_DOING[verdict.action], 1))
     yield run
 
 
@@ -741,8 +749,11 @@ def no_systemd() -> Iterator:
 
 
 def _install_reaper(rig: Rig):
-    """The reaper script and its oneshot unit (no [Install]: started by serving's drop-in)."""
+    """The reaper script, its pattern rule beside it, and its oneshot unit (no [Install]:
+    started by serving's drop-in)."""
     files.directory(name=f"Guards folder {GUARDS_DIR}", path=GUARDS_DIR, mode="755")
+    files.put(name="Install the reaper's pattern rule (roles/shmglob.py)",
+              src=str(SHMGLOB_SOURCE), dest=SHMGLOB_COPY, mode="644")
     script = files.put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
                        dest=REAPER, mode="755")
     unit = template(

@@ -1,8 +1,11 @@
 """Rig guards: the /dev/shm reaper's decisions, the Xid watch, GPU topology, the NCCL P2P rule.
 
 The reaper and the watch are the scripts a rig runs (files/guards/), loaded or run from a copy
-laid out as on the rig (the watch beside a copy of roles/xid.py). The reaper decides on fake
-/proc trees here, and on this machine's real /proc for a file this test maps itself.
+laid out as on the rig (the watch beside a copy of roles/xid.py, the reaper beside a copy of
+roles/shmglob.py). The reaper decides on fake /proc trees here, on this machine's real /proc
+for a file this test maps itself, and reaps with real processes holding real files: a /proc
+of links to their /proc/PID folders (this machine's PID 1 cannot be read even by root, which
+would make every real run refuse).
 Topology parsers read the real H200 captures (tests/fixtures/nvidia-h200: one GPU, no NVLink);
 the multi-GPU samples below are CONSTRUCTED in nvidia-smi's real format (tab-separated, ANSI
 underline around the header), since no multi-GPU capture exists.
@@ -10,15 +13,19 @@ underline around the header), since no multi-GPU capture exists.
 
 from __future__ import annotations
 
+import argparse
 import errno
+import fcntl
 import importlib.machinery
 import importlib.util
 import logging
 import mmap
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -69,7 +76,12 @@ def load_script(path: Path, name: str):
     return module
 
 
-reaper = load_script(GUARDS / "rigbook-shm-reaper", "rigbook_shm_reaper")
+#: The reaper as installed on a rig: the script with a copy of roles/shmglob.py beside it.
+_REAPER_DIR = tempfile.TemporaryDirectory(prefix="rigbook-guards-")
+for _source in (GUARDS / "rigbook-shm-reaper", ROOT / "roles" / "shmglob.py"):
+    shutil.copy(_source, _REAPER_DIR.name)
+REAPER = Path(_REAPER_DIR.name) / "rigbook-shm-reaper"
+reaper = load_script(REAPER, "rigbook_shm_reaper")
 
 
 def rig(**data) -> Rig:
@@ -173,15 +185,17 @@ def test_no_holder_is_reaped_and_the_line_says_the_size(shm, tmp_path):
     proc = FakeProc(tmp_path / "proc")
     proc.process(1, "systemd", [LIBC, ANON], fds={0: "/dev/null"})
     proc.process(2, "python3", [maps_line(other)])
-    files, verdicts = judge(shm, proc.root)
+    _, verdicts = judge(shm, proc.root)
     assert [(v.path, v.action) for v in verdicts] == [
         (str(path), "delete"), (str(other), "keep"),
     ]
-    done = reaper.apply(verdicts, files)
+    done = reaper.run(str(shm), str(proc.root), reaper.DEFAULT_PATTERNS, dry_run=False)
     assert not path.exists() and other.exists()
     line = reaper.line_of(done[0], dry_run=False)
     assert line == (f"reaped {path} (1.5 GiB, 1610612736 bytes; 0.0 GiB in RAM): no process "
-                    "maps it or holds it open (2 processes read)")
+                    "maps it or holds it open (2 processes read, and 2 again after it was set "
+                    "aside)")
+    assert os.listdir(shm / reaper.QUARANTINE) == []
 
 
 def test_unreadable_mappings_refuse_and_nothing_is_deleted(shm, tmp_path, monkeypatch):
@@ -198,8 +212,7 @@ def test_unreadable_mappings_refuse_and_nothing_is_deleted(shm, tmp_path, monkey
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(reaper, "open", guarded_open, raising=False)
-    files, verdicts = judge(shm, proc.root)
-    (verdict,) = reaper.apply(verdicts, files)
+    (verdict,) = reaper.run(str(shm), str(proc.root), reaper.DEFAULT_PATTERNS, dry_run=False)
     assert verdict.action == "refuse"
     uid = os.stat(secret).st_uid
     assert verdict.reason == (
@@ -336,7 +349,7 @@ def test_the_cli_json_is_what_the_fact_reads(shm, tmp_path):
     proc = FakeProc(tmp_path / "proc")
     proc.process(3, "python3", [])
     done = subprocess.run(
-        [sys.executable, str(GUARDS / "rigbook-shm-reaper"), "--dir", str(shm), "--proc",
+        [sys.executable, str(REAPER), "--dir", str(shm), "--proc",
          str(proc.root), "--dry-run", "--json"],
         capture_output=True, text=True,
     )
@@ -355,7 +368,7 @@ def test_the_cli_exits_3_on_a_refusal_with_the_reason_on_stderr(shm, tmp_path):
     (proc.process(3, "python3", []) / "maps").unlink()
     (proc.root / "3" / "maps").mkdir()  # unreadable as a file: not a vanished process
     done = subprocess.run(
-        [sys.executable, str(GUARDS / "rigbook-shm-reaper"), "--dir", str(shm), "--proc",
+        [sys.executable, str(REAPER), "--dir", str(shm), "--proc",
          str(proc.root)], capture_output=True, text=True,
     )
     assert done.returncode == reaper.EXIT_REFUSED
@@ -363,11 +376,324 @@ def test_the_cli_exits_3_on_a_refusal_with_the_reason_on_stderr(shm, tmp_path):
     assert "cannot read the mappings of PID 3 (python3, uid" in done.stderr
     assert "Is a directory" in done.stderr and "nothing was deleted" in done.stderr
     missing = subprocess.run(
-        [sys.executable, str(GUARDS / "rigbook-shm-reaper"), "--dir", str(tmp_path / "none")],
+        [sys.executable, str(REAPER), "--dir", str(tmp_path / "none")],
         capture_output=True, text=True,
     )
     assert missing.returncode == reaper.EXIT_ERROR
     assert "No such file or directory; nothing was deleted" in missing.stderr
+
+
+# --- the reaper with real processes: the quarantine and the second reading -------------------
+
+HOLD = """\
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+if sys.argv[2] == "maps":
+    buffer = mmap.mmap(fd, 0)
+    buffer[:4] = b"kv!!"
+    os.close(fd)  # held through the mapping alone, as an engine holds its offload buffer
+else:
+    os.pwrite(fd, b"kv!!", 0)
+print("ready", flush=True)
+sys.stdin.read()  # holds it until the test closes stdin
+"""
+
+
+class RealProc(FakeProc):
+    """A /proc that lists only the given real processes: links to their /proc/PID folders."""
+
+    def add(self, pid: int) -> int:
+        os.symlink(f"/proc/{pid}", self.root / str(pid))
+        return pid
+
+
+class Holders:
+    """Real processes that map (or open) a file and write b"kv!!" into it, until released."""
+
+    def __init__(self):
+        self.children: dict[int, subprocess.Popen] = {}
+
+    def start(self, path: Path, how: str = "maps") -> int:
+        child = subprocess.Popen([sys.executable, "-c", HOLD, str(path), how],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.children[child.pid] = child
+        assert child.stdout.readline() == "ready\n"
+        return child.pid
+
+    def release(self, pid: int) -> None:
+        child = self.children.pop(pid)
+        child.stdin.close()
+        child.wait(10)
+
+
+@pytest.fixture
+def holders():
+    started = Holders()
+    yield started
+    for pid in list(started.children):
+        started.release(pid)
+
+
+def unreadable(proc: FakeProc, pid: int, comm: str) -> None:
+    """A process whose maps cannot be read (a folder: not a vanish error, so no retry)."""
+    maps = proc.process(pid, comm) / "maps"
+    maps.unlink()
+    maps.mkdir()
+
+
+def reap(shm: Path, proc: FakeProc, dry_run: bool = False, patterns=reaper.DEFAULT_PATTERNS):
+    return reaper.run(str(shm), str(proc.root), tuple(patterns), dry_run)
+
+
+def names_and_actions(verdicts) -> list[tuple[str, str]]:
+    return sorted((Path(v.path).name, v.action) for v in verdicts)
+
+
+def test_real_holders_keep_their_files_a_leak_is_reaped_and_the_quarantine_is_left_empty(
+        shm, tmp_path, holders):
+    held, leaked = leak(shm, "vllm_offload_held.mmap", 4096), leak(shm, size=4096)
+    proc = RealProc(tmp_path / "proc")
+    proc.add(os.getpid())
+    pid = proc.add(holders.start(held))
+    dry = reap(shm, proc, dry_run=True)
+    assert not (shm / reaper.QUARANTINE).exists()  # a dry run changes nothing, creates nothing
+    blind = FakeProc(tmp_path / "blind")
+    unreadable(blind, 1, "systemd")
+    assert names_and_actions(reap(shm, blind)) == [
+        ("vllm_offload_0b7e.mmap", "refuse"), ("vllm_offload_held.mmap", "refuse")]
+    assert not (shm / reaper.QUARANTINE).exists()  # nor a run that refuses
+    verdicts = reap(shm, proc)
+    assert [(v.path, v.action) for v in verdicts] == [(v.path, v.action) for v in dry] == [
+        (str(leaked), "delete"), (str(held), "keep")]
+    assert verdicts[1].reason.startswith(f"held by PID {pid} (")  # never set aside
+    assert not leaked.exists() and held.read_bytes()[:4] == b"kv!!"
+    assert os.listdir(shm / reaper.QUARANTINE) == []
+    assert names_and_actions(reap(shm, proc)) == [("vllm_offload_held.mmap", "keep")]
+
+
+@pytest.mark.parametrize("how", ["maps", "fd"])
+def test_a_file_taken_after_the_first_reading_is_kept_and_put_back(
+        shm, tmp_path, monkeypatch, holders, how):
+    """The race the second reading closes: a process maps (or opens) a file after every
+    process was read and before the file is set aside. The first reading found no holder (it
+    would have been deleted); the second finds the new one, and the file goes back under its
+    name, the same file with what the holder wrote into it."""
+    leaked, taken = leak(shm, size=4096), leak(shm, "vllm_offload_taken.mmap", 4096)
+    inode = taken.stat().st_ino
+    proc = RealProc(tmp_path / "proc")
+    proc.add(os.getpid())
+    first: list = []
+    real_scan = reaper.scan
+
+    def scan_then_take(root, files):
+        result = real_scan(root, files)
+        if not first:
+            first.extend(reaper.decide(files, result))
+            first.append(proc.add(holders.start(taken, how)))  # by name: it is still there
+        return result
+
+    monkeypatch.setattr(reaper, "scan", scan_then_take)
+    verdicts = reap(shm, proc)
+    *decided, pid = first
+    assert names_and_actions(decided) == [("vllm_offload_0b7e.mmap", "delete"),
+                                          ("vllm_offload_taken.mmap", "delete")]
+    assert names_and_actions(verdicts) == [("vllm_offload_0b7e.mmap", "delete"),
+                                           ("vllm_offload_taken.mmap", "keep")]
+    kept = verdicts[1]
+    assert kept.reason.startswith(f"held by PID {pid} (")
+    assert (f", {how}" if how == "maps" else ", fd ") in kept.reason
+    assert kept.reason.endswith("(read again after it was set aside); put back under its name")
+    assert reaper.line_of(verdicts[0], False).endswith(
+        "no process maps it or holds it open (1 processes read, and 2 again after it was set "
+        "aside)")
+    assert not leaked.exists()
+    assert taken.stat().st_ino == inode and taken.read_bytes()[:4] == b"kv!!"
+    assert os.listdir(shm / reaper.QUARANTINE) == []
+    # The holder now sees it under its quarantine path, "(deleted)": the same inode still holds.
+    assert names_and_actions(reap(shm, proc)) == [("vllm_offload_taken.mmap", "keep")]
+
+
+def test_an_incomplete_second_reading_puts_everything_back(shm, tmp_path, monkeypatch):
+    leaked = leak(shm, size=4096)
+    inode = leaked.stat().st_ino
+    proc = RealProc(tmp_path / "proc")
+    proc.add(os.getpid())
+    real_scan = reaper.scan
+
+    def scan_then_hide(root, files):
+        result = real_scan(root, files)
+        if not (proc.root / "4242").exists():  # a process that cannot be read appears
+            unreadable(proc, 4242, "sleep")
+        return result
+
+    monkeypatch.setattr(reaper, "scan", scan_then_hide)
+    (verdict,) = reap(shm, proc)
+    assert verdict.action == "refuse"
+    assert "cannot read the mappings of PID 4242 (sleep, uid" in verdict.reason
+    assert verdict.reason.endswith("so nothing was deleted (read again after it was set aside);"
+                                   " put back under its name")
+    assert leaked.stat().st_ino == inode and os.listdir(shm / reaper.QUARANTINE) == []
+
+
+def test_a_held_file_whose_name_was_taken_stays_in_the_quarantine_until_the_name_is_free(
+        shm, tmp_path, monkeypatch, holders):
+    taken = leak(shm, "vllm_offload_taken.mmap", 4096)
+    inode = taken.stat().st_ino
+    aside = shm / reaper.QUARANTINE / taken.name
+    proc = RealProc(tmp_path / "proc")
+    pids: list[int] = []
+    real_scan = reaper.scan
+
+    def scan_take_and_replace(root, files):
+        if pids:  # set aside: another program creates a file of that name
+            taken.write_bytes(b"new")
+        result = real_scan(root, files)
+        if not pids:
+            pids.append(proc.add(holders.start(taken)))
+        return result
+
+    monkeypatch.setattr(reaper, "scan", scan_take_and_replace)
+    (verdict,) = reap(shm, proc)
+    monkeypatch.undo()
+    (pid,) = pids
+    assert verdict.action == "refuse" and verdict.reason.startswith(f"held by PID {pid} (")
+    assert verdict.reason.endswith("could not put it back (File exists: vllm_offload_taken.mmap)"
+                                   f": it stays in {aside}")
+    assert taken.read_bytes() == b"new"  # the other file: never replaced
+    assert aside.stat().st_ino == inode and aside.read_bytes()[:4] == b"kv!!"
+
+    # Next runs: left there and said so (the new file is kept: a holder's mapping has its name)
+    leftover, new = reap(shm, proc)
+    assert (leftover.action, new.action) == ("refuse", "keep")
+    assert leftover.reason.endswith(f"is another file now: it stays in {aside}, nothing was "
+                                    "deleted (compare the two, then move it by hand)")
+    taken.unlink()  # the operator frees the name: the file goes back, and is still held
+    assert names_and_actions(reap(shm, proc)) == [("vllm_offload_taken.mmap", "keep"),
+                                                  ("vllm_offload_taken.mmap", "restore")]
+    assert taken.stat().st_ino == inode and os.listdir(aside.parent) == []
+    holders.release(pid)
+    assert names_and_actions(reap(shm, proc)) == [("vllm_offload_taken.mmap", "delete")]
+    assert not taken.exists()
+
+
+def test_a_leftover_that_appeared_after_the_first_look_is_never_replaced(
+        shm, tmp_path, monkeypatch):
+    """Another run made the quarantine after this one looked, and was stopped with a file of
+    the same name set aside: setting this one aside would replace it."""
+    path = leak(shm, size=4096)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(3, "python3", [])
+    real_scan = reaper.scan
+
+    def scan_while_another_run_stops(root, files):
+        (shm / reaper.QUARANTINE).mkdir(mode=0o700)
+        (shm / reaper.QUARANTINE / path.name).write_bytes(b"theirs")
+        return real_scan(root, files)
+
+    monkeypatch.setattr(reaper, "scan", scan_while_another_run_stops)
+    (verdict,) = reap(shm, proc)
+    assert (verdict.action, verdict.reason) == (
+        "refuse", f"a file of that name is in {reaper.QUARANTINE}: not set aside, nothing was "
+                  "deleted")
+    assert path.exists() and (shm / reaper.QUARANTINE / path.name).read_bytes() == b"theirs"
+
+
+def test_leftovers_of_a_stopped_run_go_back_under_their_names_first(shm, tmp_path, holders):
+    """A run killed between setting files aside and deciding: the next run puts each back (it
+    never deletes on a guess), then judges it like any other file; a dry run says so."""
+    aside = shm / reaper.QUARANTINE
+    aside.mkdir(mode=0o700)
+    leak(aside, "vllm_offload_free.mmap", 4096)
+    held = leak(aside, "vllm_offload_held.mmap", 4096)
+    twice = leak(aside, "vllm_offload_twice.mmap", 4096)
+    os.link(twice, shm / twice.name)  # killed between a restore's link and its unlink
+    leak(aside, "sglang_kv_0.bin", 4096)  # matched the patterns of that run, not this one's
+    proc = RealProc(tmp_path / "proc")
+    proc.add(os.getpid())
+    pid = proc.add(holders.start(held))  # through its quarantine path: held all along
+    before = sorted(os.listdir(aside))
+    dry = reap(shm, proc, dry_run=True)
+    assert sorted(os.listdir(aside)) == before and (shm / twice.name).exists()
+    cli = subprocess.run(
+        [sys.executable, str(REAPER), "--dir", str(shm), "--proc", str(proc.root), "--dry-run",
+         "--json"], capture_output=True, text=True)
+    plan = parse_reap_plan([*cli.stdout.splitlines(), f"{guards._RC} {cli.returncode}"])
+    assert [(v.path, v.action, v.reason) for v in plan.verdicts] == [
+        (v.path, v.action, v.reason) for v in dry]
+    assert [v.line.split(" ")[:2] for v in plan.verdicts][:4] == [
+        ["would", "restore"]] * 4
+
+    done = reap(shm, proc)
+    assert names_and_actions(done) == names_and_actions(dry) == [
+        ("sglang_kv_0.bin", "restore"),
+        ("vllm_offload_free.mmap", "delete"), ("vllm_offload_free.mmap", "restore"),
+        ("vllm_offload_held.mmap", "keep"), ("vllm_offload_held.mmap", "restore"),
+        ("vllm_offload_twice.mmap", "delete"), ("vllm_offload_twice.mmap", "restore"),
+    ]
+    assert done[0].reason == (f"left in {aside} by a run that was stopped midway: back under "
+                              "its name, judged like any other file")
+    assert done[3].reason == (f"left in {aside} by a run that was stopped midway, and already "
+                              "back under its name: the quarantine's name is dropped")
+    assert next(v for v in done if v.action == "keep").reason.startswith(f"held by PID {pid} (")
+    assert os.listdir(aside) == []
+    assert sorted(os.listdir(shm)) == [reaper.QUARANTINE, "sglang_kv_0.bin",
+                                       "vllm_offload_held.mmap"]
+    assert (shm / held.name).read_bytes()[:4] == b"kv!!"
+
+
+@pytest.mark.parametrize("kind", ["link", "file", "mode", "owner"])
+def test_a_quarantine_that_is_not_this_users_0700_folder_is_refused(shm, tmp_path, kind):
+    """Whoever can write into the quarantine could swap the file that gets deleted."""
+    path = leak(shm, size=4096)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(3, "python3", [])
+    aside, elsewhere = shm / reaper.QUARANTINE, tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if kind == "link":
+        aside.symlink_to(elsewhere)
+    elif kind == "file":
+        aside.write_text("")
+    else:
+        aside.mkdir(mode=0o700)
+        if kind == "mode":
+            aside.chmod(0o755)
+        elif os.geteuid() == 0:
+            os.chown(aside, 65534, 65534)
+        else:
+            pytest.skip("giving a folder to another user needs root")
+    for dry in ([], ["--dry-run"]):
+        done = subprocess.run([sys.executable, str(REAPER), "--dir", str(shm), "--proc",
+                               str(proc.root), *dry], capture_output=True, text=True)
+        assert done.returncode == reaper.EXIT_ERROR and done.stdout == "", done
+        assert done.stderr.startswith("rigbook-shm-reaper: ") and str(aside) in done.stderr
+        assert done.stderr.rstrip().endswith("nothing was deleted")
+    assert path.exists() and list(elsewhere.iterdir()) == []
+
+
+def test_the_quarantine_is_made_0700_whatever_the_umask_and_runs_take_turns(
+        shm, tmp_path, monkeypatch):
+    leak(shm, size=4096)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(3, "python3", [])
+    previous = os.umask(0o277)
+    try:
+        assert names_and_actions(reap(shm, proc)) == [("vllm_offload_0b7e.mmap", "delete")]
+    finally:
+        os.umask(previous)
+    st = os.lstat(shm / reaper.QUARANTINE)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.geteuid()
+    leak(shm, size=4096)
+    other_run = os.open(shm / reaper.QUARANTINE, os.O_RDONLY | os.O_DIRECTORY)
+    monkeypatch.setattr(reaper, "LOCK_WAIT_S", 0.3)
+    try:
+        fcntl.flock(other_run, fcntl.LOCK_EX)
+        for dry_run in (False, True):
+            with pytest.raises(reaper.Unsafe, match="another reaper run held the quarantine"):
+                reap(shm, proc, dry_run)
+    finally:
+        os.close(other_run)
+    assert names_and_actions(reap(shm, proc)) == [("vllm_offload_0b7e.mmap", "delete")]
 
 
 def test_reaper_unit_passes_the_host_data_patterns():
@@ -378,11 +704,65 @@ def test_reaper_unit_passes_the_host_data_patterns():
     assert "Type=oneshot" in text.splitlines()
 
 
-@pytest.mark.parametrize("pattern", ["*", "*.mmap", "a b", "../x", "x/y", "v%i", "a'b", "$x"])
-def test_patterns_that_could_match_anything_or_break_the_unit_are_refused(pattern):
-    with pytest.raises(RigbookError, match="guards_shm_patterns"):
+#: Patterns that must never choose files for root to delete: too broad (fewer than 4 literal
+#: characters before a glob character), hidden names, options, or a way out of /dev/shm, a unit
+#: line or a shell word.
+REFUSED_PATTERNS = [
+    "s*", "abc*", "*.mmap", "[v]llm*", "*", "?", "vll?_*", "abc[d]*", "",
+    "a b", "vllm *", " vllm*", "vllm\u00a0*", "../x", "vllm/../x*", "x/y", "vllm_/*", "vllm..x*",
+    ".vllm*", ".rigbook-quarantine", "-vllm*", "--pattern", "vllm_*\n", "vllm\t*", "vllm\x00*",
+    "vllm\x1b[31m*", "vllm\x7f*", "vllm'*", 'vllm"*', "vllm`id`*", "vllm$(id)*", "vllm${IFS}*",
+    "vllm%i*", "vllm;rm*", "vllm|x*", "vllm\\*", "vllm_[!a]*", "vllm\u00e9*", "vllm\u0661*",
+]
+
+
+@pytest.mark.parametrize("pattern", REFUSED_PATTERNS)
+def test_a_broad_or_hostile_pattern_is_refused_by_the_inventory_and_by_the_reaper(pattern):
+    with pytest.raises(RigbookError) as refused:
         parse_rig("rig1", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
-                           "guards_shm_patterns": [pattern]})
+                           "guards_shm_patterns": ["vllm_offload_*.mmap", pattern]})
+    message = str(refused.value)
+    assert message.startswith(f"rig1: guards_shm_patterns: {pattern!r}: a /dev/shm file-name "
+                              "glob must start with at least 4 literal characters"), message
+    assert "e.g. vllm_offload_*.mmap" in message and "\n" not in message
+    with pytest.raises(argparse.ArgumentTypeError) as also:  # the copy on the rig: same rule
+        reaper._pattern(pattern)
+    assert str(also.value) in message
+
+
+@pytest.mark.parametrize("value", [
+    "vllm_offload_*.mmap", ["vllm_offload_*.mmap", 5], [None], [["vllm_offload_*.mmap"]],
+    {"vllm_offload_*.mmap": 1}, [], None, 5, True,
+])
+def test_patterns_of_the_wrong_type_are_refused(value):
+    with pytest.raises(RigbookError, match="^rig1: guards_shm_patterns"):
+        parse_rig("rig1", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
+                           "guards_shm_patterns": value})
+
+
+@pytest.mark.parametrize("pattern", [
+    "vllm_offload_*.mmap", "sglang_kv_?.bin", "vllm[0-9]*", "abcd", "0123*", "_.-a*",
+    "x-_.[a-z]*?.mmap",
+])
+def test_a_pattern_with_four_literal_characters_first_is_accepted(pattern):
+    assert rig(guards_shm_patterns=[pattern]).guards_shm_patterns == (pattern,)
+    assert reaper._pattern(pattern) == pattern
+
+
+def test_the_reaper_refuses_a_broad_pattern_itself_and_touches_nothing(shm, tmp_path):
+    """Defence in depth: a unit edited by hand, or a typo at the command line."""
+    other = leak(shm, "sqlite-shared-state", 4096)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(3, "python3", [])
+    done = subprocess.run(
+        [sys.executable, str(REAPER), "--dir", str(shm), "--proc", str(proc.root),
+         "--pattern", "vllm_offload_*.mmap", "--pattern", "s*"], capture_output=True, text=True,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert ("error: argument --pattern: 's*': a /dev/shm file-name glob must start with at "
+            "least 4 literal characters") in done.stderr
+    assert "e.g. vllm_offload_*.mmap" in done.stderr
+    assert other.exists() and not (shm / reaper.QUARANTINE).exists()
 
 
 def test_guards_defaults():
@@ -395,7 +775,8 @@ def test_guards_defaults():
 
 
 def verdict(action: str, path: str = "/dev/shm/vllm_offload_1.mmap") -> ShmVerdict:
-    words = {"delete": "would reap", "keep": "kept", "refuse": "refused"}
+    words = {"delete": "would reap", "keep": "kept", "refuse": "refused",
+             "restore": "would restore"}
     return ShmVerdict(path, 2**31, 2**31, action, "why",
                       f"{words[action]} {path} (2.0 GiB, 2147483648 bytes): why")
 
@@ -406,6 +787,15 @@ def test_reap_runs_the_reaper_only_when_something_is_to_be_deleted():
     assert shell(commands) == [f"python3 {guards.REAPER} --pattern 'vllm_offload_*.mmap'"]
     (note,) = [c for c in commands if isinstance(c, FunctionCommand)]
     assert note.args == ("reaping /dev/shm/vllm_offload_1.mmap (2.0 GiB, 2147483648 bytes): why",)
+
+
+def test_reap_runs_the_reaper_to_put_back_a_leftover_of_a_stopped_run():
+    plan = ReapPlan(True, (verdict("restore"), verdict("keep", "/dev/shm/vllm_offload_2.mmap")))
+    commands, fake = run_op(reap_shm, {"ShmReapPlan": plan}, patterns=("vllm_offload_*.mmap",))
+    assert shell(commands) == [f"python3 {guards.REAPER} --pattern 'vllm_offload_*.mmap'"]
+    (note,) = [c for c in commands if isinstance(c, FunctionCommand)]
+    assert note.args == ("restoring /dev/shm/vllm_offload_1.mmap (2.0 GiB, 2147483648 bytes): "
+                         "why",)
 
 
 def test_reap_is_no_change_when_everything_is_held_or_nothing_matches():

@@ -2,11 +2,14 @@
 
 The guards deploy installs the reaper and the Xid watch (a second run changes nothing). The
 reaper, in order: as an unprivileged user next to a root-owned holder it refuses and deletes
-nothing (it cannot read root's mappings: real permission errors, not a simulation); run by its
-unit as root it reaps a leaked buffer and keeps one a live process maps; a serving unit that is
-force-killed has its buffer reaped by the guards' drop-in; deploys/reap_shm.py reaps on demand
-and then has nothing to do. The Xid watch: nspawn rigs cannot read the kernel log, so this test
-(never a production default) points the watch's sources at a simulated log by a drop-in:
+nothing (it cannot read root's mappings: real permission errors, not a simulation), and sets
+nothing aside; run by its unit as root it reaps a leaked buffer and keeps one a live process
+maps, leaving its quarantine empty (a second run changes nothing, an unprivileged one now stops
+at root's quarantine); deploys/reap_shm.py reaps on demand and then has nothing to do, and puts
+back what a stopped run left in the quarantine (the held buffer, still held; a stray one, then
+reaped); a serving unit that is force-killed has its buffer reaped by the guards' drop-in.
+The Xid watch: nspawn rigs cannot read the kernel log, so this test (never a production
+default) points the watch's sources at a simulated log by a drop-in:
 sandbox/simulated/kmsg-xid79.log as this boot's log (in /run: gone at reboot, like the kernel
 ring buffer) and as the journal of all boots (on disk). Xid 79 sets the GPU-lost mark, serving
 refuses to start with the mark's message, `rigbook status` says GPU gone; `sandbox restart`
@@ -55,6 +58,7 @@ THIS_BOOT = "/run/rigbook-sim/kmsg"  # cleared by a reboot, like the kernel's ri
 ALL_BOOTS = "/var/lib/rigbook-sim/kmsg-all-boots.log"  # on disk, like the journal
 STAND_IN = "rigbook-test-serve.service"
 STAND_IN_PATH = f"/run/systemd/system/{STAND_IN}"
+QUARANTINE = "/dev/shm/.rigbook-quarantine"
 
 HOLDER = """\
 import mmap, os, sys, time
@@ -157,6 +161,7 @@ def test_the_guards_run_hardened(guarded):
 
 
 def test_reaper_fails_closed_reaps_leaks_and_keeps_held_buffers(guarded):
+    ssh(f"rm -rf {QUARANTINE}")  # as a boot leaves /dev/shm (earlier tests may have reaped here)
     ssh(f"systemd-run --unit rigbook-test-holder --collect /usr/bin/python3 {TEST_DIR}/holder.py"
         f" /dev/shm/vllm_offload_held.mmap {TEST_DIR}/held.ready")
     wait_for(f"test -e {TEST_DIR}/held.ready")
@@ -174,6 +179,7 @@ def test_reaper_fails_closed_reaps_leaks_and_keeps_held_buffers(guarded):
                                 "nothing was deleted")
     assert exists("/dev/shm/vllm_offload_leaked.mmap")
     assert exists("/dev/shm/vllm_offload_held.mmap")
+    assert not exists(QUARANTINE)  # nothing was set aside
 
     # 2. As root, by its unit: the leak is reaped, the buffer a live process maps is kept.
     done = ssh(f"systemctl start {REAPER_UNIT}", check=False)
@@ -185,6 +191,18 @@ def test_reaper_fails_closed_reaps_leaks_and_keeps_held_buffers(guarded):
             f"held by PID {holder} (python3, maps)") in log
     assert not exists("/dev/shm/vllm_offload_leaked.mmap")
     assert exists("/dev/shm/vllm_offload_held.mmap")
+    assert ssh(f"stat -c '%u %a %F' {QUARANTINE}").stdout.strip() == "0 700 directory"
+    assert ssh(f"ls -A {QUARANTINE}").stdout == ""
+    seen = len(log.splitlines())
+    second = ssh(f"systemctl start {REAPER_UNIT}", check=False)
+    new = journal(REAPER_UNIT).splitlines()[seen:]
+    assert second.returncode == 0, new
+    assert [line.split(" (")[0] for line in new if " /dev/shm/" in line] == [
+        "kept /dev/shm/vllm_offload_held.mmap"], new  # a second run changes nothing
+    weak = ssh(f"runuser -u nobody -- /usr/bin/python3 {REAPER}", check=False)
+    assert weak.returncode == 1 and weak.stderr.startswith(
+        f"rigbook-shm-reaper: cannot use {QUARANTINE}: Permission denied"), weak
+    assert weak.stderr.rstrip().endswith("nothing was deleted")
 
     # 3. On demand (deploys/reap_shm.py): reaps what leaked, then has nothing to do.
     ssh("truncate -s 1M /dev/shm/vllm_offload_again.mmap")
@@ -197,6 +215,26 @@ def test_reaper_fails_closed_reaps_leaks_and_keeps_held_buffers(guarded):
     again = run_pyinfra(SANDBOX_INVENTORY, "deploys/reap_shm.py", "--limit", RIG)
     assert again.returncode == 0 and again.changed() == {}, again.explain()
     assert exists("/dev/shm/vllm_offload_held.mmap")
+
+    # Leftovers of a run stopped midway: put back first (the held buffer stays held, with its
+    # inode), then judged (the stray one is reaped); the quarantine is left empty.
+    inode = ssh("stat -c %i /dev/shm/vllm_offload_held.mmap").stdout.strip()
+    ssh(f"mv /dev/shm/vllm_offload_held.mmap {QUARANTINE}/ && "
+        f"truncate -s 2M {QUARANTINE}/vllm_offload_stray.mmap")
+    back = run_pyinfra(SANDBOX_INVENTORY, "deploys/reap_shm.py", "--limit", RIG)
+    assert back.returncode == 0, back.explain()
+    assert back.changed() == {"Reap /dev/shm | Reap leaked /dev/shm buffers": [RIG]}, (
+        back.explain())
+    for line in ("restoring /dev/shm/vllm_offload_held.mmap (0.0 GiB, 8388608 bytes",
+                 "restoring /dev/shm/vllm_offload_stray.mmap (0.0 GiB, 2097152 bytes",
+                 "reaping /dev/shm/vllm_offload_stray.mmap (0.0 GiB, 2097152 bytes"):
+        assert line in back.stderr, back.explain()
+    assert ssh("stat -c %i /dev/shm/vllm_offload_held.mmap").stdout.strip() == inode
+    assert not exists("/dev/shm/vllm_offload_stray.mmap")
+    assert ssh(f"ls -A {QUARANTINE}").stdout == ""
+    assert ssh(f"grep -c ' {inode} ' /proc/{holder}/maps").stdout.strip() == "1"  # still held
+    last = run_pyinfra(SANDBOX_INVENTORY, "deploys/reap_shm.py", "--limit", RIG)
+    assert last.returncode == 0 and last.changed() == {}, last.explain()
 
     # 4. A serving unit whose engine is force-killed: its drop-in reaps the leaked buffer.
     stand_in_serving_unit()
