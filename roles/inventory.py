@@ -99,14 +99,14 @@ def inventory_problems(hosts: list[Host]) -> list[str]:
 def rig_problems(rig: Rig, name: str) -> list[str]:
     """What needs no rig to be refused: the recipe (from the catalogue and serving_recipe_dirs)
     and its fit to the host data (cards, class VRAM, NVLink, platform, venv), the bind rule, the
-    API key file and the HF token file."""
-    from roles.models import operator_token  # the roles import this module's neighbours
+    API key file and the token files (HF, mirror)."""
+    from roles.models import rig_tokens  # the roles import this module's neighbours
     from roles.recipes import catalogue
     from roles.serving import plan_of
 
     _, problem = plan_of(rig, name)
     problems = [problem.message(name)] if problem else []
-    checks = [lambda: operator_token(rig)]
+    checks = [lambda: rig_tokens(rig)]
     if rig.recipe is None:  # with a recipe, plan_of loaded the folders
         checks.append(lambda: catalogue(rig.serving_recipe_dirs))
     for check in checks:

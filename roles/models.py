@@ -17,13 +17,17 @@ snapshot:
   missing bytes plus models_disk_margin_gib do not fit on the cache's filesystem, downloads only
   what is missing, checks sizes and hashes, and writes the manifest only when the snapshot is
   complete. A partial snapshot fails the rig with the files that are missing or wrong.
-- A token (the operator's HF_TOKEN or models_token_file) reaches the rig as a root-only 0600
-  file that huggingface_hub reads through HF_TOKEN_PATH; it is never in a command, an argument,
-  a diff or a log line (see `hf_token`).
+- Tokens reach the rig as root-only 0600 files, never in a command, an argument, a diff or a
+  log line (see `hf_token`), and only where they are used: the HF token (the operator's HF_TOKEN
+  or models_token_file) where the rig pulls from the hub, the fleet's mirror token
+  (models_mirror_token_file) where it pulls from a mirror or runs one. huggingface_hub reads the
+  one for the pull's destination through HF_TOKEN_PATH, so each goes only there.
 - Cached repos that models does not list are reported with their sizes, and removed with
   models_prune: true.
-- Fleet pulls: models_endpoint sends every hub call to a mirror (HF_ENDPOINT); a rig with
-  models_mirror_port runs rigbook's own (files/models/mirror.py) over its complete snapshots.
+- Fleet pulls: a rig with models_mirror_port runs rigbook's mirror (files/models/mirror.py) over
+  its complete snapshots, on models_mirror_bind (default: the rig's address that SSH reached),
+  for requests with the fleet's token; a rig with models_endpoint pulls from it and checks every
+  file against the sha256 of the mirror's manifest.
 
 docs/models.md has the cache layout, offline serving, tokens, fleet pulls and pruning.
 """
@@ -34,10 +38,11 @@ import io
 import ipaddress
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from urllib.parse import urlsplit
+from typing import NamedTuple
 
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
@@ -48,7 +53,7 @@ from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
 
 from roles import FILES
-from roles.checks import Check, Facts, Finding, Read, drift, warn
+from roles.checks import Check, Facts, Finding, Read, drift, error, warn
 from roles.errors import RigbookError
 from roles.messages import notice, refuse, warn_once
 from roles.recipes import recipe_for, recipe_pins
@@ -56,6 +61,7 @@ from roles.render import template
 from roles.secrets import Secret, read_secret_file
 from roles.spec import ModelSpec, Rig
 from roles.tools import TOOLS_PYTHON, tools_venv
+from roles.types import ip_address
 
 #: Where pull.py lives on the rig (run by the tools venv's python).
 MODELS_DIR = "/opt/rigbook/models"
@@ -70,6 +76,11 @@ MIRROR_TEMPLATE = FILES / "models" / f"{MIRROR_UNIT}.j2"
 #: The HF token on the rig: root-only, read by huggingface_hub through HF_TOKEN_PATH.
 SECRETS_DIR = "/etc/rigbook/secrets"
 TOKEN_PATH = f"{SECRETS_DIR}/hf-token"
+#: The fleet's mirror token on the rig: sent by pulls from models_endpoint (HF_TOKEN_PATH), handed
+#: to the mirror's unit as a credential (LoadCredential=).
+MIRROR_TOKEN_PATH = f"{SECRETS_DIR}/hf-mirror-token"
+#: The copy of it that systemd hands the running mirror (root can read it).
+MIRROR_CREDENTIAL_PATH = f"/run/credentials/{MIRROR_UNIT}/mirror-token"
 #: Manifests rigbook writes inside each repo folder of the cache: rigbook/<commit>.json.
 MANIFEST_DIR = "rigbook"
 REPO_PREFIX = "models--"
@@ -325,32 +336,23 @@ def snapshot_status(cache: CacheState, spec: ModelSpec) -> SnapshotStatus:
     return SnapshotStatus(True, "", **counts)
 
 
+def unhashed(cache: CacheState, spec: ModelSpec) -> int:
+    """How many files a complete snapshot's manifest lists without a sha256: an older rigbook
+    recorded none for non-LFS files, and the mirror serves only snapshots with every hash."""
+    manifest = cache.repos[spec.repo].manifests[spec.revision]
+    return sum(1 for _, sha in manifest.files.values() if not sha)
+
+
 # --- the pull ---------------------------------------------------------------------------------
-
-
-def token_allowed(endpoint: str | None) -> bool:
-    """Whether a pull from `endpoint` may send the token: the hub, https, or loopback http.
-
-    A plain-http mirror on the LAN (rigbook's own asks for no token) would see it in clear.
-    """
-    if endpoint is None or endpoint.startswith("https://"):
-        return True
-    hostname = urlsplit(endpoint).hostname or ""
-    if hostname == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(hostname).is_loopback
-    except ValueError:
-        return False
 
 
 def pull_command(spec: ModelSpec, rig: Rig) -> StringCommand:
     """The command that runs pull.py for one model: no secret in it, only the token's path.
 
-    HF_TOKEN_PATH is /dev/null (no token) where ``token_allowed`` says the endpoint may not
-    have it.
+    HF_TOKEN_PATH names the token of the pull's destination, so neither token goes anywhere
+    else: the HF token for the hub, the fleet's mirror token for models_endpoint.
     """
-    token_path = TOKEN_PATH if token_allowed(rig.models_endpoint) else "/dev/null"
+    token_path = MIRROR_TOKEN_PATH if rig.models_endpoint else TOKEN_PATH
     env = [
         "HF_HUB_DISABLE_PROGRESS_BARS=1",
         "HF_HUB_DISABLE_TELEMETRY=1",
@@ -419,8 +421,8 @@ def pull_message(spec: ModelSpec, result: dict | None, stderr: str = "") -> str:
             parts.append("missing " + ", ".join(result["missing"]))
         for item in result.get("wrong_size", []):
             parts.append(f"{item['path']} is {item['size']} of {item['expected']} bytes")
-        for item in result.get("bad_sha256", []):
-            parts.append(f"{item['path']} has sha256 {item['sha256'][:12]}…, "
+        for item in result.get("bad_hash", []):
+            parts.append(f"{item['path']} has {item['hash']} {item['actual'][:12]}…, "
                          f"expected {item['expected'][:12]}…")
         errors = "; ".join(f"{path}: {text}" for path, text in result.get("errors", {}).items())
         return (
@@ -467,22 +469,28 @@ def model_snapshot(spec: ModelSpec, rig: Rig, token: Secret | None = None) -> It
     + rig: the rig's validated host data (cache, endpoint, disk margin)
     + token: the token placed by ``hf_token`` (only to mask it in messages; never sent)
 
-    Complete per ``snapshot_status`` (local, no network): no change. Otherwise runs
-    files/models/pull.py with the tools venv's python and fails the rig unless the pull ends
-    complete: a refusal says how many GiB are needed and free on which filesystem, a partial
-    pull lists the files missing or wrong.
+    Complete per ``snapshot_status`` (local, no network): no change, unless the rig runs the
+    mirror and the manifest lacks a sha256 (``unhashed``): then the pull hashes those files,
+    downloading nothing. Otherwise runs files/models/pull.py with the tools venv's python and
+    fails the rig unless the pull ends complete: a refusal says how many GiB are needed and free
+    on which filesystem, a partial pull lists the files missing or wrong.
     """
-    status = snapshot_status(host.get_fact(ModelCache, cache=rig.models_cache), spec)
-    if status.complete:
+    cache = host.get_fact(ModelCache, cache=rig.models_cache)
+    status = snapshot_status(cache, spec)
+    reason = status.reason
+    if status.complete and rig.models_mirror_port is not None and unhashed(cache, spec):
+        reason = (f"{unhashed(cache, spec)} file(s) have no sha256 in its manifest (an older "
+                  "rigbook's pull), which the mirror needs")
+    elif status.complete:
         host.noop(
             f"{label(spec)} is complete in {rig.models_cache} "
             f"({status.files} file(s), {human(status.bytes)})"
         )
         return
     if not state.is_executing:
-        warn_once(f"{label(spec)}: {status.reason}: will pull")
+        warn_once(f"{label(spec)}: {reason}: will pull")
     yield FunctionCommand(
-        _pull, (spec, status.reason, pull_command(spec, rig), _connector_arguments(), token), {}
+        _pull, (spec, reason, pull_command(spec, rig), _connector_arguments(), token), {}
     )
 
 
@@ -499,6 +507,54 @@ def operator_token(rig: Rig, environ: Mapping[str, str] = os.environ) -> Secret 
         return Secret(text)
     value = environ.get("HF_TOKEN", "").strip()
     return Secret(value) if value else None
+
+
+#: A fleet token: long enough not to be guessed, and nothing an HTTP header would mangle.
+_MIRROR_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{32,}")
+
+
+def mirror_token(rig: Rig) -> Secret | None:
+    """The fleet's mirror token from models_mirror_token_file (None when unset).
+
+    RigbookError, never showing the file's content, when the file cannot be read, when others
+    may read it, or when it does not hold one token of 32 or more header-safe characters.
+    """
+    if rig.models_mirror_token_file is None:
+        return None
+    text = read_secret_file("models_mirror_token_file", rig.models_mirror_token_file, "token")
+    if not _MIRROR_TOKEN.fullmatch(text):
+        raise RigbookError(
+            "models_mirror_token_file: its token must be 32 or more letters, digits and "
+            "- . _ ~ + / = (e.g. the output of `openssl rand -hex 32`)"
+        )
+    return Secret(text)
+
+
+class RigToken(NamedTuple):
+    """A token file of the rig: what it holds, where, and the token (None: the file goes)."""
+
+    what: str
+    path: str
+    token: Secret | None
+    why_not: str  # why the rig holds none, when token is None
+
+
+def rig_tokens(rig: Rig, environ: Mapping[str, str] = os.environ) -> tuple[RigToken, RigToken]:
+    """The HF token and the fleet's mirror token, each only where the rig uses it.
+
+    The HF token where the rig pulls from the hub (models and no models_endpoint), the mirror
+    token where it pulls from a mirror (models_endpoint) or runs one (models_mirror_port). Both
+    files of the operator are read either way, so a bad one is refused before connecting.
+    """
+    hub, mirror = operator_token(rig, environ), mirror_token(rig)
+    from_hub = bool(rig.models) and rig.models_endpoint is None
+    for_mirror = rig.models_mirror_port is not None or bool(rig.models and rig.models_endpoint)
+    return (
+        RigToken("HF token", TOKEN_PATH, hub if from_hub else None,
+                 "not used here" if hub and not from_hub else "none supplied this run"),
+        RigToken("mirror token", MIRROR_TOKEN_PATH, mirror if for_mirror else None,
+                 "not used here" if mirror and not for_mirror else "none supplied this run"),
+    )
 
 
 @dataclass(frozen=True)
@@ -568,10 +624,11 @@ def secret_upload(secret: Secret, path: str) -> Iterator:
 @operation()
 def hf_token(token: Secret, path: str = TOKEN_PATH) -> Iterator:
     """
-    Place the HF token on the rig as a root-only file (0600 in a 0700 directory).
+    Place a token on the rig as a root-only file (0600 in a 0700 directory).
 
     + token: the token (a ``Secret``: printed as ``***``)
-    + path: where it goes; pull.py is run with ``HF_TOKEN_PATH`` pointing here
+    + path: where it goes: ``TOKEN_PATH`` (the HF token) or ``MIRROR_TOKEN_PATH`` (the fleet's
+      mirror token); pull.py is run with ``HF_TOKEN_PATH`` pointing at one of them
 
     Compared by sha256 (``SecretFile``), never by content, so ``--diff`` has nothing to show;
     unlike ``files.put``, which prints a file-like source's lines with ``--diff``.
@@ -651,10 +708,57 @@ def refused(message: str) -> Iterator:
     yield refuse(message)
 
 
-def hub_mirror(rig: Rig) -> None:
+class SshAddress(FactBase[str | None]):
+    """
+    The rig's own address of the operator's SSH connection (None without one, e.g. @local).
+
+    The third field of SSH_CONNECTION (client address, client port, server address, server
+    port); sudo drops the variable, so it is read from the nearest process up the tree that has
+    it. An address with a scope id (link-local IPv6) counts as none; an IPv4-mapped IPv6 address
+    is given as IPv4::
+
+        10.0.3.1 51234 10.0.3.7 22
+    """
+
+    def command(self) -> str:
+        return (
+            'pid=$$; while [ "${pid:-0}" -gt 1 ]; do '
+            "tr '\\0' '\\n' < /proc/$pid/environ 2>/dev/null | sed -n 's/^SSH_CONNECTION=//p'; "
+            "pid=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$pid/status 2>/dev/null); "
+            "done | head -n 1"
+        )
+
+    def process(self, output: list[str]) -> str | None:
+        return parse_ssh_address(output)
+
+
+def parse_ssh_address(output: list[str]) -> str | None:
+    fields = " ".join(output).split()
+    if len(fields) != 4:
+        return None
+    try:
+        address = ip_address(fields[2])
+    except ValueError:
+        return None
+    mapped = getattr(ipaddress.ip_address(address), "ipv4_mapped", None)
+    return str(mapped) if mapped else address
+
+
+#: Why a mirror has no address to listen on (the check and hub_mirror say the same).
+NO_MIRROR_ADDRESS = (
+    "no address for the mirror: the rig's SSH connection gives none (no SSH_CONNECTION, e.g. "
+    "@local, or a link-local address); set models_mirror_bind to one of the rig's addresses"
+)
+
+
+def hub_mirror(rig: Rig, token: Secret | None) -> None:
     """Run rigbook's mirror on models_mirror_port, or make sure it is gone (deploy-level).
 
-    Whether the unit file exists is read while planning: nothing earlier in a run creates it.
+    It listens on models_mirror_bind, else on the rig's address that the SSH connection reached
+    (``SshAddress``), and takes the fleet's `token` (placed at MIRROR_TOKEN_PATH before; None
+    only where models_mirror_port is unset) as a systemd credential: a mirror that runs with
+    another one (its credential's sha256 differs) is restarted. Whether the unit file exists is
+    read while planning: nothing earlier in a run creates it.
     """
     if rig.models_mirror_port is None:
         if host.get_fact(File, path=MIRROR_UNIT_PATH):
@@ -663,17 +767,25 @@ def hub_mirror(rig: Rig) -> None:
             files.file(name=f"Remove {MIRROR_UNIT_PATH}", path=MIRROR_UNIT_PATH, present=False)
             systemd.daemon_reload(name="Reload systemd")
         return
+    bind = rig.models_mirror_bind or host.get_fact(SshAddress)
+    if bind is None:
+        refused(name=f"Find the address of {MIRROR_UNIT}", message=f"{host.name}: "
+                f"models_mirror_bind: {NO_MIRROR_ADDRESS}")
+        return
     files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
     script = files.put(name=f"Install {MIRROR_SCRIPT}", src=str(MIRROR_SOURCE),
                        dest=MIRROR_SCRIPT, mode="644")
     unit = template(
         name=f"Write {MIRROR_UNIT_PATH}", src=str(MIRROR_TEMPLATE), dest=MIRROR_UNIT_PATH,
-        mode="644", cache=rig.models_cache, port=rig.models_mirror_port, script=MIRROR_SCRIPT,
+        mode="644", cache=rig.models_cache, bind=bind, port=rig.models_mirror_port,
+        script=MIRROR_SCRIPT, token_path=MIRROR_TOKEN_PATH,
     )
+    held = host.get_fact(SecretFile, path=MIRROR_CREDENTIAL_PATH)  # None: not running
     systemd.service(
-        name=f"Run {MIRROR_UNIT} on port {rig.models_mirror_port}", service=MIRROR_UNIT,
+        name=f"Run {MIRROR_UNIT} on {bind} port {rig.models_mirror_port}", service=MIRROR_UNIT,
         running=True, enabled=True, daemon_reload=unit.will_change,
-        restarted=unit.will_change or script.will_change,
+        restarted=unit.will_change or script.will_change or (
+            held is not None and held.sha256 != token.sha256),
     )
 
 
@@ -681,17 +793,21 @@ def hub_mirror(rig: Rig) -> None:
 def models(rig: Rig) -> None:
     """Pull every model (or models_only) completely, report or prune the rest, run the mirror.
 
-    The mirror (models_mirror_port) and the prune step are left out of a models_only run.
+    The tokens go first: each is placed where the rig uses it and removed elsewhere. The mirror
+    (models_mirror_port) and the prune step are left out of a models_only run.
     """
     specs = selected(rig)
     try:
-        token = operator_token(rig)
+        tokens = rig_tokens(rig)
     except RigbookError as error:
-        refused(name="Read the HF token on this machine", message=f"{host.name}: {error}")
+        refused(name="Read the tokens on this machine", message=f"{host.name}: {error}")
         return
-    if token is None:  # pulls without one; a token given before does not stay on the rig
-        files.file(name=f"No HF token on the rig ({TOKEN_PATH}): none supplied this run",
-                   path=TOKEN_PATH, present=False)
+    hub, fleet = tokens
+    for what, path, token, why_not in tokens:
+        if token is None:
+            files.file(name=f"No {what} on the rig ({path}): {why_not}", path=path, present=False)
+        else:
+            hf_token(name=f"Place the {what} in {path} (root only)", token=token, path=path)
     if specs:
         tools_venv(rig)
         files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
@@ -699,10 +815,9 @@ def models(rig: Rig) -> None:
                   mode="644")
         files.directory(name=f"Create the HF cache {rig.models_cache}", path=rig.models_cache,
                         mode="755")
-        if token is not None:
-            hf_token(name=f"Place the HF token in {TOKEN_PATH} (root only)", token=token)
+        sent = (fleet if rig.models_endpoint else hub).token
         for spec in specs:
-            model_snapshot(name=f"Pull {label(spec)}", spec=spec, rig=rig, token=token)
+            model_snapshot(name=f"Pull {label(spec)}", spec=spec, rig=rig, token=sent)
     if rig.models_only is None:
         prune_models(
             name="Cached repos not in models",
@@ -710,8 +825,7 @@ def models(rig: Rig) -> None:
             keep=tuple(spec.repo for spec in rig.models),
             prune=rig.models_prune,
         )
-        hub_mirror(rig)
-
+        hub_mirror(rig, fleet.token)
 
 
 # --- the models check --------------------------------------------------------------------------
@@ -777,4 +891,22 @@ def _model_reads(rig: Rig, rig_name: str) -> list[Read]:
     return [Read("cache", ModelCache, "HF cache (models_cache)", (("cache", rig.models_cache),))]
 
 
-CHECKS = (Check("models", _model_reads, model_findings),)
+def _mirror_reads(rig: Rig, rig_name: str) -> list[Read]:
+    if rig.models_mirror_port is None or rig.models_mirror_bind is not None:
+        return []
+    return [Read("ssh_address", SshAddress, "the rig's address of the SSH connection")]
+
+
+def mirror_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """A mirror without models_mirror_bind needs the rig's address of the SSH connection."""
+    if not _mirror_reads(rig, rig_name):
+        return []
+    if facts.missing("ssh_address"):
+        return facts.missing("ssh_address")
+    if facts.ssh_address is None:
+        return [error("models", NO_MIRROR_ADDRESS, key="models_mirror_bind")]
+    return []
+
+
+CHECKS = (Check("models", _model_reads, model_findings),
+          Check("models mirror", _mirror_reads, mirror_findings))

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from roles.errors import RigbookError
 from roles.secrets import looks_secret
+from roles.shmglob import pattern_problem
 from roles.types import (
     Glob,
     HttpUrl,
@@ -216,7 +217,8 @@ class Rig(_Model):
         min_length=1,
         description=(
             "File-name globs in /dev/shm the reaper may delete when no process holds them "
-            "(leaked engine offload buffers)."
+            "(leaked engine offload buffers). Each starts with at least 4 literal characters "
+            "(letters, digits, _ . -; not . or - first) before any * ? [ ]."
         ),
     )
     guards_xid_watch: StrictBool = Field(
@@ -227,12 +229,9 @@ class Rig(_Model):
     @classmethod
     def _shm_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
         for pattern in patterns:
-            if not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.*?\[\]-]*", pattern):
-                raise ValueError(
-                    f"{pattern!r}: a file-name glob in /dev/shm that starts with a literal "
-                    "character (letters, digits, _ . -; then also * ? [ ]), "
-                    "e.g. vllm_offload_*.mmap"
-                )
+            problem = pattern_problem(pattern)  # the reaper on the rig checks the same rule
+            if problem:
+                raise ValueError(problem)
         return patterns
 
     # -- python packages ----------------------------------------------------------------------
@@ -365,7 +364,8 @@ class Rig(_Model):
     )
     models_endpoint: HttpUrl | None = Field(
         None,
-        description="Hub mirror or LAN cache to pull from (HF_ENDPOINT); none = the hub.",
+        description="rigbook mirror to pull from (another rig's models_mirror_port, e.g. "
+        "http://10.0.0.5:8090; needs models_mirror_token_file); none = the hub.",
     )
     models_disk_margin_gib: float = Field(
         10, ge=0, description="Free space (GiB) a pull must leave on the cache filesystem."
@@ -383,7 +383,19 @@ class Rig(_Model):
     )
     models_mirror_port: StrictInt | None = Field(
         None, ge=1024, le=65535,
-        description="Serve this rig's complete snapshots to other rigs on this port; none = off.",
+        description="Serve this rig's complete snapshots to other rigs on this port (needs "
+        "models_mirror_token_file); none = off.",
+    )
+    models_mirror_bind: IpAddress | None = Field(
+        None,
+        description="Address the mirror listens on, one of the rig's own (not 0.0.0.0 or ::); "
+        "none = the rig's address that the operator's SSH connection reached (SSH_CONNECTION).",
+    )
+    models_mirror_token_file: LocalPath | None = Field(
+        None,
+        description="The fleet's mirror token file on the operator's machine, readable by its "
+        "owner only (chmod 600): the mirror answers only requests with it, a rig with "
+        "models_endpoint sends it (never the HF token).",
     )
 
     @model_validator(mode="after")
@@ -397,6 +409,20 @@ class Rig(_Model):
                 f"models_only {self.models_only!r} is not in models "
                 f"(allowed: {', '.join(repos) or 'none: models is empty'})"
             )
+        for key in ("models_mirror_port", "models_endpoint"):
+            if getattr(self, key) is not None and self.models_mirror_token_file is None:
+                raise ValueError(f"{key} needs models_mirror_token_file: rigbook's mirror "
+                                 "answers only requests with the fleet's token")
+        if self.models_mirror_bind is not None:
+            if self.models_mirror_port is None:
+                raise ValueError("models_mirror_bind without models_mirror_port: no mirror runs")
+            address = ipaddress.ip_address(self.models_mirror_bind)  # IpAddress: no scope id
+            if address.is_unspecified or address.is_multicast:
+                raise ValueError(
+                    f"models_mirror_bind {self.models_mirror_bind} is not one address of the "
+                    "rig (0.0.0.0 and :: serve every network it is on); allowed: its LAN "
+                    "address, e.g. 10.0.0.5, or unset for the address SSH reaches"
+                )
         return self
 
     @field_validator("driver_branch")

@@ -29,6 +29,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 
 def _load_mirror():
@@ -70,11 +71,10 @@ class RepoFile:
         return hashlib.sha256(self.data).hexdigest()
 
     def entry(self):
-        sha = self.sha256 if self.lfs else None
-        oid = mirror.git_blob_oid(mirror.lfs_pointer(sha, self.size) if sha else self.data)
-        if self.claimed_size is not None:
-            return mirror.Entry(self.path, self.size, sha, oid, None)
-        return mirror.Entry(self.path, self.size, sha, oid, lambda start: iter([self.data[start:]]))
+        sha = self.sha256
+        oid = mirror.git_blob_oid(mirror.lfs_pointer(sha, self.size) if self.lfs else self.data)
+        chunks = None if self.claimed_size is not None else lambda start: iter([self.data[start:]])
+        return mirror.Entry(self.path, self.size, sha, self.lfs, oid, chunks)
 
 
 @dataclass(frozen=True)
@@ -168,15 +168,15 @@ class StubHandler(mirror.HubHandler):
         self.hub.log({"method": self.command, "path": self.path.split("?")[0],
                       "range": self.headers.get("Range"), "auth": self.auth(), "route": route})
 
-    def route_resolve(self, commit, files, path):
-        if self.command == "GET" and path == self.hub.interrupt:
+    def route_resolve(self, repo_id, commit, files, url, rest):
+        if self.command == "GET" and unquote(rest) == self.hub.interrupt:
             with self.hub.lock:
                 first, self.hub.interrupted = not self.hub.interrupted, True
             if not first:
                 self.error(503, None, "unavailable (interrupted on purpose)",
                            {"X-Repo-Commit": commit})
                 return
-        super().route_resolve(commit, files, path)
+        super().route_resolve(repo_id, commit, files, url, rest)
 
     def send_body(self, entry, start):
         if self.hub.interrupt == entry.path and self.command == "GET":

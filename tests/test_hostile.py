@@ -77,9 +77,23 @@ REFUSED = [
                 "extra_index_urls": ["http://u:p@index/"]}]),
     ("guards_shm_patterns", ["vllm_*\n"]), ("guards_shm_patterns", ["../x*"]),
     ("guards_shm_patterns", ["-rf"]), ("guards_shm_patterns", ["*"]),
+    ("guards_shm_patterns", ["s*"]), ("guards_shm_patterns", ["[v]llm*"]),
+    ("guards_shm_patterns", ["vllm_offload_*.mmap", "*.mmap"]),
+    ("guards_shm_patterns", ["vllm$(id)*"]), ("guards_shm_patterns", "vllm_offload_*.mmap"),
+    ("guards_shm_patterns", [5]),
     # addresses
     ("serving_bind", "::1%eth0"), ("serving_bind", "fe80::1%25lo"), ("serving_bind", "lan"),
     ("serving_bind", "127.0.0.1\n"), ("serving_bind", "0.0.0.0"),  # wide without a key
+    ("models_mirror_bind", "fe80::1%eth0"), ("models_mirror_bind", "rig-a.lan"),
+    ("models_mirror_bind", "$(id)"), ("models_mirror_bind", "-10.0.0.5"),
+    ("models_mirror_bind", "10.0.0.5\n"), ("models_mirror_bind", "１0.0.0.5"),
+    ("models_mirror_bind", 167772165), ("models_mirror_bind", ["10.0.0.5"]),
+    ("models_mirror_bind", "0.0.0.0"), ("models_mirror_bind", "::"),  # every network at once
+    ("models_mirror_bind", "224.0.0.1"), ("models_mirror_bind", "10.0.0.5"),  # no port
+    # the mirror and its pulls without the fleet's token, and bad token files
+    ("models_mirror_port", 8090), ("models_endpoint", "http://10.0.0.5:8090"),
+    ("models_mirror_token_file", "/tmp/fleet-token\n"), ("models_mirror_token_file", "-/t"),
+    ("models_mirror_token_file", "/no/such/fleet-token"),
     ("verify_url", "http://rig:8000\n"), ("verify_url", "http://user:pw@rig:8000"),
     # names and files on this machine
     ("recipe", "no-such-recipe"), ("recipe", "dual-3090-tp2\n"), ("recipe", "../x"),

@@ -27,7 +27,7 @@ import pytest
 from roles.driver import TEMPLATES, AptSource, ModprobeConf
 from roles.guards import REAPER, REAPER_UNIT
 from roles.guards import SOURCES as GUARD_FILES
-from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
+from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE, MIRROR_TOKEN_PATH
 from roles.render import render, systemd_word
 from roles.serving import ENV_PATH, SERVE_HOME, SERVE_USER, render_env, render_unit, serve_plan
 from roles.spec import Rig
@@ -111,7 +111,7 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
 
 
 #: Accepted by the types (roles/types.py, roles/spec.py), and as hostile as they allow.
-GLOBS = ("x[a-z]*?.mmap", "_.-*", "a[b]c")
+GLOBS = ("x-_.[a-z]*?.mmap", "_.-a*", "abcd[b]c")
 CACHE = "/srv/hf:cache=a,b+c@d"
 APT_URL = "https://mirror.lan:8080/nv/$(id);#%41?x=1&y=$HOME,a+b"
 MODPROBE = {"NVreg_A": "0x00", "NVreg_B": "a=b,c:d/+-.0"}
@@ -139,14 +139,15 @@ def started_argv(rig: dict, name: str, unit: str, program: str) -> list[str]:
 def test_accepted_hostile_values_are_inert_in_every_other_file_rigbook_writes(sandbox):
     rig = sandbox["rig1"]
     reaper = render(GUARD_FILES / f"{REAPER_UNIT}.j2", patterns=ACCEPTED.guards_shm_patterns)
-    mirror = render(MIRROR_TEMPLATE, cache=ACCEPTED.models_cache, port=8080,
-                    script=MIRROR_SCRIPT)
+    mirror = render(MIRROR_TEMPLATE, cache=ACCEPTED.models_cache, bind="fd00::5", port=8080,
+                    script=MIRROR_SCRIPT, token_path=MIRROR_TOKEN_PATH)
     try:
         put(rig, DUMP, PRINTER, "755")
+        put(rig, MIRROR_TOKEN_PATH, "x" * 32 + "\n", "600")  # the unit's LoadCredential=
         argv = started_argv(rig, "rigbook-hostile-reaper.service", reaper, "/usr/bin/python3")
         assert argv == [REAPER, *[word for glob in GLOBS for word in ("--pattern", glob)]]
         argv = started_argv(rig, "rigbook-hostile-mirror.service", mirror, "/usr/bin/python3")
-        assert argv == [MIRROR_SCRIPT, "--cache", CACHE, "--host", "0.0.0.0", "--port", "8080"]
+        assert argv == [MIRROR_SCRIPT, "--cache", CACHE, "--host", "fd00::5", "--port", "8080"]
 
         put(rig, "/tmp/rigbook-hostile-apt/parts/nvidia.sources",
             render(TEMPLATES / "nvidia.sources.j2",
@@ -168,4 +169,5 @@ def test_accepted_hostile_values_are_inert_in_every_other_file_rigbook_writes(sa
     finally:
         rig_ssh(rig, "systemctl stop rigbook-hostile-reaper.service rigbook-hostile-mirror.service;"
                      " rm -rf /etc/systemd/system/rigbook-hostile-* /tmp/rigbook-hostile-* "
-                     f"{DUMP}; systemctl reset-failed; systemctl daemon-reload", check=False)
+                     f"{DUMP} {MIRROR_TOKEN_PATH}; systemctl reset-failed; systemctl daemon-reload",
+                check=False)

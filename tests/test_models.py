@@ -26,6 +26,7 @@ from pyinfra.api.command import FileUploadCommand
 from roles import FILES
 from roles.errors import RigbookError
 from roles.models import (
+    MIRROR_TOKEN_PATH,
     TOKEN_PATH,
     CacheState,
     ModelCache,
@@ -33,6 +34,7 @@ from roles.models import (
     SecretFile,
     SecretFileState,
     hf_token,
+    mirror_token,
     model_snapshot,
     operator_token,
     parse_cache,
@@ -44,13 +46,14 @@ from roles.models import (
     pull_message,
     redact,
     repo_folder,
+    rig_tokens,
     selected,
     snapshot_path,
     snapshot_status,
     unreferenced,
 )
 from roles.spec import ModelSpec, Rig, parse_rig
-from tests.hubstub import Hub, huge_repo, serve, tiny_repo
+from tests.hubstub import Hub, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import local_fact, run_op, shell
 
 COMMIT = "a" * 40
@@ -67,8 +70,8 @@ def spec(repo: str = "org/model", revision: str = COMMIT, **data) -> ModelSpec:
     return ModelSpec(repo=repo, revision=revision, **data)
 
 
-def git_oid(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+git_oid, lfs_pointer = mirror.git_blob_oid, mirror.lfs_pointer
+MIRROR_TOKEN = "rigbook-fleet-0123456789abcdef0123456789abcdef"
 
 
 def make_repo(cache: Path, repo: str, commit: str, files: dict[str, bytes], *,
@@ -86,14 +89,15 @@ def make_repo(cache: Path, repo: str, commit: str, files: dict[str, bytes], *,
         link = snapshot / path
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(top / "blobs" / etag, link.parent))
-        entries[path] = {"size": len(data), "sha256": sha if path in lfs else None}
+        oid = git_oid(lfs_pointer(sha, len(data))) if path in lfs else etag
+        entries[path] = {"size": len(data), "sha256": sha, "lfs": path in lfs, "oid": oid}
     for name, value in (refs or {}).items():
         (top / "refs" / name).parent.mkdir(parents=True, exist_ok=True)
         (top / "refs" / name).write_text(value)
     if manifest:
         (top / "rigbook").mkdir(exist_ok=True)
         (top / "rigbook" / f"{commit}.json").write_text(json.dumps({
-            "rigbook_manifest": 1, "repo": repo, "revision": commit, "files": entries,
+            "rigbook_manifest": 2, "repo": repo, "revision": commit, "files": entries,
             "allow_patterns": list(patterns[0]), "ignore_patterns": list(patterns[1]),
         }))
     return top
@@ -132,7 +136,8 @@ def test_cache_fact_reads_the_real_layout(tmp_path):
     manifest = repo.manifests[COMMIT]
     assert manifest.files["model.safetensors"] == (
         4096, hashlib.sha256(b"\x01" * 4096).hexdigest())
-    assert manifest.files["config.json"] == (24, None)
+    config = hashlib.sha256(FILES_A["config.json"]).hexdigest()
+    assert manifest.files["config.json"] == (24, config)
     assert state.repos["org/old"].manifests == {}
 
 
@@ -194,6 +199,31 @@ def test_missing_and_short_files_are_named(tmp_path):
         "partial: missing sub/tokenizer.json; wrong size model.safetensors (1000 of 4096 bytes)")
 
 
+def test_a_manifest_without_every_sha256_is_hashed_where_the_mirror_runs(tmp_path):
+    """An older rigbook recorded no sha256 for non-LFS files: complete for serving, but the
+    mirror could not vouch for them, so on a mirror rig the pull hashes them (no download)."""
+    top = make_repo(tmp_path, "org/model", COMMIT, FILES_A, lfs=("model.safetensors",))
+    path = top / "rigbook" / f"{COMMIT}.json"
+    old = json.loads(path.read_text())
+    for meta in old["files"].values():
+        if not meta.pop("lfs"):
+            meta["sha256"] = None
+        del meta["oid"]
+    path.write_text(json.dumps(old))
+    cache = read_cache(tmp_path)
+    assert status_of(tmp_path).complete
+    models = [{"repo": "org/model", "revision": COMMIT}]
+    plain = rig(models=models, models_cache=str(tmp_path))
+    assert run_op(model_snapshot, {"ModelCache": cache}, spec=plain.models[0], rig=plain)[0] == []
+    mirror_rig = rig(models=models, models_cache=str(tmp_path), models_mirror_port=8090,
+                     models_mirror_token_file="t")
+    commands, fake = run_op(model_snapshot, {"ModelCache": cache}, spec=mirror_rig.models[0],
+                            rig=mirror_rig)
+    assert len(commands) == 1 and isinstance(commands[0], FunctionCommand)
+    assert commands[0].args[1] == ("2 file(s) have no sha256 in its manifest (an older rigbook's "
+                                   "pull), which the mirror needs")
+
+
 def test_changed_patterns_and_leftovers_need_a_pull(tmp_path):
     top = make_repo(tmp_path, "org/model", COMMIT, FILES_A, patterns=(("*.json",), ()))
     assert "patterns changed" in status_of(tmp_path).reason
@@ -245,11 +275,12 @@ def test_pull_step_reports_and_fails_unless_complete():
 
 
 def test_pull_command_has_no_secret_and_quotes_patterns():
-    cfg = rig(models_endpoint="http://127.0.0.1:18080", models_disk_margin_gib=1.5)
+    cfg = rig(models_endpoint="http://127.0.0.1:18080", models_disk_margin_gib=1.5,
+              models_mirror_token_file="fleet-token")
     model = spec(allow_patterns=("*.json", "model-*.safetensors"), ignore_patterns=("*.bin",))
     text = pull_command(model, cfg).get_raw_value()
     assert text.startswith("env -u HF_TOKEN -u HUGGING_FACE_HUB_TOKEN ")
-    assert f"HF_TOKEN_PATH={TOKEN_PATH}" in text and "HF_HUB_DISABLE_XET=1" in text
+    assert "HF_HUB_DISABLE_XET=1" in text
     assert "--endpoint=http://127.0.0.1:18080" in text
     assert f"--margin-bytes={int(1.5 * 1024**3)}" in text
     assert "'--allow=*.json' '--allow=model-*.safetensors' '--ignore=*.bin'" in text
@@ -259,16 +290,66 @@ def test_pull_command_has_no_secret_and_quotes_patterns():
     assert "--margin-bytes=10737418240" in plain
 
 
-def test_token_goes_only_to_the_hub_https_or_loopback():
-    from roles.models import token_allowed
+def test_each_token_goes_only_to_its_destination():
+    """The HF token only to the hub; the fleet's token only to the mirror, whatever its URL."""
+    hub = pull_command(spec(), rig()).get_raw_value()
+    assert f"HF_TOKEN_PATH={TOKEN_PATH} " in hub
+    for endpoint in ("https://mirror.lan", "http://127.0.0.1:18080", "http://10.0.0.5:8090"):
+        text = pull_command(spec(), rig(models_endpoint=endpoint,
+                                        models_mirror_token_file="t")).get_raw_value()
+        assert f"HF_TOKEN_PATH={MIRROR_TOKEN_PATH} " in text and TOKEN_PATH + " " not in text
 
-    for endpoint in (None, "https://mirror.lan", "http://127.0.0.1:18080", "http://localhost",
-                     "http://[::1]:8090/x"):
-        assert token_allowed(endpoint), endpoint
-    for endpoint in ("http://rig-a.lan:8090", "http://10.0.0.5", "http://127.example.com"):
-        assert not token_allowed(endpoint), endpoint
-    lan = pull_command(spec(), rig(models_endpoint="http://rig-a.lan:8090")).get_raw_value()
-    assert "HF_TOKEN_PATH=/dev/null" in lan
+
+def fleet_token_file(tmp_path, text=MIRROR_TOKEN, mode=0o600, name="fleet-token") -> str:
+    path = tmp_path / name
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return str(path)
+
+
+def test_rig_tokens_each_only_where_used(tmp_path):
+    models = [{"repo": "org/a", "revision": COMMIT}]
+    fleet = fleet_token_file(tmp_path)
+    env = {"HF_TOKEN": TOKEN}
+
+    def held(**data):
+        return {t.what: (t.token.reveal() if t.token else t.why_not)
+                for t in rig_tokens(rig(**data), env)}
+
+    assert held(models=models) == {"HF token": TOKEN, "mirror token": "none supplied this run"}
+    # a mirror rig pulls from the hub and serves the fleet
+    assert held(models=models, models_mirror_port=8090, models_mirror_token_file=fleet) == {
+        "HF token": TOKEN, "mirror token": MIRROR_TOKEN}
+    # a rig pulling from a mirror holds no HF token
+    assert held(models=models, models_endpoint="http://10.0.0.5:8090",
+                models_mirror_token_file=fleet) == {
+        "HF token": "not used here", "mirror token": MIRROR_TOKEN}
+    assert held(models_mirror_token_file=fleet) == {
+        "HF token": "not used here", "mirror token": "not used here"}
+
+
+def test_mirror_token_file_refused_when_loose_or_weak_never_shown(tmp_path):
+    secret = "s3cret-fleet-token-that-must-never-be-printed-0123"
+    loose = fleet_token_file(tmp_path, secret, 0o644, name="loose-token")
+    with pytest.raises(RigbookError) as caught:
+        mirror_token(rig(models_mirror_token_file=loose))
+    assert str(caught.value) == (
+        f"models_mirror_token_file: other users of this machine may read {loose} (mode 0644); "
+        "allowed: a file only its owner can read (chmod 600)")
+    for text in ("short", "two words here and there 0123456789abcdef", "é" * 40):
+        weak = fleet_token_file(tmp_path, text)
+        with pytest.raises(RigbookError, match="models_mirror_token_file: ") as caught:
+            mirror_token(rig(models_mirror_token_file=weak))
+        assert text not in str(caught.value)
+    assert mirror_token(rig(models_mirror_token_file=fleet_token_file(tmp_path))).reveal() == \
+        MIRROR_TOKEN
+    # before connecting: the inventory check reads it
+    from roles.inventory import rig_problems
+
+    problems = rig_problems(rig(models_mirror_token_file=loose), "rig1")
+    assert problems == [f"rig1: models_mirror_token_file: other users of this machine may read "
+                        f"{loose} (mode 0644); allowed: a file only its owner can read (chmod 600)"]
+    assert secret not in "".join(problems)
 
 
 def test_parse_pull_output_takes_the_last_json_line():
@@ -292,7 +373,8 @@ def test_pull_messages():
         "nothing was downloaded")
     partial = {"status": "partial", "missing": ["model.safetensors"], "downloaded": ["c"],
                "wrong_size": [{"path": "w", "size": 1, "expected": 2}],
-               "bad_sha256": [{"path": "h", "sha256": "1" * 64, "expected": "2" * 64}],
+               "bad_hash": [{"path": "h", "hash": "sha256", "actual": "1" * 64,
+                             "expected": "2" * 64}],
                "errors": {"model.safetensors": "HfHubHTTPError: 503"}}
     text = pull_message(model, partial)
     assert "PARTIAL snapshot, not complete: missing model.safetensors; w is 1 of 2 bytes; " in text
@@ -357,25 +439,40 @@ def test_dead_leftovers_are_removed_live_ones_kept(tmp_path):
     assert [p.name for p in blobs.iterdir()] == ["live.1111bbbb.incomplete"]
 
 
-def test_verify_checks_sizes_and_hashes_and_removes_bad_files(tmp_path):
+def test_verify_checks_sizes_and_every_hash_and_removes_bad_files(tmp_path):
     pull = load_pull()
     data = {"model.safetensors": b"\x01" * 4096, "config.json": b"{}"}
     top = make_repo(tmp_path, "org/model", COMMIT, data, lfs=("model.safetensors",),
                     manifest=False)
     snapshot = top / "snapshots" / COMMIT
     good = hashlib.sha256(data["model.safetensors"]).hexdigest()
-    files = {"model.safetensors": {"size": 4096, "sha256": good},
-             "config.json": {"size": 2, "sha256": None}, "gone.json": {"size": 1, "sha256": None}}
-    assert pull.verify(snapshot, files, {}, {"model.safetensors"}) == (["gone.json"], [], [])
+    config = hashlib.sha256(b"{}").hexdigest()
+    pointer = git_oid(lfs_pointer(good, 4096))
+    # as the hub lists them: sha256 for LFS files only, the git blob id of every file
+    files = {"model.safetensors": {"size": 4096, "sha256": good, "oid": pointer, "lfs": True},
+             "config.json": {"size": 2, "sha256": None, "oid": git_oid(b"{}"), "lfs": False},
+             "gone.json": {"size": 1, "sha256": None, "oid": "0" * 40, "lfs": False}}
+    assert pull.verify(snapshot, files, {}, {"model.safetensors"}) == (
+        ["gone.json"], [], [], {"model.safetensors": good, "config.json": config})
 
-    wrong = dict(files, **{"model.safetensors": {"size": 4096, "sha256": "0" * 64}})
-    vouched = {"model.safetensors": {"size": 4096, "sha256": "0" * 64}}
-    # Vouched for by a manifest and not pulled now: not re-hashed.
-    assert pull.verify(snapshot, wrong, vouched, set())[2] == []
-    missing, sizes, bad = pull.verify(snapshot, wrong, {}, {"model.safetensors"})
-    assert bad == [{"path": "model.safetensors", "sha256": good, "expected": "0" * 64}]
+    wrong = dict(files, **{"model.safetensors": {**files["model.safetensors"],
+                                                 "sha256": "0" * 64}})
+    vouched = {"model.safetensors": {"size": 4096, "sha256": "0" * 64, "oid": pointer}}
+    # Vouched for by a manifest with the same hashes and not pulled now: not re-hashed.
+    assert pull.verify(snapshot, wrong, vouched, set())[2:] == (
+        [], {"model.safetensors": "0" * 64, "config.json": config})
+    missing, sizes, bad, _ = pull.verify(snapshot, wrong, {}, {"model.safetensors"})
+    assert bad == [{"path": "model.safetensors", "hash": "sha256", "actual": good,
+                    "expected": "0" * 64}]
     assert not (snapshot / "model.safetensors").exists()
     assert not (top / "blobs" / good).exists()  # removed so that the next run fetches it
+
+    # A non-LFS file whose bytes do not give the git blob id the hub lists: bad too.
+    swapped = dict(files, **{"config.json": {**files["config.json"], "oid": git_oid(b"[]")}})
+    bad = pull.verify(snapshot, swapped, {"config.json": {"sha256": config}}, set())[2]
+    assert bad == [{"path": "config.json", "hash": "git blob id", "actual": git_oid(b"{}"),
+                    "expected": git_oid(b"[]")}]
+    assert not (snapshot / "config.json").exists()
 
 
 # --- pruning ----------------------------------------------------------------------------------
@@ -569,13 +666,19 @@ def hub(tmp_path):
     server.server_close()
 
 
-def run_pull(python, hub, cache, repo, *extra, token_path=None):
+def run_pull(python, hub, cache, repo, *extra, token_path=None, mirror=False):
+    """pull.py from `hub.endpoint`: as the hub (HF_ENDPOINT), or as rigbook's mirror
+    (--endpoint, what models_endpoint gives)."""
     env = {"PATH": os.environ["PATH"], "HF_HUB_DISABLE_XET": "1",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "HF_TOKEN_PATH": str(token_path or cache.parent / "no-token")}
+    if mirror:
+        extra = (*extra, f"--endpoint={hub.endpoint}")
+    else:
+        env["HF_ENDPOINT"] = hub.endpoint
     proc = subprocess.run(
         [python, str(FILES / "models" / "pull.py"), f"--cache={cache}", f"--repo={repo.repo_id}",
-         f"--revision={repo.commit}", f"--endpoint={hub.endpoint}", "--margin-bytes=0", *extra],
+         f"--revision={repo.commit}", "--margin-bytes=0", *extra],
         capture_output=True, text=True, env=env, timeout=120,
     )
     return proc.returncode, parse_pull_output(proc.stdout), proc
@@ -595,8 +698,14 @@ def test_pull_script_against_the_stub(hf_python, hub, tmp_path):
     cfg_spec = ModelSpec(repo=repo.repo_id, revision=repo.commit, ignore_patterns=("README.md",))
     assert snapshot_status(state, cfg_spec).complete
     manifest = state.repos[repo.repo_id].manifests[repo.commit]
-    weights = repo.file("model.safetensors")
+    weights, config = repo.file("model.safetensors"), repo.file("config.json")
     assert manifest.files["model.safetensors"] == (256 * 1024, weights.sha256)
+    assert manifest.files["config.json"] == (config.size, config.sha256)  # hashed at pull time
+    raw = json.loads((cache / repo_folder(repo.repo_id) / "rigbook" / f"{repo.commit}.json")
+                     .read_text())
+    assert raw["files"]["config.json"] == {"size": config.size, "sha256": config.sha256,
+                                           "lfs": False, "oid": config.entry().git_oid}
+    assert raw["rigbook_manifest"] == 2 and raw["files"]["model.safetensors"]["lfs"] is True
 
     # A second run downloads nothing (one file-list request, no resolve).
     before = len(requests(hub))
@@ -698,45 +807,305 @@ def test_io_upload_object_is_what_files_put_would_diff():
 # --- the mirror: one rig's cache as the hub of the others ----------------------------------------
 
 
-def test_pull_from_rigbook_mirror_of_another_cache(hf_python, hub, tmp_path):
-    from tests.hubstub import mirror
+class Mirror:
+    """rigbook's mirror (files/models/mirror.py's handler) over a cache, on loopback."""
 
-    source, target, repo = tmp_path / "source", tmp_path / "target", tiny_repo()
-    assert run_pull(hf_python, hub, source, repo)[0] == 0
-    handler = type("CacheHandler", (mirror.HubHandler,), {"store": mirror.CacheStore(str(source))})
-    httpd = mirror.server(handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    def __init__(self, cache: Path, token: str | None = MIRROR_TOKEN, handler=None):
+        handler = handler or mirror.HubHandler
+        bound = type("CacheHandler", (handler,), {"store": mirror.CacheStore(str(cache)),
+                                                  "token": token})
+        self.httpd = mirror.server(bound)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    class Endpoint:
-        endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
+    def get(self, path: str, token: str | None = MIRROR_TOKEN):
+        """(status, headers, body) of a GET, the path sent exactly as given."""
+        import http.client
 
+        connection = http.client.HTTPConnection("127.0.0.1", self.httpd.server_address[1])
+        connection.request("GET", path, headers={"Authorization": f"Bearer {token}"}
+                           if token else {})
+        response = connection.getresponse()
+        body = response.read()
+        connection.close()
+        return response.status, response.headers, body
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def source(hf_python, hub, tmp_path):
+    """A cache that pulled the tiny repo from the hub, served by a mirror that wants the token."""
+    cache, repo = tmp_path / "source", tiny_repo()
+    assert run_pull(hf_python, hub, cache, repo)[0] == 0
+    served = Mirror(cache)
+    yield cache, served
+    served.close()
+
+
+def fleet_token(tmp_path) -> Path:
+    path = tmp_path / "fleet-token"
+    path.write_text(MIRROR_TOKEN + "\n")
+    return path
+
+
+def test_pull_from_rigbook_mirror_of_another_cache(hf_python, hub, source, tmp_path):
+    cache, served = source
+    target, repo = tmp_path / "target", tiny_repo()
+    before = len(requests(hub))
+    rc, result, proc = run_pull(hf_python, served, target, repo, mirror=True,
+                                token_path=fleet_token(tmp_path))
+    assert (rc, result["status"]) == (0, "complete"), proc.stderr
+    assert len(requests(hub)) == before  # not one request to the hub
+    state = read_cache(target)
+    pulled = state.repos[repo.repo_id].manifests[repo.commit]
+    assert pulled == read_cache(cache).repos[repo.repo_id].manifests[repo.commit]
+    weights = target / repo_folder(repo.repo_id) / "snapshots" / repo.commit
+    assert (weights / "model.safetensors").read_bytes() == repo.file("model.safetensors").data
+    assert MIRROR_TOKEN not in proc.stdout + proc.stderr
+
+    # Without the token, or with another one: refused, nothing pulled.
+    rc, result, _ = run_pull(hf_python, served, tmp_path / "none", repo, mirror=True)
+    assert (rc, result["status"]) == (4, "error")
+    assert "RepositoryNotFoundError" in result["message"] and "401" in result["message"]
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("another-token-0123456789abcdef0123456789\n")
+    rc, result, _ = run_pull(hf_python, served, tmp_path / "wrong", repo, mirror=True,
+                             token_path=wrong)
+    assert (rc, result["status"]) == (4, "error")
+    assert "Invalid credentials in Authorization header" in result["message"]
+    assert not (tmp_path / "none" / repo_folder(repo.repo_id) / "snapshots").exists()
+
+    # A snapshot that is no longer complete at the source is not served at all.
+    (cache / repo_folder(repo.repo_id) / "snapshots" / repo.commit / "config.json").unlink()
+    rc, result, _ = run_pull(hf_python, served, tmp_path / "third", repo, mirror=True,
+                             token_path=fleet_token(tmp_path))
+    assert (rc, result["status"]) == (4, "error")
+    assert "RevisionNotFoundError" in result["message"]
+    rc, result, _ = run_pull(hf_python, served, tmp_path / "third", huge_repo(), mirror=True,
+                             token_path=fleet_token(tmp_path))
+    assert "RepositoryNotFoundError" in result["message"]  # never pulled at the source
+
+
+def test_mirror_answers_only_the_token_and_serves_its_manifest(tmp_path):
+    make_repo(tmp_path / "cache", "org/model", COMMIT, FILES_A, lfs=("model.safetensors",),
+              refs={"main": COMMIT})
+    served = Mirror(tmp_path / "cache")
     try:
-        rc, result, proc = run_pull(hf_python, Endpoint, target, repo)
-        assert (rc, result["status"]) == (0, "complete"), proc.stderr
-        state = read_cache(target)
-        pulled = state.repos[repo.repo_id].manifests[repo.commit]
-        assert pulled == read_cache(source).repos[repo.repo_id].manifests[repo.commit]
-        weights = target / repo_folder(repo.repo_id) / "snapshots" / repo.commit
-        assert (weights / "model.safetensors").read_bytes() == repo.file("model.safetensors").data
-
-        # A snapshot that is no longer complete at the source is not served at all.
-        (source / repo_folder(repo.repo_id) / "snapshots" / repo.commit / "config.json").unlink()
-        rc, result, _ = run_pull(hf_python, Endpoint, tmp_path / "third", repo)
-        assert (rc, result["status"]) == (4, "error")
-        assert "RevisionNotFoundError" in result["message"]
-        rc, result, _ = run_pull(hf_python, Endpoint, tmp_path / "third", huge_repo())
-        assert "RepositoryNotFoundError" in result["message"]  # never pulled at the source
+        path = f"/api/rigbook/manifest/org/model/{COMMIT}"
+        assert served.get(path, token=None)[0] == 401
+        status, headers, _ = served.get(path, token="x" + MIRROR_TOKEN[1:])
+        assert (status, headers["X-Error-Message"]) == (
+            401, "Invalid credentials in Authorization header")
+        for route in (path, f"/api/models/org/model/tree/{COMMIT}",
+                      f"/org/model/resolve/{COMMIT}/config.json"):
+            assert served.get(route, token=None)[0] == 401, route
+        status, headers, body = served.get(path)
+        assert status == 200
+        assert headers["X-Rigbook-Manifest-Sha256"] == hashlib.sha256(body).hexdigest()
+        manifest = json.loads(body)
+        assert (manifest["repo"], manifest["revision"]) == ("org/model", COMMIT)
+        assert manifest["files"]["config.json"] == {
+            "size": 24, "sha256": hashlib.sha256(FILES_A["config.json"]).hexdigest(),
+            "lfs": False, "oid": git_oid(FILES_A["config.json"])}
+        assert served.get("/api/rigbook/manifest/org/model/main")[0] == 200  # a plain ref
     finally:
-        httpd.shutdown()
-        httpd.server_close()
+        served.close()
+
+
+#: Paths an attacker with the token might try, each aiming at tmp_path/evil (outside the cache),
+#: which holds a commit the mirror does serve: reading it would serve the snapshot.
+TRAVERSALS = [
+    "/api/models/org/model/revision/..%2F..%2F..%2Fevil",
+    "/api/models/org/model/revision/%2e%2e%2f%2e%2e%2f%2e%2e%2fevil",
+    "/api/models/org/model/tree/..%2F..%2F..%2Fevil",
+    "/api/models/org/model/revision/../../../evil",
+    "/api/rigbook/manifest/org/model/..%2F..%2F..%2Fevil",
+    "/org/model/resolve/..%2F..%2F..%2Fevil/config.json",
+    "/org/model/resolve/main/..%2F..%2F..%2Fevil",
+    "/org/model/resolve/main/../../../evil",
+    "/api/models/..%2F../model/revision/main",
+    "/api/models/org/..%2F..%2F..%2Fevil/revision/main",
+    "/api/models/org/model/revision/.%2e",
+    "/api/models/org/model/revision/refs%2F..%2F..%2F..%2Fevil",
+    "/api/models/org/model/revision/main%0d%0aX-Injected:%201",
+]
+
+
+_WATCHED: list[str] = []  # the folder under which opened files are recorded, while a test watches
+_OPENED: list[str] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    """An audit hook: files opened under the watched folder, the mirror's threads included."""
+    if event == "open" and _WATCHED and isinstance(args[0], str) and \
+            args[0].startswith(_WATCHED[0]):
+        _OPENED.append(args[0])
+
+
+sys.addaudithook(_audit)
+
+
+def test_mirror_refuses_traversal_without_reading_outside_the_cache(tmp_path):
+    cache = tmp_path / "cache"
+    make_repo(cache, "org/model", COMMIT, FILES_A, refs={"main": COMMIT})
+    (tmp_path / "evil").write_text(COMMIT)
+    served = Mirror(cache)
+    try:
+        assert served.get("/api/models/org/model/revision/main")[0] == 200
+        _OPENED.clear()
+        _WATCHED.append(str(tmp_path))
+        for path in TRAVERSALS:
+            status, headers, _ = served.get(path)
+            assert status == 404, path
+            assert "X-Injected" not in headers
+    finally:
+        _WATCHED.clear()
+        served.close()
+    opened = {os.path.realpath(path) for path in _OPENED}
+    assert opened and all(path.startswith(f"{cache}/") for path in opened), opened
+
+
+def test_a_swapped_file_at_the_mirror_is_caught_and_the_old_snapshot_kept(
+        hf_python, source, tmp_path):
+    """A config changed in the mirror's cache (other bytes, same size): the pulling rig finds
+    it against the manifest's sha256, removes it, and keeps what it had."""
+    cache, served = source
+    repo = tiny_repo()
+    config = cache / repo_folder(repo.repo_id) / "snapshots" / repo.commit / "config.json"
+    original = config.read_bytes()
+    config.resolve().write_bytes(original.replace(b"llama", b"LLAMA"))
+    target = tmp_path / "target"
+    old = make_repo(target, repo.repo_id, OTHER, {"config.json": b'{"old": true}\n',
+                                                   "model.safetensors": b"\x02" * 1024},
+                    lfs=("model.safetensors",))
+    kept = {path: path.read_bytes() for path in old.rglob("*") if path.is_file()}
+
+    rc, result, proc = run_pull(hf_python, served, target, repo, mirror=True,
+                                token_path=fleet_token(tmp_path))
+    assert (rc, result["status"]) == (3, "partial"), proc.stderr
+    assert result["bad_hash"] == [{"path": "config.json", "hash": "sha256",
+                                   "actual": hashlib.sha256(config.read_bytes()).hexdigest(),
+                                   "expected": hashlib.sha256(original).hexdigest()}]
+    assert "config.json has sha256 " in pull_message(spec(repo.repo_id, repo.commit), result)
+    snapshot = target / repo_folder(repo.repo_id) / "snapshots" / repo.commit
+    assert not (snapshot / "config.json").exists()
+    assert not (old / "rigbook" / f"{repo.commit}.json").exists()
+    assert {path: path.read_bytes() for path in kept} == kept  # the old snapshot, untouched
+    state = read_cache(target)
+    assert snapshot_status(state, spec(repo.repo_id, OTHER)).complete
+    assert not snapshot_status(state, spec(repo.repo_id, repo.commit)).complete
+
+
+def test_a_manifest_that_does_not_match_its_header_is_refused(hf_python, source, tmp_path):
+    cache, _ = source
+
+    class Tampered(mirror.HubHandler):
+        def send(self, status, body=b"", headers=None):
+            if headers and mirror.MANIFEST_SHA256 in headers:
+                body = body.replace(b'"lfs": false', b'"lfs": true')  # as if in transit
+            super().send(status, body, headers)
+
+    served = Mirror(cache, handler=Tampered)
+    try:
+        rc, result, _ = run_pull(hf_python, served, tmp_path / "t", tiny_repo(), mirror=True,
+                                 token_path=fleet_token(tmp_path))
+    finally:
+        served.close()
+    assert (rc, result["status"]) == (4, "error")
+    assert "does not match its X-Rigbook-Manifest-Sha256 header" in result["message"]
+
+
+def test_a_non_lfs_file_from_the_hub_is_checked_against_its_git_blob_id(hf_python, hub,
+                                                                         tmp_path):
+    import dataclasses
+
+    original = hub.store.lookup
+
+    def forged(repo_id, revision):
+        commit, files = original(repo_id, revision)
+        entry = files["config.json"]
+        data = b"#" * entry.size
+        files["config.json"] = dataclasses.replace(entry, chunks=lambda start: iter([data[start:]]))
+        return commit, files
+
+    hub.store.lookup = forged
+    rc, result, _ = run_pull(hf_python, hub, tmp_path / "hub", tiny_repo())
+    assert (rc, result["status"]) == (3, "partial")
+    assert [item["path"] for item in result["bad_hash"]] == ["config.json"]
+    assert result["bad_hash"][0]["hash"] == "git blob id"
+
+
+def test_mirror_script_refuses_to_start_without_a_token_and_serves_with_one(tmp_path):
+    cache = tmp_path / "cache"
+    make_repo(cache, "org/model", COMMIT, FILES_A)
+    script = str(FILES / "models" / "mirror.py")
+    env = {"PATH": os.environ["PATH"]}
+    refused = subprocess.run([sys.executable, script, "--cache", str(cache), "--port", "0"],
+                             capture_output=True, text=True, env=env, timeout=30)
+    assert refused.returncode == 1
+    assert "no token in $CREDENTIALS_DIRECTORY/mirror-token" in refused.stderr
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    (credentials / "mirror-token").write_text(MIRROR_TOKEN + "\n")
+    proc = subprocess.Popen([sys.executable, script, "--cache", str(cache), "--port", "0"],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**env, "CREDENTIALS_DIRECTORY": str(credentials)})
+    try:
+        port = int(proc.stdout.readline().split()[-1])
+        import urllib.error
+        import urllib.request
+
+        url = f"http://127.0.0.1:{port}/api/rigbook/manifest/org/model/{COMMIT}"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=10)
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {MIRROR_TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert json.loads(response.read())["revision"] == COMMIT
+        assert MIRROR_TOKEN not in " ".join(proc.args)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_mirror_unit_template():
     from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
     from roles.render import render
 
-    text = render(MIRROR_TEMPLATE, cache="/var/lib/rigbook/hf/hub", port=8090,
-                  script=MIRROR_SCRIPT)
+    text = render(MIRROR_TEMPLATE, cache="/var/lib/rigbook/hf/hub", bind="10.0.0.5", port=8090,
+                  script=MIRROR_SCRIPT, token_path=MIRROR_TOKEN_PATH)
     assert ("ExecStart=/usr/bin/python3 /opt/rigbook/models/mirror.py --cache "
-            "/var/lib/rigbook/hf/hub --host 0.0.0.0 --port 8090") in text
-    assert "User=nobody" in text and "ProtectSystem=strict" in text
+            "/var/lib/rigbook/hf/hub --host 10.0.0.5 --port 8090") in text.splitlines()
+    assert f"LoadCredential={mirror.CREDENTIAL}:{MIRROR_TOKEN_PATH}" in text.splitlines()
+    for line in ("DynamicUser=yes", "ReadOnlyPaths=-/var/lib/rigbook/hf/hub", "UMask=0077",
+                 "ProtectSystem=strict", "CapabilityBoundingSet=", "PrivateUsers=yes"):
+        assert line in text.splitlines(), line
+    assert "\nUser=" not in text and "0.0.0.0" not in text
+
+
+def test_ssh_address_fact_and_the_mirror_check():
+    from roles.checks import Facts, run_checks
+    from roles.models import CHECKS, NO_MIRROR_ADDRESS, SshAddress, parse_ssh_address
+
+    assert parse_ssh_address(["10.0.3.1 51234 10.0.3.7 22"]) == "10.0.3.7"
+    assert parse_ssh_address(["::1 51234 ::ffff:10.0.3.7 22"]) == "10.0.3.7"
+    assert parse_ssh_address(["2001:db8::1 5 2001:DB8::2 22"]) == "2001:db8::2"
+    for output in ([], ["fe80::1 5 fe80::2%eth0 22"], ["x y $(id) 22"], ["10.0.3.7"]):
+        assert parse_ssh_address(output) is None, output
+    # sudo drops SSH_CONNECTION (env -i here): the fact finds it up the process tree
+    command = SshAddress().command()
+    ssh = {**os.environ, "SSH_CONNECTION": "10.0.3.1 5 10.0.3.7 22"}
+    found = subprocess.run(["sh", "-c", 'env -i sh -c "$0"', command], capture_output=True,
+                           text=True, env=ssh)
+    assert found.stdout.split() == ["10.0.3.1", "5", "10.0.3.7", "22"]
+
+    cfg = rig(models_mirror_port=8090, models_mirror_token_file="t")
+    assert run_checks(cfg, "rig1", CHECKS, Facts(ssh_address="10.0.3.7")) == []
+    (finding,) = run_checks(cfg, "rig1", CHECKS, Facts(ssh_address=None))
+    assert (finding.level, finding.key, finding.reason) == ("error", "models_mirror_bind",
+                                                            NO_MIRROR_ADDRESS)
+    bound = rig(models_mirror_port=8090, models_mirror_token_file="t",
+                models_mirror_bind="10.0.0.5")
+    assert run_checks(bound, "rig1", CHECKS, Facts()) == []  # nothing to read

@@ -3,28 +3,34 @@
 The rigs have no route out and cannot reach this machine's loopback, so tests/hubstub.py is
 copied to the rig and started there on 127.0.0.1 with systemd-run (it outlives the SSH session;
 the fixture stops it). The rig's host data comes from the sandbox inventory plus --data: the
-models, models_endpoint pointing at the stub, and the wheelhouse as the package source of the
-tools venv. The stub logs every request, so "no network call" is counted, not assumed.
+models, models_endpoint pointing at the stub, the fleet's mirror token file (the stub is a
+mirror here: it serves the same routes as rigbook's, manifest included, and wants that token),
+and the wheelhouse as the package source of the tools venv. The stub logs every request, so
+"no network call" is counted, not assumed.
 
 One rig, in order: an interrupted pull is reported partial and fails the rig; the next run
 fetches only the missing file; the one after changes nothing and makes no request; a 10 TB repo
 is refused with the numbers and nothing downloaded; an .incomplete leftover is cleaned; repos
-outside models are reported, then pruned. Throughout, a fake token never shows in pyinfra's
-output (-vvv --debug --diff), the rig's journal or any file but the 0600 one.
+outside models are reported, then pruned; the rig runs rigbook's mirror (on its SSH address,
+with the token, hardened: its systemd-analyze security exposure is printed and held to 3.0) and
+another cache pulls through it. Throughout, the fake tokens never show in pyinfra's output
+(-vvv --debug --diff), the rig's journal or any file but their 0600 ones.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from roles.models import TOKEN_PATH, repo_folder
+from roles.models import MIRROR_TOKEN_PATH, TOKEN_PATH, repo_folder
 from roles.sandbox import WHEELS_MOUNT, wheelhouse
 from roles.tools import TOOLS_PINS
-from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra, security_exposure
 from tests.hubstub import huge_repo, tiny_repo
 from tests.test_models import ensure_wheels
 
@@ -34,6 +40,9 @@ STUB_UNIT = "rigbook-hubstub"
 PORT = 18080
 CACHE = "/var/lib/rigbook/hf/hub"
 TOKEN = "hf_rigbookE2EfakeTOKEN7c1d2e3f4a5b6c7d"
+MIRROR_TOKEN = "rigbookE2Efleet0c1d2e3f4a5b6c7d8e9f0a1b2c3d"
+#: The operator's copy of the fleet's token (0600), for models_mirror_token_file.
+FLEET_TOKEN_FILE = Path(tempfile.gettempdir()) / "rigbook-e2e-fleet-token"
 TINY, HUGE = tiny_repo(), huge_repo()
 
 pytestmark = pytest.mark.sandbox
@@ -52,16 +61,19 @@ def data_args(*pairs: tuple[str, object]) -> list[str]:
 
 
 def deploy(rig: dict, *extra, models=(TINY,), **data):
+    """deploys/models.py on one rig; a key given as None is left out of its data."""
     base = {
         "models": [model(repo) for repo in models],
         "models_endpoint": f"http://127.0.0.1:{PORT}",
+        "models_mirror_token_file": str(FLEET_TOKEN_FILE),
         "models_disk_margin_gib": 0.1,
         "python_find_links": WHEELS_MOUNT,
         "python_no_index": True,
         **data,
     }
-    return run_pyinfra(SANDBOX_INVENTORY, DEPLOY, "--limit", rig["name"],
-                       *data_args(*base.items()), *extra)
+    pairs = [(key, value) for key, value in base.items() if value is not None]
+    return run_pyinfra(SANDBOX_INVENTORY, DEPLOY, "--limit", rig["name"], *data_args(*pairs),
+                       *extra)
 
 
 class Stub:
@@ -100,8 +112,10 @@ class Stub:
 def rig_with_stub(sandbox):
     ensure_wheels([f"{name}=={version}" for name, version in TOOLS_PINS.items()], wheelhouse())
     rig = sandbox[sorted(sandbox)[0]]
+    FLEET_TOKEN_FILE.write_text(MIRROR_TOKEN + "\n")
+    FLEET_TOKEN_FILE.chmod(0o600)
     rig_ssh(rig, f"rm -rf {CACHE} /etc/rigbook/secrets /opt/rigbook/models {STUB_DIR}; "
-                 f"mkdir -p {STUB_DIR} && (umask 077; echo {TOKEN} > {STUB_DIR}/token)")
+                 f"mkdir -p {STUB_DIR} && (umask 077; echo {MIRROR_TOKEN} > {STUB_DIR}/token)")
     for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py"):
         text = base64.b64encode(source.read_bytes()).decode()
         rig_ssh(rig, f"echo {text} | base64 -d > {STUB_DIR}/{source.name}")
@@ -111,6 +125,7 @@ def rig_with_stub(sandbox):
     finally:
         stub.stop()
         rig_ssh(rig, f"rm -rf {STUB_DIR}", check=False)
+        FLEET_TOKEN_FILE.unlink(missing_ok=True)
 
 
 def changed(run, text: str) -> bool:
@@ -119,7 +134,7 @@ def changed(run, text: str) -> bool:
 
 def no_token(*texts: str) -> None:
     for text in texts:
-        assert TOKEN not in text
+        assert TOKEN not in text and MIRROR_TOKEN not in text
 
 
 def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, monkeypatch):
@@ -138,13 +153,16 @@ def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, 
     gets = [r for r in stub.requests() if r["method"] == "GET"
             and r["path"].endswith("model.safetensors")]
     assert len(gets) == 2, gets  # dropped half way, then huggingface_hub's own retry got 503
-    assert {r["auth"] for r in stub.requests()} == {"ok"}  # the token came from the file
+    assert {r["auth"] for r in stub.requests()} == {"ok"}  # the fleet's token, from its file
+    assert [r["route"] for r in stub.requests()][0] == "manifest"
     files = rig_ssh(rig, f"ls {snapshot}").stdout.split()
     assert "config.json" in files and "model.safetensors" not in files
     assert rig_ssh(rig, f"test -e {CACHE}/{repo_folder(TINY.repo_id)}/rigbook/{TINY.commit}.json",
                    check=False).returncode == 1
-    assert rig_ssh(rig, f"stat -c '%a %U %G' {TOKEN_PATH} /etc/rigbook/secrets").stdout.split(
-        "\n")[:2] == ["600 root root", "700 root root"]
+    assert rig_ssh(rig, f"stat -c '%a %U %G' {MIRROR_TOKEN_PATH} /etc/rigbook/secrets").stdout\
+        .split("\n")[:2] == ["600 root root", "700 root root"]
+    # The HF token goes only to the hub: a rig that pulls from a mirror does not hold it.
+    assert rig_ssh(rig, f"test -e {TOKEN_PATH}", check=False).returncode == 1
 
     # 2. The hub answers again: only the missing file is fetched; the snapshot is complete.
     stub.start()
@@ -158,6 +176,10 @@ def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, 
     assert resolved == {"model.safetensors"}
     sha = rig_ssh(rig, f"sha256sum {snapshot}/model.safetensors").stdout.split()[0]
     assert sha == TINY.file("model.safetensors").sha256
+    # Readable by the engines' user and the mirror's, whatever root's umask.
+    modes = rig_ssh(rig, f"stat -L -c '%a' {snapshot}/config.json {snapshot} "
+                         f"{CACHE}/{repo_folder(TINY.repo_id)}/rigbook/{TINY.commit}.json")
+    assert modes.stdout.split() == ["644", "755", "644"]
 
     # 3. Complete: no change and not one request to the hub.
     before = len(stub.requests())
@@ -176,20 +198,21 @@ def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, 
     assert offline.stdout.strip() == f"{snapshot}/model.safetensors"
     assert len(stub.requests()) == before
 
-    # The token is nowhere but in its 0600 file.
-    leaks = rig_ssh(rig, f"grep -rl {TOKEN} /var/lib/rigbook /opt/rigbook/models /tmp /root "
-                         f"/etc --exclude-dir=secrets 2>/dev/null; journalctl --no-pager "
-                         f"| grep -c {TOKEN}", check=False).stdout.split()
-    assert leaks == ["0"], leaks
+    # The tokens are nowhere but in their 0600 files.
+    for token in (TOKEN, MIRROR_TOKEN):
+        leaks = rig_ssh(rig, f"grep -rl {token} /var/lib/rigbook /opt/rigbook/models /tmp /root "
+                             f"/etc --exclude-dir=secrets 2>/dev/null; journalctl --no-pager "
+                             f"| grep -c {token}", check=False).stdout.split()
+        assert leaks == ["0"], leaks
 
-    # 4. No token supplied any more: the complete snapshot asks nothing of the hub, and the
-    # token does not stay on the rig.
+    # 4. No mirror any more (and no HF token supplied): the complete snapshot asks nothing of
+    # anyone, and the fleet's token does not stay on the rig.
     monkeypatch.delenv("HF_TOKEN")
-    fourth = deploy(rig)
+    fourth = deploy(rig, models_endpoint=None, models_mirror_token_file=None)
     assert fourth.returncode == 0, fourth.explain()
     assert len(fourth.changed()) == 1, fourth.explain()
-    assert changed(fourth, f"No HF token on the rig ({TOKEN_PATH})"), fourth.explain()
-    assert rig_ssh(rig, f"test -e {TOKEN_PATH}", check=False).returncode == 1
+    assert changed(fourth, f"No mirror token on the rig ({MIRROR_TOKEN_PATH})"), fourth.explain()
+    assert rig_ssh(rig, f"test -e {MIRROR_TOKEN_PATH}", check=False).returncode == 1
     assert len(stub.requests()) == before
 
 
@@ -202,7 +225,7 @@ def test_disk_full_preflight_refuses_with_numbers(rig_with_stub, monkeypatch):
     assert f"{HUGE.repo_id}@{HUGE.commit[:12]}: pull refused: need 9313.23 GiB + 0.10 GiB " \
            "margin, have " in run.stderr, run.explain()
     assert f"GiB free on / (cache {CACHE}); nothing was downloaded" in run.stderr
-    assert [r["route"] for r in stub.requests()] == ["tree"]
+    assert [r["route"] for r in stub.requests()] == ["manifest"]
     assert rig_ssh(rig, f"test -e {CACHE}/{repo_folder(HUGE.repo_id)}/snapshots",
                    check=False).returncode == 1
 
@@ -237,23 +260,47 @@ def test_leftovers_cleaned_and_unlisted_repos_reported_then_pruned(rig_with_stub
 
 
 def test_fleet_pull_through_rigbook_mirror(rig_with_stub, monkeypatch):
-    """models_mirror_port serves the rig's complete snapshots; another cache pulls from it."""
+    """models_mirror_port serves the rig's complete snapshots, on the rig's SSH address, to
+    requests with the fleet's token; another cache pulls from it."""
     rig, stub = rig_with_stub
     monkeypatch.setenv("HF_TOKEN", TOKEN)  # the stub's repo is gated
     stub.start()
     mirror_port, other = PORT + 1, "/var/lib/rigbook/hf/hub2"
+    address = rig["address"]
     try:
         up = deploy(rig, models_mirror_port=mirror_port)
         assert up.returncode == 0, up.explain()
-        assert changed(up, "Run rigbook-hf-mirror.service")
+        assert changed(up, f"Run rigbook-hf-mirror.service on {address} port {mirror_port}")
         assert rig_ssh(rig, "systemctl is-active rigbook-hf-mirror").stdout.strip() == "active"
+        listening = rig_ssh(rig, f"ss -Hltn 'sport = :{mirror_port}'").stdout.split()
+        assert f"{address}:{mirror_port}" in listening, listening  # not 0.0.0.0
+        exposure = security_exposure(rig, "rigbook-hf-mirror.service")
+        print(f"\nsystemd-analyze security rigbook-hf-mirror.service (systemd on the sandbox "
+              f"rig): overall exposure level {exposure}")
+        assert exposure <= 3.0
+        probe = (f"import urllib.request as u, urllib.error as e\n"
+                 f"try: u.urlopen('http://{address}:{mirror_port}/api/rigbook/manifest/"
+                 f"{TINY.repo_id}/{TINY.commit}', timeout=5)\n"
+                 f"except e.HTTPError as x: print(x.code)")
+        assert rig_ssh(rig, f"python3 -c \"{probe}\"").stdout.strip() == "401"
         again = deploy(rig, models_mirror_port=mirror_port)
         assert again.returncode == 0 and again.changed() == {}, again.explain()
 
-        # Another cache (as another rig would) pulls through the mirror, not the hub; the
-        # mirror is then turned off because this run does not set models_mirror_port.
+        # A new fleet token restarts the mirror with it.
+        FLEET_TOKEN_FILE.write_text(MIRROR_TOKEN[::-1] + "\n")
+        renewed = deploy(rig, models_mirror_port=mirror_port)
+        FLEET_TOKEN_FILE.write_text(MIRROR_TOKEN + "\n")
+        assert renewed.returncode == 0, renewed.explain()
+        assert changed(renewed, f"Place the mirror token in {MIRROR_TOKEN_PATH}")
+        assert changed(renewed, f"Run rigbook-hf-mirror.service on {address}")
+        restored = deploy(rig, models_mirror_port=mirror_port)
+        assert changed(restored, f"Run rigbook-hf-mirror.service on {address}")
+
+        # Another cache (as another rig would) pulls through the mirror, not the hub, with the
+        # token; the mirror is then turned off because this run does not set models_mirror_port.
         pulled = deploy(rig, models_cache=other,
-                        models_endpoint=f"http://127.0.0.1:{mirror_port}")
+                        models_endpoint=f"http://{address}:{mirror_port}")
+        no_token(pulled.stdout, pulled.stderr)
         assert pulled.returncode == 0, pulled.explain()
         assert f"{TINY.repo_id}@{TINY.commit[:12]}: pulled 4 file(s), 0.25 MiB" in pulled.stderr
         assert stub.requests() == []
@@ -263,6 +310,8 @@ def test_fleet_pull_through_rigbook_mirror(rig_with_stub, monkeypatch):
         assert changed(pulled, "Stop rigbook-hf-mirror.service")
         assert rig_ssh(rig, "test -e /etc/systemd/system/rigbook-hf-mirror.service",
                        check=False).returncode == 1
+        journal = rig_ssh(rig, f"journalctl --no-pager | grep -c {MIRROR_TOKEN}", check=False)
+        assert journal.stdout.split() == ["0"]
     finally:
         rig_ssh(rig, f"systemctl disable --now rigbook-hf-mirror 2>/dev/null; rm -rf {other} "
                      "/etc/systemd/system/rigbook-hf-mirror.service; systemctl daemon-reload",

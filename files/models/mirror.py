@@ -1,26 +1,31 @@
-"""rigbook's tiny hub mirror: serve a rig's Hugging Face cache to other rigs over the hub's API.
+"""rigbook's tiny hub mirror: serve a rig's complete snapshots to the other rigs of the fleet.
 
-    python3 mirror.py --cache /var/lib/rigbook/hf/hub --host 0.0.0.0 --port 8090
+    python3 mirror.py --cache /var/lib/rigbook/hf/hub --host 10.0.0.5 --port 8090
 
 A rig that has pulled a model can be the source of the others on the LAN: they set
 `models_endpoint: http://<that rig>:8090` and huggingface_hub (HF_ENDPOINT) pulls through the
-same routes it uses against the hub, so the pull on the other rigs is the same code, with the
-same preflight, completeness check and manifest. Only snapshots that rigbook completed (those
-with a manifest, `models--ORG--NAME/rigbook/<commit>.json`) are served, read-only, with the
-sizes and sha256 the manifest recorded; nothing else of the rig is reachable. No token is asked:
-run it only on a network you trust (docs/models.md, "Fleet pulls").
+same routes it uses against the hub. Only snapshots that rigbook completed are served (those
+with a manifest, `models--ORG--NAME/rigbook/<commit>.json`, that records the sha256 and git oid
+of every file, and whose files still have their sizes), read-only, and only to requests that
+carry the fleet's token (`Authorization: Bearer <token>`, compared in constant time). The
+token comes from the systemd credential `mirror-token` (LoadCredential=, so it is in no argv
+and no environment); without one the mirror refuses to start. docs/models.md, "Fleet pulls".
 
-The routes (exactly what huggingface_hub 2.x calls to pull):
+The routes (what huggingface_hub 2.x calls to pull, and rigbook's manifest):
 
+    GET  /api/rigbook/manifest/{repo}/{rev}       every file's size, sha256, git oid, LFS flag;
+                                                  X-Rigbook-Manifest-Sha256: the body's sha256
     GET  /api/models/{repo}/revision/{rev}        model_info (siblings, sizes, LFS sha256)
     GET  /api/models/{repo}/tree/{rev}[/{path}]   list_repo_tree
     POST /api/models/{repo}/paths-info/{rev}      get_paths_info
     HEAD /{repo}/resolve/{rev}/{path}             X-Repo-Commit, ETag / X-Linked-Etag, sizes
     GET  /{repo}/resolve/{rev}/{path}             the bytes; Range requests resume
 
-`rev` is a commit or a ref the cache knows (refs/<name>). Errors carry the X-Error-Code headers
-huggingface_hub maps to its exceptions. No Xet headers: clients fetch over plain HTTP (rigbook
-sets HF_HUB_DISABLE_XET=1 for a mirror). Standard library only: it runs with any python3.
+`rev` is a commit or a plain ref name the cache knows (refs/<name>: letters, digits, . _ -, no
+"/" or ".."); anything else is "not found" before the disk is touched, and a file is only ever
+opened by a path that the manifest lists. Errors carry the X-Error-Code headers huggingface_hub
+maps to its exceptions. No Xet headers: clients fetch over plain HTTP (rigbook sets
+HF_HUB_DISABLE_XET=1 for a mirror). Standard library only: it runs with any python3.
 tests/hubstub.py serves generated repos through the same handler.
 """
 
@@ -28,17 +33,53 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import json
 import os
 import re
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 CHUNK = 1024 * 1024
 REPO_PREFIX = "models--"
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+#: Folder of rigbook's manifests inside a repo folder of the cache.
+MANIFESTS = "rigbook"
+#: The systemd credential that holds the fleet's token (LoadCredential=mirror-token:<file>).
+CREDENTIAL = "mirror-token"
+#: The header with the sha256 of the manifest route's body (files/models/pull.py checks it).
+MANIFEST_SHA256 = "X-Rigbook-Manifest-Sha256"
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_MANIFEST = re.compile(r"/api/rigbook/manifest/([^/]+/[^/]+)/([^/]+)")
+_API = re.compile(r"/api/models/([^/]+/[^/]+)/(revision|tree|paths-info)/([^/]+)(?:/(.*))?")
+_RESOLVE = re.compile(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)")
+_RANGE = re.compile(r"bytes=(\d+)-")
+
+
+def safe_repo(repo_id: str) -> bool:
+    return bool(_REPO.fullmatch(repo_id)) and ".." not in repo_id
+
+
+def safe_revision(revision: str) -> bool:
+    """A commit, or a ref name that cannot leave refs/ (no "/", no "..")."""
+    return bool(_COMMIT.fullmatch(revision) or _REF.fullmatch(revision) and ".." not in revision)
+
+
+def parse_route(path: str) -> tuple[str, str, str, str | None]:
+    """(route, repo, revision, rest) of a request path; route "unknown" when none matches."""
+    if match := _MANIFEST.fullmatch(path):
+        return "manifest", match.group(1), match.group(2), None
+    if match := _API.fullmatch(path):
+        return match.group(2), match.group(1), match.group(3), match.group(4)
+    if match := _RESOLVE.fullmatch(path):
+        return "resolve", match.group(1), match.group(2), match.group(3)
+    return "unknown", "", "", None
 
 
 def lfs_pointer(sha256: str, size: int) -> bytes:
@@ -56,24 +97,28 @@ class Entry:
 
     path: str
     size: int
-    sha256: str | None  # LFS files only
+    sha256: str
+    lfs: bool  # stored in LFS on the hub: its tree entry carries the sha256
     git_oid: str  # the git blob id (of the LFS pointer, for LFS files)
     chunks: Callable[[int], Iterator[bytes]] | None  # bytes from an offset; None: no bytes
 
     @property
     def etag(self) -> str:
-        return self.sha256 or self.git_oid
+        return self.sha256 if self.lfs else self.git_oid
 
     def tree_entry(self) -> dict:
         entry = {"type": "file", "oid": self.git_oid, "size": self.size, "path": self.path}
-        if self.sha256:
+        if self.lfs:
             entry["lfs"] = {"oid": self.sha256, "size": self.size,
                             "pointerSize": len(lfs_pointer(self.sha256, self.size))}
         return entry
 
+    def manifest_entry(self) -> dict:
+        return {"size": self.size, "sha256": self.sha256, "lfs": self.lfs, "oid": self.git_oid}
+
 
 class Store:
-    """Where repos come from: `lookup` resolves a revision to (commit, files) or None."""
+    """Where repos come from: `lookup` resolves a safe revision to (commit, files) or None."""
 
     def exists(self, repo_id: str) -> bool:
         raise NotImplementedError
@@ -92,6 +137,14 @@ def _file_chunks(path: str) -> Callable[[int], Iterator[bytes]]:
     return chunks
 
 
+def _served(path: str, meta) -> bool:
+    """Whether a manifest entry can be served: a relative path inside the snapshot and every
+    hash recorded (a manifest of an older rigbook has no sha256 for non-LFS files)."""
+    return (not path.startswith("/") and ".." not in path.split("/") and isinstance(meta, dict)
+            and isinstance(meta.get("size"), int) and isinstance(meta.get("sha256"), str)
+            and isinstance(meta.get("oid"), str))
+
+
 class CacheStore(Store):
     """The complete snapshots of an HF cache: those rigbook wrote a manifest for."""
 
@@ -107,11 +160,13 @@ class CacheStore(Store):
     def lookup(self, repo_id: str, revision: str):
         folder = self._folder(repo_id)
         commit = revision
-        if not _COMMIT.match(revision):
+        if not _COMMIT.fullmatch(revision):
             try:
                 with open(os.path.join(folder, "refs", revision)) as handle:
                     commit = handle.read().strip()
             except OSError:
+                return None
+            if not _COMMIT.fullmatch(commit):
                 return None
         try:
             with open(os.path.join(folder, MANIFESTS, f"{commit}.json")) as handle:
@@ -120,23 +175,14 @@ class CacheStore(Store):
             return None
         snapshot = os.path.join(folder, "snapshots", commit)
         files = {}
-        for path, meta in manifest.get("files", {}).items():
+        for path, meta in dict(manifest.get("files", {})).items():
             local = os.path.join(snapshot, path)
-            if not os.path.isfile(local) or os.path.getsize(local) != meta["size"]:
+            if (not _served(path, meta) or not os.path.isfile(local)
+                    or os.path.getsize(local) != meta["size"]):
                 return None  # no longer complete: serve nothing rather than a partial snapshot
-            sha = meta.get("sha256")
-            oid = git_blob_oid(lfs_pointer(sha, meta["size"])) if sha else os.path.basename(
-                os.path.realpath(local))
-            files[path] = Entry(path, meta["size"], sha, oid, _file_chunks(local))
+            files[path] = Entry(path, meta["size"], meta["sha256"], bool(meta.get("lfs")),
+                                meta["oid"], _file_chunks(local))
         return commit, files
-
-
-#: Folder of rigbook's manifests inside a repo folder of the cache.
-MANIFESTS = "rigbook"
-
-_API = re.compile(r"^/api/models/([^/]+/[^/]+)/(revision|tree|paths-info)/([^/]+)(?:/(.*))?$")
-_RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
-_RANGE = re.compile(r"^bytes=(\d+)-$")
 
 
 class HubHandler(BaseHTTPRequestHandler):
@@ -165,7 +211,8 @@ class HubHandler(BaseHTTPRequestHandler):
         given = self.headers.get("Authorization")
         if given is None:
             return "missing"
-        return "ok" if given == f"Bearer {self.token}" else "wrong"
+        wanted = f"Bearer {self.token}".encode()
+        return "ok" if hmac.compare_digest(given.encode(errors="replace"), wanted) else "wrong"
 
     def send(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
         headers = dict(headers or {})
@@ -181,19 +228,21 @@ class HubHandler(BaseHTTPRequestHandler):
         self.send(200, json.dumps(payload).encode(), {"Content-Type": "application/json"})
 
     def error(self, status: int, code: str | None, message: str, headers=None) -> None:
+        message = json.dumps(message)[1:-1]  # no control character reaches a header
         extra = {"Content-Type": "application/json", "X-Error-Message": message, **(headers or {})}
         if code:
             extra["X-Error-Code"] = code
+        self.close_connection = True  # an unread request body must not be read as a request
         self.send(status, json.dumps({"error": message}).encode(), extra)
 
     def resolve_revision(self, repo_id: str, revision: str):
-        if self.auth() in ("missing", "wrong") or not self.store.exists(repo_id):
-            self.error(401 if self.store.exists(repo_id) else 404, "RepoNotFound",
-                       "Repository not found")
+        if not safe_repo(repo_id) or not self.store.exists(repo_id):
+            self.error(404, "RepoNotFound", "Repository not found")
             return None
-        found = self.store.lookup(repo_id, unquote(revision))
+        revision = unquote(revision)
+        found = self.store.lookup(repo_id, revision) if safe_revision(revision) else None
         if found is None:
-            self.error(404, "RevisionNotFound", f"Invalid rev id: {unquote(revision)}")
+            self.error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
         return found
 
     # --- routes --------------------------------------------------------------------------------
@@ -209,21 +258,26 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def dispatch(self) -> None:
         url = urlsplit(self.path)
-        api, resolve = _API.match(url.path), _RESOLVE.match(url.path)
-        if api:
-            self.record(api.group(2))
-            found = self.resolve_revision(api.group(1), api.group(3))
-            if found:
-                route = getattr(self, "route_" + api.group(2).replace("-", "_"))
-                route(api.group(1), *found, url, api.group(4))
-        elif resolve:
-            self.record("resolve")
-            found = self.resolve_revision(resolve.group(1), resolve.group(2))
-            if found:
-                self.route_resolve(*found, unquote(resolve.group(3)))
-        else:
-            self.record("unknown")
+        route, repo_id, revision, rest = parse_route(url.path)
+        self.record(route)
+        auth = self.auth()
+        if auth == "missing":  # as the hub answers for a gated or private repo
+            self.error(401, "RepoNotFound", "Repository not found")
+        elif auth == "wrong":
+            self.error(401, None, "Invalid credentials in Authorization header")
+        elif route == "unknown":
             self.error(404, None, f"no route {url.path}")
+        else:
+            found = self.resolve_revision(repo_id, revision)
+            if found:
+                getattr(self, "route_" + route.replace("-", "_"))(repo_id, *found, url, rest)
+
+    def route_manifest(self, repo_id: str, commit: str, files: dict, _url, _rest) -> None:
+        body = json.dumps({"repo": repo_id, "revision": commit,
+                           "files": {e.path: e.manifest_entry() for e in files.values()}},
+                          sort_keys=True).encode()
+        self.send(200, body, {"Content-Type": "application/json",
+                              MANIFEST_SHA256: hashlib.sha256(body).hexdigest()})
 
     def route_revision(self, repo_id: str, commit: str, files: dict, url, _rest) -> None:
         blobs = parse_qs(url.query).get("blobs", ["false"])[0].lower() == "true"
@@ -232,7 +286,7 @@ class HubHandler(BaseHTTPRequestHandler):
             sibling = {"rfilename": entry.path}
             if blobs:
                 sibling.update(size=entry.size, blobId=entry.git_oid)
-                if entry.sha256:
+                if entry.lfs:
                     tree = entry.tree_entry()["lfs"]
                     sibling["lfs"] = {"sha256": entry.sha256, "size": entry.size,
                                       "pointerSize": tree["pointerSize"]}
@@ -249,7 +303,8 @@ class HubHandler(BaseHTTPRequestHandler):
         wanted = set(parse_qs(self.rfile.read(length).decode()).get("paths", []))
         self.send_json([e.tree_entry() for e in files.values() if e.path in wanted])
 
-    def route_resolve(self, commit: str, files: dict, path: str) -> None:
+    def route_resolve(self, repo_id: str, commit: str, files: dict, _url, rest) -> None:
+        path = unquote(rest)
         entry = files.get(path)
         headers = {"X-Repo-Commit": commit, "Accept-Ranges": "bytes"}
         if entry is None:
@@ -259,13 +314,13 @@ class HubHandler(BaseHTTPRequestHandler):
             self.error(500, None, f"{path} has no bytes here", headers)
             return
         headers["ETag"] = f'"{entry.git_oid}"'
-        if entry.sha256:
+        if entry.lfs:
             headers.update({"X-Linked-Etag": f'"{entry.sha256}"', "X-Linked-Size": str(entry.size)})
         if self.command == "HEAD":
             self.send(200, b"", {**headers, "Content-Length": str(entry.size)})
             return
         start, status = 0, 200
-        match = _RANGE.match(self.headers.get("Range") or "")
+        match = _RANGE.fullmatch(self.headers.get("Range") or "")
         if match and int(match.group(1)) < entry.size:
             start, status = int(match.group(1)), 206
             headers["Content-Range"] = f"bytes {start}-{entry.size - 1}/{entry.size}"
@@ -277,10 +332,25 @@ class HubHandler(BaseHTTPRequestHandler):
 
 
 def server(handler: type[HubHandler], host: str = "127.0.0.1", port: int = 0):
-    """A threading HTTP server for `handler` (call serve_forever, e.g. in a thread)."""
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    return httpd
+    """A threading HTTP server for `handler` on an IPv4 or IPv6 address (not started: call
+    serve_forever, e.g. in a thread)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    kind = type("Server", (ThreadingHTTPServer,),
+                {"address_family": family, "daemon_threads": True})
+    return kind((host, port), handler)
+
+
+def credential_token() -> str:
+    """The fleet's token from $CREDENTIALS_DIRECTORY/mirror-token; SystemExit without one."""
+    folder = os.environ.get("CREDENTIALS_DIRECTORY", "")
+    try:
+        token = Path(folder, CREDENTIAL).read_text().strip() if folder else ""
+    except OSError:
+        token = ""
+    if not token:
+        raise SystemExit(f"mirror.py: no token in $CREDENTIALS_DIRECTORY/{CREDENTIAL} "
+                         f"(LoadCredential={CREDENTIAL}:<file>); refusing to serve without one")
+    return token
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -289,9 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8090)
     args = parser.parse_args(argv)
-    handler = type("CacheHandler", (HubHandler,), {"store": CacheStore(args.cache)})
+    handler = type("CacheHandler", (HubHandler,),
+                   {"store": CacheStore(args.cache), "token": credential_token()})
     httpd = server(handler, args.host, args.port)
-    print(f"serving {args.cache} on http://{args.host}:{httpd.server_address[1]}", flush=True)
+    print(f"serving {args.cache} on {args.host} port {httpd.server_address[1]}", flush=True)
     httpd.serve_forever()
 
 

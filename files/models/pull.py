@@ -9,8 +9,10 @@ Exit status: 0 complete, 2 refused (nothing was downloaded), 3 partial, 4 error.
 
 What it does, in order, holding a per-repo lock so that two pulls of one repo never race:
 
-1. reads the file list of the pinned commit from the hub (or the mirror HF_ENDPOINT names):
-   path, size and, for LFS files, sha256, filtered by the allow/ignore patterns;
+1. reads the file list of the pinned commit, filtered by the allow/ignore patterns: from the
+   hub (HF_ENDPOINT), path, size, git blob id and, for LFS files, sha256; from rigbook's mirror
+   (--endpoint), its manifest (GET /api/rigbook/manifest/...), whose body must match the sha256
+   in its X-Rigbook-Manifest-Sha256 header: size, sha256 and git blob id of every file;
 2. removes `blobs/*.incomplete` leftovers of killed pulls (huggingface_hub 2.x writes each
    download to a process-unique temporary file that no later process reuses; a leftover whose
    per-file lock nobody holds is dead) and snapshot files whose size is wrong;
@@ -18,13 +20,18 @@ What it does, in order, holding a per-repo lock so that two pulls of one repo ne
    filesystem, else it refuses with the numbers and downloads nothing;
 4. downloads only the missing files (hf_hub_download; within one run huggingface_hub resumes a
    dropped connection with HTTP Range requests);
-5. checks every expected file: present, exact size, and sha256 for LFS files downloaded now or
-   not yet vouched for by a manifest; a bad file is removed so that the next run fetches it again;
-6. complete: writes the manifest `<repo dir>/rigbook/<commit>.json` (files, sizes, sha256,
-   patterns) that later runs check locally, without the network. Partial: removes it.
+5. checks every expected file: present, exact size, and every hash it has (sha256; the git blob
+   id of non-LFS files), for files downloaded now or not yet vouched for by a manifest; a bad
+   file is removed so that the next run fetches it again;
+6. complete: writes the manifest `<repo dir>/rigbook/<commit>.json` (files with size, sha256 of
+   every file, git blob id, LFS flag; patterns) that later runs check locally, without the
+   network, and that rigbook's mirror serves. Partial: removes it; the snapshots and manifests
+   of other commits are never touched.
 
-The token, if one is needed, is read by huggingface_hub from the file HF_TOKEN_PATH names: it is
-never an argument of this script and never printed.
+The token, if one is needed, is read by huggingface_hub from the file HF_TOKEN_PATH names (the
+HF token for the hub, the fleet's mirror token for --endpoint): it is never an argument of this
+script and never printed. The cache is written 0644 / 0755 whatever the caller's umask: the
+engines' user and the mirror's read it.
 """
 
 from __future__ import annotations
@@ -34,13 +41,18 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 EXIT = {"complete": 0, "refused": 2, "partial": 3, "error": 4}
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+#: rigbook's mirror: its manifest route and the header with the body's sha256 (mirror.py).
+MANIFEST_ROUTE = "/api/rigbook/manifest"
+MANIFEST_SHA256 = "X-Rigbook-Manifest-Sha256"
+_HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "oid": re.compile(r"[0-9a-f]{40}")}
 HASH_CHUNK = 8 * 1024 * 1024
 GIB = 1024**3
 
@@ -72,12 +84,26 @@ def free_bytes(path: str) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
+def check_hashes(path: Path, meta: dict) -> tuple[str, dict | None]:
+    """(sha256 of the file, the first hash of `meta` it does not match or None), one read.
+
+    Non-LFS files are also checked against their git blob id (sha1 of "blob <size>\\0" and the
+    bytes: the oid the hub's tree lists); for LFS files that id is the pointer's.
+    """
+    sha = hashlib.sha256()
+    blob = None if meta["lfs"] else hashlib.sha1(b"blob %d\0" % meta["size"])
     with path.open("rb") as handle:
         while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+            sha.update(chunk)
+            if blob is not None:
+                blob.update(chunk)
+    actual = sha.hexdigest()
+    if meta["sha256"] and actual != meta["sha256"]:
+        return actual, {"hash": "sha256", "actual": actual, "expected": meta["sha256"]}
+    if blob is not None and blob.hexdigest() != meta["oid"]:
+        return actual, {"hash": "git blob id", "actual": blob.hexdigest(),
+                        "expected": meta["oid"] or "none"}
+    return actual, None
 
 
 def size_of(path: Path) -> int | None:
@@ -107,26 +133,59 @@ def read_manifest(path: Path) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
 
 
-def expected_files(api, repo: str, revision: str, allow, ignore) -> dict[str, dict]:
-    """path -> {size, sha256 (LFS files only, else None)} of the pinned commit, filtered."""
+def hub_files(repo: str, revision: str) -> dict[str, dict]:
+    """path -> {size, sha256 (LFS files only, else None), oid, lfs} of the commit on the hub."""
+    from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
-    from huggingface_hub.utils import filter_repo_objects
 
-    entries = {
-        entry.path: entry
-        for entry in api.list_repo_tree(repo, revision=revision, recursive=True)
+    return {
+        entry.path: {"size": entry.size, "sha256": entry.lfs.sha256 if entry.lfs else None,
+                     "oid": entry.blob_id, "lfs": entry.lfs is not None}
+        for entry in HfApi().list_repo_tree(repo, revision=revision, recursive=True)
         if isinstance(entry, RepoFile)
     }
+
+
+def mirror_files(endpoint: str, repo: str, revision: str) -> dict[str, dict]:
+    """path -> {size, sha256, oid, lfs} of the commit, from rigbook's mirror's manifest.
+
+    ValueError when the body does not match the sha256 in its header, is for another snapshot,
+    or lacks a hash of a file.
+    """
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    url = f"{endpoint.rstrip('/')}{MANIFEST_ROUTE}/{repo}/{revision}"
+    response = get_session().get(url, headers=build_hf_headers())
+    hf_raise_for_status(response)
+    if hashlib.sha256(response.content).hexdigest() != response.headers.get(MANIFEST_SHA256):
+        raise ValueError(f"the mirror's manifest does not match its {MANIFEST_SHA256} header")
+    data = json.loads(response.content)
+    if (data.get("repo"), data.get("revision")) != (repo, revision):
+        raise ValueError("the mirror's manifest is for another snapshot")
+    files = {}
+    for path, meta in data["files"].items():
+        entry = {key: meta.get(key) for key in ("size", "sha256", "oid", "lfs")}
+        if not (type(entry["size"]) is int and entry["size"] >= 0
+                and isinstance(entry["lfs"], bool) and all(
+                    isinstance(entry[key], str) and pattern.fullmatch(entry[key])
+                    for key, pattern in _HEX.items())):
+            raise ValueError(f"the mirror's manifest has no valid size and hashes for {path}")
+        files[path] = entry
+    return files
+
+
+def expected_files(args: argparse.Namespace) -> dict[str, dict]:
+    """The files of the pinned commit that the patterns select, from the hub or the mirror."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    if args.endpoint:
+        files = mirror_files(args.endpoint, args.repo, args.revision)
+    else:
+        files = hub_files(args.repo, args.revision)
     chosen = filter_repo_objects(
-        list(entries), allow_patterns=allow or None, ignore_patterns=ignore or None
+        list(files), allow_patterns=args.allow or None, ignore_patterns=args.ignore or None
     )
-    return {
-        path: {
-            "size": entries[path].size,
-            "sha256": entries[path].lfs.sha256 if entries[path].lfs is not None else None,
-        }
-        for path in sorted(chosen)
-    }
+    return {path: files[path] for path in sorted(chosen)}
 
 
 def remove_dead_leftovers(cache: Path, folder: str) -> list[dict]:
@@ -216,9 +275,21 @@ def download(repo, revision, cache, endpoint, paths, workers) -> dict[str, str]:
     return errors
 
 
+def vouched_sha256(meta: dict, known: dict) -> str | None:
+    """The sha256 a manifest recorded for a file, when it vouches for the file now expected:
+    the same sha256, or (a non-LFS file from the hub, whose sha256 is not listed) the same git
+    blob id."""
+    key = "sha256" if meta["sha256"] else "oid"
+    return known.get("sha256") if known.get(key) == meta[key] else None
+
+
 def verify(snapshot: Path, files: dict[str, dict], vouched: dict, hash_paths: set[str]):
-    """(missing, wrong_size, bad_hash) after a pull; bad files are removed."""
-    missing, wrong, bad = [], [], []
+    """(missing, wrong_size, bad_hash, sha256 by path) after a pull; bad files are removed.
+
+    Files in `hash_paths` (downloaded now) and files the old manifest (`vouched`) does not vouch
+    for with the same hashes are read and hashed; the others keep their recorded sha256.
+    """
+    missing, wrong, bad, hashes = [], [], [], {}
     for path, meta in files.items():
         local = snapshot / path
         size = size_of(local)
@@ -229,18 +300,19 @@ def verify(snapshot: Path, files: dict[str, dict], vouched: dict, hash_paths: se
             wrong.append({"path": path, "size": size, "expected": meta["size"]})
             remove_file(local)
             continue
-        sha = meta["sha256"]
-        known = vouched.get(path, {})
-        if sha and (path in hash_paths or known.get("sha256") != sha):
-            actual = sha256_of(local)
-            if actual != sha:
-                bad.append({"path": path, "sha256": actual, "expected": sha})
-                remove_file(local)
-    return missing, wrong, bad
+        known = None if path in hash_paths else vouched_sha256(meta, vouched.get(path, {}))
+        if known:
+            hashes[path] = known
+            continue
+        hashes[path], mismatch = check_hashes(local, meta)
+        if mismatch:
+            bad.append({"path": path, **mismatch})
+            remove_file(local)
+    return missing, wrong, bad, hashes
 
 
 def pull(args: argparse.Namespace) -> dict:
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import constants
 
     started = time.monotonic()
     cache = Path(args.cache)
@@ -254,8 +326,7 @@ def pull(args: argparse.Namespace) -> dict:
     with open(cache / ".locks" / f"rigbook-{folder}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another pull of this repo: wait for it
         try:
-            api = HfApi(endpoint=args.endpoint)
-            files = expected_files(api, args.repo, args.revision, args.allow, args.ignore)
+            files = expected_files(args)
         except Exception as error:
             return {**result, "status": "error", "message": (
                 f"cannot read the file list of {args.repo}@{args.revision}: "
@@ -288,7 +359,7 @@ def pull(args: argparse.Namespace) -> dict:
         )
         downloaded = sorted(p for p in missing if p not in errors)
         vouched = (read_manifest(manifest_path) or {}).get("files", {})
-        absent, wrong, bad = verify(snapshot, files, vouched, set(missing))
+        absent, wrong, bad, hashes = verify(snapshot, files, vouched, set(missing))
         result.update(
             downloaded=downloaded,
             downloaded_bytes=sum(missing[p]["size"] for p in downloaded),
@@ -297,7 +368,7 @@ def pull(args: argparse.Namespace) -> dict:
         if absent or wrong or bad:
             manifest_path.unlink(missing_ok=True)
             return {**result, "status": "partial", "missing": absent, "wrong_size": wrong,
-                    "bad_sha256": bad, "errors": errors}
+                    "bad_hash": bad, "errors": errors}
 
         manifest = {
             "rigbook_manifest": MANIFEST_VERSION,
@@ -305,7 +376,7 @@ def pull(args: argparse.Namespace) -> dict:
             "revision": args.revision,
             "allow_patterns": list(args.allow),
             "ignore_patterns": list(args.ignore),
-            "files": files,
+            "files": {path: {**meta, "sha256": hashes[path]} for path, meta in files.items()},
             "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         manifest_path.parent.mkdir(parents=True, exist_ok=True)
@@ -322,13 +393,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--revision", required=True, help="40-hex commit")
     parser.add_argument("--allow", action="append", default=[], help="allow pattern (repeat)")
     parser.add_argument("--ignore", action="append", default=[], help="ignore pattern (repeat)")
-    parser.add_argument("--endpoint", default=None, help="hub or mirror URL (else HF_ENDPOINT)")
+    parser.add_argument("--endpoint", default=None,
+                        help="rigbook's mirror to pull from (else the hub, HF_ENDPOINT)")
     parser.add_argument("--margin-bytes", type=int, default=10 * GIB)
     parser.add_argument("--workers", type=int, default=8)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
+    os.umask(0o022)  # the engines' user and the mirror's read the cache
     result = pull(parse_args(argv))
     print(json.dumps(result, sort_keys=True), flush=True)
     return EXIT[result["status"]]
