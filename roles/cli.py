@@ -1,7 +1,8 @@
 """The `rigbook` command.
 
 One function per sub-command; each sub-command group registers itself in `build_parser`, so a
-new group (`status`, ...) is one more `add_*_commands` call.
+new group (`status`, ...) is one more `add_*_commands` call. Exit codes: 0 as declared, 1 drift,
+2 a rig unreachable or a GPU gone, 3 a usage or configuration error (roles/errors.py).
 """
 
 from __future__ import annotations
@@ -10,10 +11,26 @@ import argparse
 import json
 import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from roles import sandbox
-from roles.docs import write_host_data_docs
-from roles.errors import RigbookError
+from roles.docs import stale_docs, write_host_data_docs
+from roles.errors import EXIT_USAGE, RigbookError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error exits EXIT_USAGE: 2 means a rig is unreachable or a GPU gone."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _version() -> str:
+    try:
+        return version("rigbook")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def sandbox_up(args: argparse.Namespace) -> None:
@@ -81,10 +98,14 @@ def bench_compare(args: argparse.Namespace) -> int:
     from roles.verify import chart_png, compare_rows, compare_table, load_runs, results_dir
 
     runs = load_runs()
-    if not compare_rows(runs, args.rig):
+    rows = compare_rows(runs, args.rig)
+    if not rows:
         which = f" of rig {args.rig}" if args.rig else ""
         raise RigbookError(f"no verify results{which} in {results_dir()}; run deploys/verify.py")
-    Console(width=160).print(compare_table(runs, args.rig))
+    if args.json:
+        print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
+    else:
+        Console(width=160).print(compare_table(runs, args.rig))
     if args.png:
         with open(args.png, "wb") as out:
             out.write(chart_png(runs, args.rig))
@@ -100,20 +121,37 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     )
     compare.add_argument("--rig", help="every stored run of this rig, oldest first")
     compare.add_argument("--png", help="also write a bar chart of decode tok/s to this file")
+    compare.add_argument("--json", action="store_true", help="print the runs as JSON")
     compare.set_defaults(func=bench_compare)
 
 
-def write_docs(args: argparse.Namespace) -> None:
+def write_docs(args: argparse.Namespace) -> int:
+    if args.check:
+        stale = stale_docs()
+        for path in stale:
+            print(f"{path} differs from what the code generates; run `rigbook docs`")
+        return 1 if stale else 0
     print(f"wrote {write_host_data_docs()} and docs/recipes.md")
+    return 0
 
 
 def add_docs_command(commands: argparse._SubParsersAction) -> None:
-    docs = commands.add_parser("docs", help="regenerate docs/host-data.md from the models")
+    docs = commands.add_parser(
+        "docs", help="regenerate docs/host-data.md and docs/recipes.md from the code"
+    )
+    docs.add_argument("--check", action="store_true",
+                      help="write nothing; exit 1 when either differs from what the code says")
     docs.set_defaults(func=write_docs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rigbook", description=__doc__.splitlines()[0])
+    parser = Parser(prog="rigbook", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"rigbook {_version()}")
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_const", dest="log_level",
+                      const=logging.DEBUG, default=logging.INFO, help="say more (debug lines)")
+    loud.add_argument("-q", "--quiet", action="store_const", dest="log_level",
+                      const=logging.WARNING, help="say only warnings and errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_sandbox_commands(commands)
     add_docs_command(commands)
@@ -123,14 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs one sub-command; a RigbookError is printed plainly and exits 1."""
+    """Runs one sub-command; a RigbookError is printed plainly and exits EXIT_USAGE."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="rigbook: %(message)s")
+    logging.basicConfig(level=args.log_level, format="rigbook: %(message)s")
     try:
         return args.func(args) or 0  # sub-commands with an exit status of their own return it
     except RigbookError as error:
         print(f"rigbook: error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from roles.recipes import write_recipes_docs
+from roles.recipes import RECIPES_MD, recipes_markdown, write_recipes_docs
 from roles.spec import SWEET_SPOTS, ModelSpec, Rig, VenvSpec
 from roles.types import ALLOWS, VALIDATORS
 
@@ -93,6 +93,13 @@ def host_data_markdown() -> str:
         *_allows(),
     ]
     return "\n".join(parts) + "\n"
+
+
+def stale_docs() -> list[Path]:
+    """The generated docs whose text on disk differs from what the code generates now."""
+    wanted = {HOST_DATA_MD: host_data_markdown(), RECIPES_MD: recipes_markdown()}
+    return [path for path, text in wanted.items()
+            if not path.is_file() or path.read_text() != text]
 
 
 def write_host_data_docs(path: Path = HOST_DATA_MD) -> Path:

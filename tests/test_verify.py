@@ -239,7 +239,10 @@ def test_results_json_and_compare(server, tmp_path: Path, monkeypatch, capsys):
     assert "x2" in out and "580.95.05" in out
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and b"IEND" in data[-12:]
-    assert cli.main(["bench", "compare", "--rig", "nope"]) == 1
+    assert cli.main(["bench", "compare", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [VerifyRun.model_validate(row) for row in listed] == compare_rows(runs)
+    assert cli.main(["bench", "compare", "--rig", "nope"]) == 3
     assert compare_table(runs, "rigA").row_count == 2
     # a damaged file is named
     bad = paths[0].with_name("broken.json")
