@@ -38,7 +38,8 @@ pytestmark = pytest.mark.sandbox
 
 UNIT = "rigbook-hostile.service"
 DUMP = "/usr/local/bin/rigbook-argv-dump"
-OUT = "/tmp/rigbook-hostile.json"  # written as the unit's user
+#: Written as the unit's user, in its home: the one place its hardened unit may write.
+OUT = f"{SERVE_HOME}/rigbook-hostile.json"
 ENV_HERE = "/etc/rigbook-hostile/engine.env"
 ENV = {"HOSTILE_A": "$HOME", "HOSTILE_B": 'say "hi" `id` \\ %h $(id)', "HOSTILE_C": "-x ;"}
 DUMPER = f"""#!/usr/bin/python3
@@ -88,7 +89,7 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
     unit = unit.replace(f"ExecStart={engine} ", f"ExecStart={DUMP} ", 1)
     try:
         rig_ssh(rig, f"id -u {SERVE_USER} >/dev/null 2>&1 || useradd --system {SERVE_USER}; "
-                     f"mkdir -p {SERVE_HOME}")
+                     f"install -d -o {SERVE_USER} {SERVE_HOME}")
         put(rig, DUMP, DUMPER, "755")
         put(rig, ENV_HERE, render_env(plan, None))
         put(rig, f"/etc/systemd/system/{UNIT}", unit)
