@@ -36,17 +36,17 @@ from pyinfra.facts.server import Arch, LinuxDistribution
 from pyinfra.operations import apt, files, systemd
 from pyinfra.operations.util import any_changed
 
-from roles import FILES
-from roles.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
-from roles.checks import Check, Facts, Finding, Read, drift, error
-from roles.checks import refusal as refusal_finding
-from roles.errors import RigbookError
-from roles.facts import GPUS_READ, WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
-from roles.messages import notice, refuse, warn_once
-from roles.render import template
-from roles.spec import Rig
-from roles.venvs import VenvBuilds
-from roles.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
+from rigbook import FILES
+from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
+from rigbook.checks import Check, Facts, Finding, Read, drift, error
+from rigbook.checks import refusal as refusal_finding
+from rigbook.errors import RigbookError
+from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
+from rigbook.messages import notice, refuse, warn_once
+from rigbook.render import template
+from rigbook.spec import Rig
+from rigbook.venvs import VenvBuilds
+from rigbook.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
 
 TEMPLATES = FILES / "driver"
 
@@ -97,6 +97,12 @@ UBUNTU_BRANCHES = {"24.04": (580, 595), "22.04": (580,)}
 #: NVIDIA's CUDA repository for Debian 12 (the only release whose path facts.md confirms).
 CUDA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/"
 CUDA_KEYRING_DEB = CUDA_REPO + "cuda-keyring_1.1-1_all.deb"
+#: sha256 of CUDA_KEYRING_DEB: the trust anchor of the driver source is installed only when it
+#: matches. NVIDIA's Packages index was not at hand; the value is the one Google pins for
+#: debian 12 (https://github.com/GoogleCloudPlatform/compute-gpu-installation/blob/main/linux/
+#: cuda_installer/config.py, NVIDIA_KEYRING_SHA256_SUMS), and other public scripts check the
+#: same value against this very URL with `sha256sum -c`.
+CUDA_KEYRING_SHA256 = "e7f219eab6fe4819cdb5c15b98233dc3420302d9c00883219cd3d896857cf48d"
 CUDA_KEYRING = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 #: The one-line source cuda-keyring may drop beside ours; removed so apt sees the repo once.
 CUDA_KEYRING_LIST = "/etc/apt/sources.list.d/cuda-debian12-x86_64.list"
@@ -110,6 +116,9 @@ MODPROBE_CONF = "/etc/modprobe.d/rigbook-nvidia.conf"
 #: Reasons for a pending reboot that the packages cannot show (module options); /run is a
 #: tmpfs, so the file is gone once the rig has rebooted.
 REBOOT_MARKER = "/run/rigbook/driver-reboot-required"
+#: The bump's apt step (files/driver/bump.sh), installed by the bump itself, and where it logs.
+BUMP_SCRIPT = "/opt/rigbook/driver/bump.sh"
+BUMP_LOGS = "/var/log/rigbook/driver-bump-*.log"
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 #: Seconds to wait before looking for the rebooted rig, between looks, and at most.
@@ -121,6 +130,9 @@ PROC_VERSION = "/proc/driver/nvidia/version"
 SIM_LOADED_VERSION = "/run/rigbook-sim/loaded-version"
 _SIM_TAG = "##RIGBOOK_SIMULATED_MODULE##"
 _VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
+#: A Debian package name as dpkg reports it (Debian policy 5.6.1), with an optional :arch.
+_PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.-]+(:[a-z0-9]+)?")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 # --- facts ---------------------------------------------------------------------------------
@@ -130,7 +142,7 @@ class LoadedDriverVersion(FactBase[str | None]):
     """
     The version of the loaded nvidia kernel module; None when none is loaded.
 
-    Reads /proc/driver/nvidia/version (parsed by roles.facts.LoadedNvidiaModule)::
+    Reads /proc/driver/nvidia/version (parsed by rigbook.facts.LoadedNvidiaModule)::
 
         NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (...)
 
@@ -268,7 +280,7 @@ def version_glob(rig: Rig) -> str:
 def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -> DriverPlan:
     """Choose the platform branch once; RigbookError when the rig and the host disagree.
 
-    `distro` is pyinfra's LinuxDistribution fact, `wsl` roles.wsl.Wsl, `arch` Arch (uname -m).
+    `distro` is pyinfra's LinuxDistribution fact, `wsl` rigbook.wsl.Wsl, `arch` Arch (uname -m).
     """
     check_platform(name, rig.platform, wsl)
     if rig.platform == "wsl2":
@@ -421,9 +433,15 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
 
     Moves every installed driver package that carries the old driver's version and that apt
     offers at the target (apt-cache madison), so nothing is left half-moved; a package named
-    after the old version (Ubuntu's nvidia-firmware-580-580.95.05) stays, held. The packages
-    are held again whether apt succeeded or not: a failed bump keeps its hold.
+    after the old version (Ubuntu's nvidia-firmware-580-580.95.05) stays, held.
+
+    The apt step runs on the rig as files/driver/bump.sh (installed at BUMP_SCRIPT), under
+    `setsid -w`: it holds the packages again on any exit, apt failing or a signal included,
+    and a dropped SSH connection neither stops it nor reaches apt. It logs to BUMP_LOGS.
     """
+    if not _VERSION.fullmatch(target):
+        yield refuse(f"not a driver version: {target!r}")
+        return
     installed = host.get_fact(DpkgInstalled)
     old = driver_versions(installed) - {target}
     candidates = [
@@ -448,30 +466,48 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
     if not moving and not missing:
         host.noop(f"driver {target} is installed")
         return
-    glob = f"{target}-*"
     wanted_names = moving + missing
-    release = StringCommand("apt-mark unhold", *map(QuoteString, moving)) if moving else "true"
-    hold_again = StringCommand("apt-mark hold", *map(QuoteString, moving)) if moving else "true"
+    odd = [name for name in wanted_names if not _PACKAGE.fullmatch(name)]
+    if odd:
+        yield refuse(f"not Debian package names: {', '.join(map(repr, odd))}")
+        return
+    yield from files.put._inner(src=str(TEMPLATES / "bump.sh"), dest=BUMP_SCRIPT, mode="755")
     yield StringCommand(
-        release,
-        "&&",
-        noninteractive_apt("install --allow-downgrades"),
-        *(QuoteString(f"{name}={glob}") for name in wanted_names),
-        "; rc=$?;",
-        hold_again,
-        "; exit $rc",
+        "setsid -w", BUMP_SCRIPT, *(QuoteString(f"{name}={target}-*") for name in wanted_names)
+    )
+
+
+def keyring_command(url: str, sha256: str) -> StringCommand:
+    """Download `url` to a temp file and install it with dpkg only when its sha256 is `sha256`
+    (64 hex digits, checked by the caller). The temp file goes on every exit; a mismatch fails
+    naming the URL and both hashes."""
+    src = QuoteString(url)
+    return StringCommand(
+        "deb=$(mktemp) && trap 'rm -f \"$deb\"' EXIT &&",
+        '{ if command -v curl >/dev/null; then curl -fsSL -o "$deb"', src,
+        '; else wget -q -O "$deb"', src, "; fi; } &&",
+        f'if echo "{sha256}  $deb" | sha256sum -c --status; then',
+        'dpkg --force-confdef --force-confold -i "$deb"; else',
+        "printf '%s: sha256 mismatch: expected %s, actual %s; not installed\\n'", src, sha256,
+        '"$(sha256sum < "$deb" | cut -d" " -f1)" >&2; exit 1; fi',
     )
 
 
 @operation()
-def cuda_keyring():
+def cuda_keyring(url: str = CUDA_KEYRING_DEB, sha256: str = CUDA_KEYRING_SHA256):
     """
     Install NVIDIA's cuda-keyring package (the repository's signing key) unless it is installed.
+
+    + url: where the .deb is
+    + sha256: its pinned sha256; the package is installed only when the download matches
     """
     if "cuda-keyring" in host.get_fact(DpkgInstalled):
         host.noop("cuda-keyring is installed")
         return
-    yield from apt.deb._inner(src=CUDA_KEYRING_DEB)
+    if not _SHA256.fullmatch(sha256):
+        yield refuse(f"not a sha256: {sha256!r}")
+        return
+    yield keyring_command(url, sha256)
 
 
 @operation()

@@ -1,4 +1,4 @@
-"""roles.driver and roles.apt: package selection, holds, blacklist, pin, persistence, reboot.
+"""rigbook.driver and rigbook.apt: package selection, holds, blacklist, pin, persistence, reboot.
 
 Parsers are fed real captured output (the H200 host's apt-mark showhold, dpkg-query and
 /proc/driver/nvidia/version, this Debian machine's os-release, apt's own madison output).
@@ -8,11 +8,14 @@ the deb822 source and the version globs are checked against a real apt on a thro
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,14 +24,14 @@ from pyinfra.api import Config, FunctionCommand, Inventory, State
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.server import LinuxDistribution
 
-from roles import driver as drv
-from roles.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
-from roles.errors import RigbookError
-from roles.gpus import GpuProbe, parse_query_csv
-from roles.render import render as render_template
-from roles.spec import Rig
-from roles.wsl import WslSignals
-from tests.opkit import Calls, FakeHost, shell
+from rigbook import driver as drv
+from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
+from rigbook.errors import RigbookError
+from rigbook.gpus import GpuProbe, parse_query_csv
+from rigbook.render import render as render_template
+from rigbook.spec import Rig
+from rigbook.wsl import WslSignals
+from tests.opkit import Calls, FakeHost, describe, shell
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-h200"
 TEMPLATES = drv.TEMPLATES
@@ -365,7 +368,7 @@ def test_hold_driver_holds_every_installed_driver_package_once():
 
 
 def render(name: str, cfg) -> str:
-    """A template as the driver role renders it (roles.render)."""
+    """A template as the driver role renders it (rigbook.render)."""
     return render_template(TEMPLATES / name, cfg=cfg)
 
 
@@ -553,24 +556,28 @@ def move(installed: dict, madison: list[str] = MADISON, target: str = "580.159.0
         offered = AptVersions().process(madison)
         return {name: offered[name] for name in packages if name in offered}
 
-    facts = {"DpkgInstalled": installed, "AptVersions": versions}
+    facts = {"DpkgInstalled": installed, "AptVersions": versions,
+             "File": lambda path: None, "Directory": lambda path: None}
     return run_op(drv.move_driver, facts, packages=("nvidia-open", "nvidia-persistenced"),
                   target=target)
 
 
-def test_move_driver_moves_what_the_source_offers_and_holds_again():
+def test_move_driver_installs_the_bump_script_and_runs_it_detached():
     madison = MADISON + [
         f"{name} | {version} | file:/srv/rigbook-sim-repo  Packages"
         for name in ("libnvidia-ml1", "nvidia-kernel-open-dkms", "nvidia-persistenced")
         for version in ("580.159.04-1", "580.95.05-1")
     ]
     commands, _ = move(SIM_INSTALLED, madison)
-    names = "libnvidia-ml1 nvidia-kernel-open-dkms nvidia-open nvidia-persistenced nvidia-smi"
-    (command,) = shell(commands)
-    assert command.startswith(f"apt-mark unhold {names} && DEBIAN_FRONTEND=noninteractive")
-    assert "install --allow-downgrades 'libnvidia-ml1=580.159.04-*' " in command
-    assert "'nvidia-smi=580.159.04-*'" in command
-    assert command.endswith(f"; rc=$?; apt-mark hold {names} ; exit $rc")
+    assert [describe(command) for command in commands] == [
+        "mkdir -p /opt/rigbook/driver",
+        "upload /opt/rigbook/driver/bump.sh",
+        "chmod 755 /opt/rigbook/driver/bump.sh",
+        "setsid -w /opt/rigbook/driver/bump.sh 'libnvidia-ml1=580.159.04-*' "
+        "'nvidia-kernel-open-dkms=580.159.04-*' 'nvidia-open=580.159.04-*' "
+        "'nvidia-persistenced=580.159.04-*' 'nvidia-smi=580.159.04-*'",
+    ]
+    assert commands[1].src == str(TEMPLATES / "bump.sh")
 
 
 def test_move_driver_keeps_packages_named_after_the_old_version():
@@ -580,11 +587,12 @@ def test_move_driver_keeps_packages_named_after_the_old_version():
                             "nvidia-dkms-580-open")
                for version in ("580.159.04-0ubuntu0.24.04.1", "580.95.05-0ubuntu0.24.04.1")]
     facts = {"DpkgInstalled": installed,
-             "AptVersions": lambda packages: AptVersions().process(madison)}
+             "AptVersions": lambda packages: AptVersions().process(madison),
+             "File": lambda path: None, "Directory": lambda path: None}
     commands, _ = run_op(drv.move_driver, facts,
                          packages=("nvidia-driver-580-open", "nvidia-utils-580"),
                          target="580.159.04")
-    (command,) = shell(commands)
+    command = shell(commands)[-1]
     assert "nvidia-firmware-580-580.95.05" not in command  # not offered at the target: stays
     assert "nvidia-settings" not in command  # not the driver's version
     assert "'nvidia-dkms-580-open=580.159.04-*'" in command
@@ -601,25 +609,195 @@ def test_move_driver_refuses_a_target_the_source_lacks_and_noops_when_there():
     assert commands == [] and fake.noops == ["driver 580.159.04 is installed"]
 
 
-def test_move_driver_command_holds_again_when_apt_fails(tmp_path):
-    """Run the bump's shell with stand-in apt-mark/apt-get: a failed install keeps the hold."""
-    log = tmp_path / "log"
-    for tool, status in (("apt-mark", 0), ("apt-get", 100)):
-        script = tmp_path / tool
-        script.write_text(f'#!/bin/sh\necho "{tool} $*" >> {log}\nexit {status}\n')
-        script.chmod(0o755)
-    commands, _ = move({"nvidia-open": "580.95.05-1", "nvidia-smi": "580.95.05-1"})
-    (command,) = shell(commands)
-    env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
-    run = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+def test_move_driver_refuses_what_is_not_a_package_name_or_a_version():
+    hostile = {"nvidia-smi": "580.95.05-1", "nvidia-x;reboot": "580.95.05-1"}
+    madison = MADISON + ["nvidia-x;reboot | 580.159.04-1 | x Packages"]
+    commands, fake = move(hostile, madison)
+    assert refusals(commands, fake) == ["not Debian package names: 'nvidia-x;reboot'"]
+    commands, fake = move(SIM_INSTALLED, target="580.159.04\n")
+    assert refusals(commands, fake) == ["not a driver version: '580.159.04\\n'"]
+
+
+# --- the bump script itself, with stand-ins for apt and dpkg ---------------------------------
+
+BUMP = TEMPLATES / "bump.sh"
+TARGETS = ["nvidia-open=580.159.04-*", "nvidia-smi=580.159.04-*", "libnvidia-ml1=580.159.04-*"]
+
+
+class StandIns:
+    """A bin folder of stand-in apt-mark, apt-get and dpkg-query that log their calls.
+
+    dpkg-query answers from `status` (name -> db:Status-Abbrev); apt-get exits `apt_status`
+    and, while the file `hold_apt` exists, waits for it to go (a slow install); it writes its
+    parent's pid to `apt_pid` when it starts and touches `apt_done` when it ran to its end.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.calls = root / "calls"
+        self.hold_apt = root / "hold-apt"
+        self.apt_pid = root / "apt-parent"
+        self.apt_done = root / "apt-done"
+        self.logs = root / "logs"
+        bin_dir = root / "bin"
+        bin_dir.mkdir()
+        scripts = {
+            "apt-mark": f'echo "apt-mark $*" >> {self.calls}\n',
+            "apt-get": (
+                f'echo "apt-get $*" >> {self.calls}\necho $PPID > {self.apt_pid}\n'
+                f"while [ -e {self.hold_apt} ]; do sleep 0.05; done\ntouch {self.apt_done}\n"
+                'echo "E: apt-get (stand-in) exits $APT_STATUS" >&2\nexit $APT_STATUS\n'
+            ),
+            "dpkg-query": f'grep "^${{3}} " {root}/status | cut -d" " -f2 | tr -d "\\n"'
+                          ' | grep .\n',
+        }
+        for name, body in scripts.items():
+            (bin_dir / name).write_text(f"#!/bin/sh\n{body}")
+            (bin_dir / name).chmod(0o755)
+        self.env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin",
+                    "RIGBOOK_LOG_DIR": str(self.logs), "APT_STATUS": "0"}
+
+    def status(self, **packages: str) -> None:
+        (self.root / "status").write_text(
+            "".join(f"{name.replace('_', '-')} {abbrev}\n" for name, abbrev in packages.items())
+        )
+
+    def run(self, *specs: str, apt_status: int = 0, **popen) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["setsid", "-w", str(BUMP), *specs], env={**self.env, "APT_STATUS": str(apt_status)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+        )
+
+    def called(self) -> list[str]:
+        return self.calls.read_text().splitlines() if self.calls.exists() else []
+
+
+@pytest.fixture
+def standins(tmp_path):
+    if shutil.which("setsid") is None:
+        pytest.skip("no setsid here")
+    tools = StandIns(tmp_path)
+    tools.status(nvidia_open="hi", nvidia_smi="hi", libnvidia_ml1="hi")
+    return tools
+
+
+def wait_for(predicate, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_bump_script_holds_again_when_apt_fails(standins):
+    standins.status(nvidia_open="hi", nvidia_smi="hi", libnvidia_ml1="un")
+    run = standins.run(*TARGETS, apt_status=100)
+    out, err = run.communicate(timeout=30)
     assert run.returncode == 100
-    calls = log.read_text().splitlines()
-    assert calls[0] == "apt-mark unhold nvidia-open nvidia-smi"
-    assert calls[1].startswith("apt-get -y") and calls[1].endswith(
-        "install --allow-downgrades nvidia-open=580.159.04-* nvidia-smi=580.159.04-* "
-        "nvidia-persistenced=580.159.04-*"
+    assert standins.called() == [
+        "apt-mark unhold nvidia-open nvidia-smi",  # libnvidia-ml1 is not installed
+        "apt-get -y -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "
+        "install --allow-downgrades " + " ".join(TARGETS),
+        "apt-mark hold nvidia-open nvidia-smi",
+    ]
+    # What apt said comes back to the caller (and stays in the log on the rig).
+    assert "E: apt-get (stand-in) exits 100" in out
+    (log,) = standins.logs.glob("driver-bump-*.log")
+    assert log.read_text() == out
+
+
+def test_bump_script_holds_what_a_failed_dpkg_left_half_way(standins):
+    # iF: half-configured (a postinst failed), iU: unpacked; both are on the system.
+    standins.status(nvidia_open="iU", nvidia_smi="iF", libnvidia_ml1="ii")
+    run = standins.run(*TARGETS, apt_status=100)
+    run.communicate(timeout=30)
+    assert standins.called()[-1] == "apt-mark hold nvidia-open nvidia-smi libnvidia-ml1"
+
+
+def test_bump_script_outlives_the_hang_up_of_its_session(standins):
+    """A dropped SSH connection hangs up the session pyinfra's command runs in (the process
+    group of `setsid -w`): the script and apt are in a session of their own and go on."""
+    standins.hold_apt.touch()
+    run = standins.run(*TARGETS, start_new_session=True)
+    wait_for(standins.apt_pid.exists)
+    os.killpg(run.pid, signal.SIGHUP)
+    assert run.wait(timeout=10) == -signal.SIGHUP  # the caller's side is gone
+    assert standins.called()[-1].startswith("apt-get")  # apt still runs
+    standins.hold_apt.unlink()
+    wait_for(lambda: standins.called()[-1].startswith("apt-mark hold"))
+    assert standins.apt_done.exists()  # apt ran to its end
+    assert standins.called()[-1] == "apt-mark hold nvidia-open nvidia-smi libnvidia-ml1"
+
+
+def test_bump_script_lets_apt_finish_on_a_signal_then_holds(standins):
+    standins.hold_apt.touch()
+    run = standins.run(*TARGETS)
+    wait_for(standins.apt_pid.exists)
+    os.kill(int(standins.apt_pid.read_text()), signal.SIGTERM)  # the script, not apt
+    time.sleep(0.3)
+    assert standins.called()[-1].startswith("apt-get")  # apt is not cut short
+    standins.hold_apt.unlink()
+    run.communicate(timeout=10)
+    assert run.returncode == 143 and standins.apt_done.exists()
+    assert standins.called()[-1] == "apt-mark hold nvidia-open nvidia-smi libnvidia-ml1"
+
+
+@pytest.mark.parametrize("spec", [
+    "nvidia-open", "nvidia-open=580.159.04-*;reboot", "nvidia-open=580.159.04-*\n",
+    "-o=1", "nvidia-open=$(id)",
+])
+def test_bump_script_refuses_what_is_not_package_equals_version(standins, spec):
+    run = standins.run("nvidia-smi=580.159.04-*", spec)
+    _, err = run.communicate(timeout=10)
+    assert run.returncode == 2 and "not PACKAGE=VERSION" in err
+    assert standins.called() == []
+
+
+# --- the cuda-keyring download, checked against its pinned sha256 ---------------------------
+
+
+def test_cuda_keyring_checks_the_hash_before_dpkg():
+    commands, fake = run_op(drv.cuda_keyring, {"DpkgInstalled": {}})
+    (command,) = shell(commands)
+    assert drv.CUDA_KEYRING_DEB in command
+    assert command.index(f'echo "{drv.CUDA_KEYRING_SHA256}  $deb" | sha256sum -c') < (
+        command.index('dpkg --force-confdef --force-confold -i "$deb"')
     )
-    assert calls[2] == "apt-mark hold nvidia-open nvidia-smi"
+    commands, fake = run_op(drv.cuda_keyring, {"DpkgInstalled": {"cuda-keyring": "1.1-1"}})
+    assert commands == [] and fake.noops == ["cuda-keyring is installed"]
+    commands, fake = run_op(drv.cuda_keyring, {"DpkgInstalled": {}}, sha256="abc; reboot")
+    assert refusals(commands, fake) == ["not a sha256: 'abc; reboot'"]
+
+
+@pytest.mark.parametrize("pinned", ["right", "wrong"])
+def test_cuda_keyring_installs_only_a_download_that_matches(tmp_path, pinned):
+    """The generated shell, run here: a stand-in curl 'downloads' a local file, a stand-in dpkg
+    logs its calls. dpkg runs only on a match; the temp file is gone either way."""
+    deb = tmp_path / "cuda-keyring_1.1-1_all.deb"
+    deb.write_bytes(b"not really a keyring\n")
+    actual = hashlib.sha256(deb.read_bytes()).hexdigest()
+    expected = actual if pinned == "right" else "0" * 64
+    bin_dir, temp, log = tmp_path / "bin", tmp_path / "tmp", tmp_path / "dpkg.log"
+    bin_dir.mkdir()
+    temp.mkdir()
+    (bin_dir / "curl").write_text(f'#!/bin/sh\ncp {deb} "$3"\n')  # curl -fsSL -o FILE URL
+    (bin_dir / "dpkg").write_text(f'#!/bin/sh\necho "dpkg $*" >> {log}\n')
+    for tool in ("curl", "dpkg"):
+        (bin_dir / tool).chmod(0o755)
+    url = "https://example.invalid/cuda-keyring_1.1-1_all.deb"
+    command = drv.keyring_command(url, expected).get_raw_value()
+    run = subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                         env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin",
+                              "TMPDIR": str(temp)})
+    assert list(temp.iterdir()) == []
+    if pinned == "right":
+        assert run.returncode == 0, run.stderr
+        assert log.read_text().startswith(f"dpkg --force-confdef --force-confold -i {temp}/")
+    else:
+        assert run.returncode == 1
+        assert run.stderr == (
+            f"{url}: sha256 mismatch: expected {expected}, actual {actual}; not installed\n"
+        )
+        assert not log.exists()
 
 
 # --- reboot, verify, WSL2 -------------------------------------------------------------------

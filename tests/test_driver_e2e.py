@@ -10,14 +10,20 @@ the old version refuses to move the driver back; the bump back to 580.95.05 leav
 its inventory says. The WSL2 rig (rig3) gets no Linux driver, only a check of the Windows one.
 The stand-in driver is simulated (sandbox/simulated): after an upgrade its nvidia-smi fails
 with a version mismatch until the rig reboots, as a real driver does.
+
+A second story puts the bump's apt step (bump.sh on the rig) through what goes wrong: a DKMS
+build that fails, and connections that drop while a slow one runs (the stand-in's hooks).
 """
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
 
-from roles.driver import BLACKLIST, PERSISTENCED_DROPIN, PREFERENCES
-from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from rigbook.driver import BLACKLIST, BUMP_LOGS, BUMP_SCRIPT, PERSISTENCED_DROPIN, PREFERENCES
+from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 
 pytestmark = pytest.mark.sandbox
 
@@ -151,3 +157,118 @@ def test_driver_install_hold_bump_refuse(sandbox):
     assert versions(rig1) == {name: f"{OLD}-1" for name in PACKAGES}
     assert holds(rig1) >= set(PACKAGES)
     assert smi_driver(rig1) == OLD
+
+
+#: Simulation hooks of the stand-in DKMS build (sandbox/simulated/README.md).
+DKMS_FAILS = "/etc/rigbook-sim/dkms-build-fails"
+DKMS_SECONDS = "/etc/rigbook-sim/dkms-build-seconds"
+DKMS_BUILDING = "/run/rigbook-sim/dkms-building"
+
+
+def dpkg_states(rig: dict) -> dict[str, str]:
+    """db:Status-Abbrev per stand-in package on the system ('hF ': held, half-configured)."""
+    out = rig_ssh(rig, "dpkg-query -W -f='${Package}=${db:Status-Abbrev}\\n'").stdout
+    states = dict(line.split("=", 1) for line in out.splitlines())
+    return {name: state for name, state in states.items() if name in PACKAGES}
+
+
+def wait_until(check, what: str, limit: float = 300):
+    deadline = time.monotonic() + limit
+    while not (answer := check()):
+        assert time.monotonic() < deadline, f"timed out after {limit:g} s waiting for {what}"
+        time.sleep(0.5)
+    return answer
+
+
+def bump_running(rig: dict) -> bool:
+    # [b]: the pattern does not match the command line of the shell that runs pgrep
+    pattern = BUMP_SCRIPT.replace("bump.sh", "[b]ump.sh")
+    return rig_ssh(rig, f"pgrep -f '{pattern}'", check=False).returncode == 0
+
+
+def drop_during_dkms_build(rig: dict, client: subprocess.Popen, version: str) -> None:
+    """Kill `client` (what holds the SSH connection) while the stand-in DKMS build sleeps; then
+    the detached bump must end on its own with every package at `version` and held."""
+    try:
+        wait_until(lambda: rig_ssh(rig, f"test -e {DKMS_BUILDING}", check=False)
+                   .returncode == 0, "the DKMS build to start")
+        assert bump_running(rig)
+    finally:
+        client.kill()
+        client.wait()
+    assert bump_running(rig)  # the bump outlives its connection
+    wait_until(lambda: not bump_running(rig), "the detached bump to end", limit=120)
+    assert holds(rig) >= set(PACKAGES)
+    assert versions(rig) == {name: f"{version}-1" for name in PACKAGES}  # apt ran to its end
+    assert rig_ssh(rig, "dpkg --audit").stdout == ""
+    log = rig_ssh(rig, f"cat $(ls -t {BUMP_LOGS} | head -1)").stdout
+    assert f"Setting up nvidia-kernel-open-dkms ({version}-1)" in log, log
+
+
+def test_bump_keeps_the_hold_when_apt_fails_or_the_connection_drops(sandbox):
+    """The bump's apt step runs on the rig as bump.sh under setsid: a failed DKMS build and a
+    dropped SSH connection, with or without a terminal, all end with every driver package held.
+
+    Seen here with the bump as one SSH command (before bump.sh): pyinfra's connection (no
+    terminal) dropping midway left apt running and the hold came back; a session with a
+    terminal dropping midway (sshd hangs up the terminal: SIGHUP) left the driver unheld."""
+    rig1 = sandbox["rig1"]
+    forget_driver(rig1)
+    try:
+        first = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1")
+        assert first.returncode == 0, first.explain()
+        assert versions(rig1) == {name: f"{OLD}-1" for name in PACKAGES}
+
+        # 1. The new module does not build (apt fails in a postinst): the rig fails at the move,
+        #    apt's error is shown, and every package is held again, the half-configured included.
+        rig_ssh(rig1, f"touch {DKMS_FAILS}")
+        failed = run_pyinfra(SANDBOX_INVENTORY, BUMP, "--limit", "rig1",
+                             "--data", f"driver_version={NEW}", "--data", "allow_reboot=false")
+        assert failed.returncode != 0
+        said = failed.stderr
+        assert "Bad return status for module build (simulated" in said, failed.explain()
+        assert said.index("E: Sub-process /usr/bin/dpkg returned an error code (1)") < said.index(
+            "nvidia-kernel-open-dkms set on hold."), failed.explain()
+        assert holds(rig1) >= set(PACKAGES)
+        states = dpkg_states(rig1)
+        assert states["nvidia-kernel-open-dkms"].startswith("hF"), states  # held, half-way
+        assert all(state.startswith("h") for state in states.values()), states
+
+        # 2. With the cause gone, the same bump again finishes the move; its connection drops
+        #    (pyinfra killed) while the now slow DKMS build runs: the bump ends on the rig.
+        rig_ssh(rig1, f"rm {DKMS_FAILS} && echo 15 > {DKMS_SECONDS}")
+        pyinfra = subprocess.Popen(
+            [PYINFRA, "-y", SANDBOX_INVENTORY, BUMP, "--limit", "rig1",
+             "--data", f"driver_version={NEW}", "--data", "allow_reboot=false"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        drop_during_dkms_build(rig1, pyinfra, NEW)
+
+        # 3. The command the bump runs (tests/test_driver.py checks its text), in a session with
+        #    a terminal that hangs up midway: the bump is in a session of its own and goes on.
+        specs = " ".join(f"'{name}={OLD}-*'" for name in PACKAGES)
+        terminal = subprocess.Popen(
+            ["ssh", "-tt", "-i", rig1["ssh_key"], "-o", "StrictHostKeyChecking=no",
+             "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes",
+             f"root@{rig1['address']}", f"setsid -w {BUMP_SCRIPT} {specs}"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        drop_during_dkms_build(rig1, terminal, OLD)
+        rig_ssh(rig1, f"rm {DKMS_SECONDS}")
+
+        # The rig never rebooted since the converge: the old module still runs, and the old
+        # driver is installed and held again. The bump to it is done; a converge changes nothing.
+        redo = run_pyinfra(SANDBOX_INVENTORY, BUMP, "--limit", "rig1",
+                           "--data", f"driver_version={OLD}")
+        assert redo.returncode == 0 and redo.changed() == {}, redo.explain()
+        assert f"driver {OLD} is already running: nothing to bump" in redo.stderr, redo.explain()
+        assert smi_driver(rig1) == OLD
+        # The converge moves the apt pin back to the old version (step 3 ran the script alone,
+        # without the deploy that pins first) and nothing else; a second converge changes nothing.
+        pin = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1")
+        assert pin.returncode == 0, pin.explain()
+        assert pin.changed() == {f"NVIDIA driver | Pin the driver packages to {OLD}-*": ["rig1"]}
+        again = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1")
+        assert again.returncode == 0 and again.changed() == {}, again.explain()
+    finally:
+        rig_ssh(rig1, f"rm -f {DKMS_FAILS} {DKMS_SECONDS}", check=False)
