@@ -8,6 +8,6 @@ pyinfra from the repository root, where this file is.
 
 import sys
 
-from roles.inventory import check_command_line
+from rigbook.inventory import check_command_line
 
 check_command_line(sys.argv)

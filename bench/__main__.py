@@ -67,7 +67,7 @@ def _median(runs: list[dict]) -> dict:
 
 
 def _status_seconds() -> float:
-    seconds, proc = _timed([sys.executable, "-m", "roles.cli", "status", INVENTORY, "--json"])
+    seconds, proc = _timed([sys.executable, "-m", "rigbook.cli", "status", INVENTORY, "--json"])
     if proc.returncode not in (0, 1):
         raise SystemExit(f"rigbook status failed:\n{proc.stderr[-4000:]}")
     return round(seconds, 2)
@@ -75,7 +75,7 @@ def _status_seconds() -> float:
 
 def measure(size: int, repeat: int) -> dict:
     """Every figure for one fleet size, on freshly booted sandbox rigs."""
-    up_seconds, up = _timed([sys.executable, "-m", "roles.cli", "sandbox", "up", str(size)])
+    up_seconds, up = _timed([sys.executable, "-m", "rigbook.cli", "sandbox", "up", str(size)])
     if up.returncode != 0:
         raise SystemExit(up.stderr)
     first = _pyinfra("deploys/rig.py")
@@ -138,7 +138,7 @@ def main() -> None:
                 report["sizes"].append(measure(size, args.repeat))
                 print(json.dumps(report["sizes"][-1]), flush=True)
         finally:
-            subprocess.run([sys.executable, "-m", "roles.cli", "sandbox", "down"], cwd=ROOT)
+            subprocess.run([sys.executable, "-m", "rigbook.cli", "sandbox", "down"], cwd=ROOT)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "results.md").write_text(markdown(report))

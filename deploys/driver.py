@@ -12,10 +12,10 @@ the other rigs go on. docs/runbooks/driver-bump.md has the whole procedure.
 
 from pyinfra import host
 
-from roles.driver import driver_bump
-from roles.preflight import preflight
-from roles.spec import rig_of
-from roles.wsl import PLATFORM
+from rigbook.driver import driver_bump
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
+from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
 if preflight(rig, [PLATFORM]):

@@ -15,10 +15,10 @@ environment variable of this machine. docs/models.md has the details.
 
 from pyinfra import host
 
-from roles.models import CHECKS, models
-from roles.preflight import preflight
-from roles.spec import rig_of
-from roles.wsl import PLATFORM
+from rigbook.models import CHECKS, models
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
+from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
 if preflight(rig, [PLATFORM], CHECKS):

@@ -12,10 +12,10 @@ pyinfra's own output). docs/runbooks/fleet-cap-change.md walks through it.
 
 from pyinfra import host, state
 
-from roles import power
-from roles.preflight import preflight
-from roles.spec import rig_of
-from roles.wsl import PLATFORM
+from rigbook import power
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
+from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
 power.print_cap_table_at_end(state)

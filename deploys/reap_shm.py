@@ -12,10 +12,10 @@ docs/guards.md has the details; rigbook-serve.service runs the same reaper after
 
 from pyinfra import host
 
-from roles.guards import reap_shm_now
-from roles.preflight import preflight
-from roles.spec import rig_of
-from roles.wsl import PLATFORM
+from rigbook.guards import reap_shm_now
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
+from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
 if preflight(rig, [PLATFORM]):

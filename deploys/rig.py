@@ -13,9 +13,9 @@ anything serves.
 
 from pyinfra import host
 
-from roles import driver, guards, models, power, serving, tuning, venvs, wsl
-from roles.preflight import deferred_checks, preflight
-from roles.spec import rig_of
+from rigbook import driver, guards, models, power, serving, tuning, venvs, wsl
+from rigbook.preflight import deferred_checks, preflight
+from rigbook.spec import rig_of
 
 rig = rig_of(host)
 

@@ -15,11 +15,11 @@ the rig's own recipe is converged. docs/runbooks/switch-recipe.md walks through 
 
 from pyinfra import host
 
-from roles import guards, serving
-from roles.models import refused
-from roles.preflight import preflight
-from roles.spec import rig_of
-from roles.wsl import PLATFORM
+from rigbook import guards, serving
+from rigbook.models import refused
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
+from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
 if rig.recipe is None:

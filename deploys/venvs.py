@@ -14,10 +14,10 @@ its working venv in place; the other rigs go on. docs/runbooks/rebuild-venvs.md 
 
 from pyinfra import host
 
-from roles.preflight import preflight
-from roles.spec import rig_of
-from roles.venvs import REBUILD_CHECKS, venvs
-from roles.wsl import PLATFORM
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
+from rigbook.venvs import REBUILD_CHECKS, venvs
+from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
 if preflight(rig, [PLATFORM], REBUILD_CHECKS):

@@ -13,11 +13,11 @@ the others go on, and pyinfra exits non-zero. docs/verify.md.
 
 from pyinfra import host
 
-from roles.guards import FAULTS
-from roles.preflight import preflight
-from roles.spec import rig_of
-from roles.verify import verify
-from roles.wsl import PLATFORM
+from rigbook.guards import FAULTS
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
+from rigbook.verify import verify
+from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
 if preflight(rig, [PLATFORM, FAULTS]):

@@ -9,7 +9,7 @@ write for a real rig of that kind, except that the driver comes from the local r
 stand-in packages that the sandbox mounts at /srv/rigbook-sim-repo.
 """
 
-from roles.sandbox import REPO_MOUNT, WHEELS_MOUNT, rigs
+from rigbook.sandbox import REPO_MOUNT, WHEELS_MOUNT, rigs
 
 _SIM_DRIVER = {
     "driver_branch": 580,

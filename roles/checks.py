@@ -26,7 +26,7 @@ from pyinfra.api import FactBase, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.api.facts import get_fact
 
-from roles.spec import Rig
+from rigbook.spec import Rig
 
 Level = Literal["error", "gone", "drift", "warn"]
 #: What a preflight refuses a rig on: a value the rig cannot take, or a GPU that is gone.
@@ -161,11 +161,11 @@ def unique(checks: Iterable[Check]) -> tuple[Check, ...]:
 
 def every_check() -> tuple[Check, ...]:
     """The checks of every role module (its CHECKS), by module name: what status runs."""
-    import roles
+    import rigbook
 
     found: list[Check] = []
-    for module in sorted(info.name for info in pkgutil.iter_modules(roles.__path__)):
-        found += getattr(importlib.import_module(f"roles.{module}"), "CHECKS", ())
+    for module in sorted(info.name for info in pkgutil.iter_modules(rigbook.__path__)):
+        found += getattr(importlib.import_module(f"rigbook.{module}"), "CHECKS", ())
     return unique(found)
 
 

@@ -12,10 +12,11 @@ import json
 import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-from roles import sandbox
-from roles.docs import stale_docs, write_host_data_docs
-from roles.errors import EXIT_USAGE, RigbookError
+from rigbook import sandbox
+from rigbook.docs import stale_docs, write_docs
+from rigbook.errors import EXIT_USAGE, RigbookError
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,7 +78,7 @@ def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def show_status(args: argparse.Namespace) -> int:
-    from roles.status import status  # imports pyinfra_cli, which gevent-patches the process
+    from rigbook.status import status  # imports pyinfra_cli, which gevent-patches the process
 
     return status(args.inventory, args.limit, args.json)
 
@@ -95,7 +96,7 @@ def add_status_command(commands: argparse._SubParsersAction) -> None:
 def bench_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from roles.verify import chart_png, compare_rows, compare_table, load_runs, results_dir
+    from rigbook.verify import chart_png, compare_rows, compare_table, load_runs, results_dir
 
     runs = load_runs()
     rows = compare_rows(runs, args.rig)
@@ -125,13 +126,13 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=bench_compare)
 
 
-def write_docs(args: argparse.Namespace) -> int:
+def docs_command(args: argparse.Namespace) -> int:
     if args.check:
-        stale = stale_docs()
+        stale = stale_docs(args.dir)
         for path in stale:
             print(f"{path} differs from what the code generates; run `rigbook docs`")
         return 1 if stale else 0
-    print(f"wrote {write_host_data_docs()} and docs/recipes.md")
+    print("wrote " + " and ".join(str(path) for path in write_docs(args.dir)))
     return 0
 
 
@@ -141,7 +142,9 @@ def add_docs_command(commands: argparse._SubParsersAction) -> None:
     )
     docs.add_argument("--check", action="store_true",
                       help="write nothing; exit 1 when either differs from what the code says")
-    docs.set_defaults(func=write_docs)
+    docs.add_argument("--dir", type=Path, default=Path("docs"),
+                      help="the docs folder (default: docs, in the current directory)")
+    docs.set_defaults(func=docs_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

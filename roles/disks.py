@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pyinfra.api import FactBase, QuoteString, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 
-from roles.checks import Check, Facts, Finding, Read, warn
-from roles.spec import Rig
-from roles.tuning import gib
+from rigbook.checks import Check, Facts, Finding, Read, warn
+from rigbook.spec import Rig
+from rigbook.tuning import gib
 
 DISK_PATHS = ("/", "/opt/rigbook")
 #: Warn when a filesystem has less than this share free.

@@ -9,11 +9,10 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from roles.recipes import RECIPES_MD, recipes_markdown, write_recipes_docs
-from roles.spec import SWEET_SPOTS, ModelSpec, Rig, VenvSpec
-from roles.types import ALLOWS, VALIDATORS
-
-HOST_DATA_MD = Path(__file__).resolve().parent.parent / "docs" / "host-data.md"
+from rigbook.errors import RigbookError
+from rigbook.recipes import recipes_markdown
+from rigbook.spec import SWEET_SPOTS, ModelSpec, Rig, VenvSpec
+from rigbook.types import ALLOWS, VALIDATORS
 
 _INTRO = """\
 # Host data
@@ -33,7 +32,7 @@ Keys of pyinfra itself (`ssh_*`, `_sudo` and the like) pass through untouched.
 
 def _type_name(annotation) -> str:
     """A field's type as the docs name it: the constrained types of roles/types.py by name."""
-    text = str(annotation).replace("typing.", "").replace("roles.spec.", "")
+    text = str(annotation).replace("typing.", "").replace("rigbook.spec.", "")
     text = text.replace("<class '", "").replace("'>", "")
     text = re.sub(r"Annotated\[str, AfterValidator\(func=<function (\w+) at 0x[0-9a-f]+>\)\]",
                   lambda m: VALIDATORS[m.group(1)], text)
@@ -95,15 +94,22 @@ def host_data_markdown() -> str:
     return "\n".join(parts) + "\n"
 
 
-def stale_docs() -> list[Path]:
+def generated_docs(docs: Path) -> dict[Path, str]:
+    """The docs the code generates, by path in the docs folder `docs`: host-data.md from the
+    host-data models, recipes.md from the recipe catalogue."""
+    if not docs.is_dir():
+        raise RigbookError(f"no docs folder {docs}; run in a checkout or pass --dir")
+    return {docs / "host-data.md": host_data_markdown(), docs / "recipes.md": recipes_markdown()}
+
+
+def stale_docs(docs: Path) -> list[Path]:
     """The generated docs whose text on disk differs from what the code generates now."""
-    wanted = {HOST_DATA_MD: host_data_markdown(), RECIPES_MD: recipes_markdown()}
-    return [path for path, text in wanted.items()
+    return [path for path, text in generated_docs(docs).items()
             if not path.is_file() or path.read_text() != text]
 
 
-def write_host_data_docs(path: Path = HOST_DATA_MD) -> Path:
-    """Write docs/host-data.md, and docs/recipes.md from the recipe catalogue beside it."""
-    path.write_text(host_data_markdown())
-    write_recipes_docs()
-    return path
+def write_docs(docs: Path) -> list[Path]:
+    written = generated_docs(docs)
+    for path, text in written.items():
+        path.write_text(text)
+    return list(written)

@@ -22,9 +22,9 @@ import re
 from pyinfra.api import FactBase, ShortFactBase
 from pyinfra.api.exceptions import FactProcessError
 
-from roles.checks import Check, Facts, Finding, Read, drift, error
-from roles.gpus import Gpu, GpuProbe, parse_query_csv, query_args
-from roles.spec import Rig
+from rigbook.checks import Check, Facts, Finding, Read, drift, error
+from rigbook.gpus import Gpu, GpuProbe, parse_query_csv, query_args
+from rigbook.spec import Rig
 
 # --- GPU layer -----------------------------------------------------------------------------
 
@@ -97,13 +97,13 @@ class NvidiaGpus(FactBase[GpuProbe | None]):
     """
     The GPUs as nvidia-smi reports them, or why it cannot; None when no nvidia-smi exists.
 
-    Runs ``nvidia-smi --query-gpu=<roles.gpus.QUERY_FIELDS> --format=csv,nounits``, whose
+    Runs ``nvidia-smi --query-gpu=<rigbook.gpus.QUERY_FIELDS> --format=csv,nounits``, whose
     output is like (real, H200)::
 
         index, uuid, name, pci.bus_id, driver_version, power.limit [W], ...
         0, GPU-b76da475-45a0-f91f-b11d-022ca55575ef, NVIDIA H200, 00000000:00:06.0, ...
 
-    and returns a ``roles.gpus.GpuProbe``:
+    and returns a ``rigbook.gpus.GpuProbe``:
 
     .. code:: python
 

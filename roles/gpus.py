@@ -103,7 +103,7 @@ class GpuProbe:
         return self.gpus[0].driver_version if self.gpus else None
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form; pyinfra's CLI calls it (`pyinfra @rig fact roles.facts.NvidiaGpus`)."""
+        """JSON-able form; pyinfra's CLI calls it (`pyinfra @rig fact rigbook.facts.NvidiaGpus`)."""
         return asdict(self)
 
 
@@ -499,7 +499,7 @@ def _gpu_from_nvml(position: int, gpu: dict[str, Any], driver: str) -> Gpu:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python3 -m roles.gpus --probe` (or `python3 gpus.py --probe` on a rig): NVML as JSON.
+    """`python3 -m rigbook.gpus --probe` (or `python3 gpus.py --probe` on a rig): NVML as JSON.
 
     Exits 0 with the probe, or PROBE_NO_NVML (3) with {"error": "..."} when NVML cannot load.
     """

@@ -33,6 +33,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from pyinfra import host, state
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
@@ -40,19 +41,19 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.operations import files, systemd
 from pyinfra.operations.util import any_changed
 
-from roles import FILES
-from roles.checks import Check, Facts, Finding, Read, warn
-from roles.errors import RigbookError
-from roles.facts import GPUS_READ, NvidiaGpus, _smi_answer, _smi_attempts, _smi_script
-from roles.gpus import Gpu
-from roles.messages import notice, refuse, warn_once
-from roles.render import template
-from roles.spec import Rig
-from roles.xid import Xid, parse_xid_lines, same_device
+from rigbook import FILES
+from rigbook.checks import Check, Facts, Finding, Read, warn
+from rigbook.errors import RigbookError
+from rigbook.facts import GPUS_READ, NvidiaGpus, _smi_answer, _smi_attempts, _smi_script
+from rigbook.gpus import Gpu
+from rigbook.messages import notice, refuse, warn_once
+from rigbook.render import template
+from rigbook.spec import Rig
+from rigbook.xid import Xid, parse_xid_lines, same_device
 
 SOURCES = FILES / "guards"
-XID_SOURCE = FILES.parent / "roles" / "xid.py"
-SHMGLOB_SOURCE = FILES.parent / "roles" / "shmglob.py"
+XID_SOURCE = Path(__file__).with_name("xid.py")
+SHMGLOB_SOURCE = Path(__file__).with_name("shmglob.py")
 
 GUARDS_DIR = "/opt/rigbook/guards"
 REAPER = f"{GUARDS_DIR}/rigbook-shm-reaper"
@@ -151,7 +152,7 @@ def gpu_lost_reason(mark: GpuLost | None) -> str | None:
 
 #: The most Xid lines read per boot: a flapping card can log thousands.
 XID_LINES = 500
-#: The kernel-log lines roles.xid reads: Xids, and fallen-off-the-bus reports without one.
+#: The kernel-log lines rigbook.xid reads: Xids, and fallen-off-the-bus reports without one.
 KLOG_PATTERN = "NVRM: (Xid|GPU |The NVIDIA GPU )|fallen off the bus"
 _KLOG = "##RIGBOOK_KLOG##"
 _EARLIER = "##RIGBOOK_KLOG_ALL_BOOTS##"
@@ -580,7 +581,7 @@ def _recipe(rig: Rig):
     """The rig's recipe from the catalogue, or None (the serving role reports a bad one)."""
     if rig.recipe is None:
         return None
-    from roles.recipes import catalogue  # the catalogue reads TOML files: only when needed
+    from rigbook.recipes import catalogue  # the catalogue reads TOML files: only when needed
 
     try:
         return catalogue(rig.serving_recipe_dirs).get(rig.recipe)
@@ -593,7 +594,7 @@ def topology_report(rig: Rig) -> Iterator:
     """
     Report the GPU interconnect and warn where it contradicts the host data; change nothing.
 
-    + rig: the rig's validated host data (``roles.spec.Rig``)
+    + rig: the rig's validated host data (``rigbook.spec.Rig``)
 
     Reads ``nvidia-smi topo -m`` / ``nvlink -s`` and each GPU's PCIe generation and width (now,
     at idle, and the reported max) when the operation executes, so GPUs that appear after an

@@ -26,11 +26,11 @@ from typing import Any
 from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
-from roles.checks import Check, Facts, Finding, Read, warn
-from roles.facts import SMI_TIMEOUT_S, _smi_answer, _smi_attempts, _smi_script
-from roles.gpus import csv_header, na, number, parse_fields
-from roles.spec import Rig
-from roles.tools import TOOLS_PYTHON
+from rigbook.checks import Check, Facts, Finding, Read, warn
+from rigbook.facts import SMI_TIMEOUT_S, _smi_answer, _smi_attempts, _smi_script
+from rigbook.gpus import csv_header, na, number, parse_fields
+from rigbook.spec import Rig
+from rigbook.tools import TOOLS_PYTHON
 
 #: The fields read, in order (nvidia-smi --help-query-gpu names them; driver 535 and newer).
 HEALTH_FIELDS = (

@@ -24,8 +24,8 @@ from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory, make_inventory_from_files
 from pyinfra_cli.util import parse_cli_arg
 
-from roles.errors import RigbookError
-from roles.spec import Rig, parse_rig
+from rigbook.errors import RigbookError
+from rigbook.spec import Rig, parse_rig
 
 
 def cli_values(argv: list[str], option: str) -> list[str]:
@@ -100,9 +100,9 @@ def rig_problems(rig: Rig, name: str) -> list[str]:
     """What needs no rig to be refused: the recipe (from the catalogue and serving_recipe_dirs)
     and its fit to the host data (cards, class VRAM, NVLink, platform, venv), the bind rule, the
     API key file and the token files (HF, mirror)."""
-    from roles.models import rig_tokens  # the roles import this module's neighbours
-    from roles.recipes import catalogue
-    from roles.serving import plan_of
+    from rigbook.models import rig_tokens  # the roles import this module's neighbours
+    from rigbook.recipes import catalogue
+    from rigbook.serving import plan_of
 
     _, problem = plan_of(rig, name)
     problems = [problem.message(name)] if problem else []

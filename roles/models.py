@@ -52,16 +52,16 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
 
-from roles import FILES
-from roles.checks import Check, Facts, Finding, Read, drift, error, warn
-from roles.errors import RigbookError
-from roles.messages import notice, refuse, warn_once
-from roles.recipes import recipe_for, recipe_pins
-from roles.render import template
-from roles.secrets import Secret, read_secret_file
-from roles.spec import ModelSpec, Rig
-from roles.tools import TOOLS_PYTHON, tools_venv
-from roles.types import ip_address
+from rigbook import FILES
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.errors import RigbookError
+from rigbook.messages import notice, refuse, warn_once
+from rigbook.recipes import recipe_for, recipe_pins
+from rigbook.render import template
+from rigbook.secrets import Secret, read_secret_file
+from rigbook.spec import ModelSpec, Rig
+from rigbook.tools import TOOLS_PYTHON, tools_venv
+from rigbook.types import ip_address
 
 #: Where pull.py lives on the rig (run by the tools venv's python).
 MODELS_DIR = "/opt/rigbook/models"

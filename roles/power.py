@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from pyinfra import host, logger, state
 from pyinfra.api import (
@@ -39,20 +38,19 @@ from pyinfra.operations import systemd
 from rich.console import Console
 from rich.table import Table
 
-from roles.cap_check import LINE as CAP_LINE
-from roles.checks import Check, Facts, Finding, Read, drift, error, warn
-from roles.errors import RigbookError
-from roles.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
-from roles.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
-from roles.messages import warn_once
-from roles.render import render, template
-from roles.spec import Rig
+from rigbook import FILES
+from rigbook.cap_check import LINE as CAP_LINE
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.errors import RigbookError
+from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
+from rigbook.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
+from rigbook.messages import warn_once
+from rigbook.render import render, template
+from rigbook.spec import Rig
 
 UNIT_NAME = "nvidia-power-limit.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
-UNIT_TEMPLATE = str(
-    Path(__file__).resolve().parent.parent / "files" / "power" / f"{UNIT_NAME}.j2"
-)
+UNIT_TEMPLATE = str(FILES / "power" / f"{UNIT_NAME}.j2")
 
 #: Live and desired caps closer than this (watts) are equal: nvidia-smi prints two decimals and
 #: some cards round the limit they store.
@@ -486,7 +484,7 @@ def power_unit(rig: Rig):
     """
     Write the boot unit that caps every GPU, reload systemd when it changed, enable it.
 
-    + rig: the rig's validated host data (``roles.spec.Rig``)
+    + rig: the rig's validated host data (``rigbook.spec.Rig``)
 
     The unit (``/etc/systemd/system/nvidia-power-limit.service``) is a oneshot that runs after
     and requires ``nvidia-persistenced.service``, with one
@@ -534,7 +532,7 @@ def live_power_caps(rig: Rig):
     """
     Set each GPU's live power cap where it differs from the rig's cap, then read it back.
 
-    + rig: the rig's validated host data (``roles.spec.Rig``)
+    + rig: the rig's validated host data (``rigbook.spec.Rig``)
 
     Runs ``nvidia-smi -i <UUID> -pl <W>`` only for GPUs whose live ``power.limit`` differs from
     the cap by more than 0.5 W, then re-reads every GPU and fails the rig if a card did not take

@@ -27,10 +27,10 @@ from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, operation
 from pyinfra.context import ctx_host
 
-from roles.checks import REFUSING, Check, Finding, read_facts, reads_of, run_checks, unique
-from roles.driver import DRIVER, driver_pending
-from roles.facts import usable
-from roles.spec import Rig
+from rigbook.checks import REFUSING, Check, Finding, read_facts, reads_of, run_checks, unique
+from rigbook.driver import DRIVER, driver_pending
+from rigbook.facts import usable
+from rigbook.spec import Rig
 
 #: Checks deferred per rig in this run, for deferred_checks (one pyinfra run per process).
 _DEFERRED: dict[str, tuple[Check, ...]] = {}

@@ -11,7 +11,7 @@ Facts from the seeds that the catalogue encodes:
   speculation on); a separate draft model (vLLM --speculative-config, method draft_model)
   reached 170-210 tok/s. A recipe with MTP on more than one card must require NVLink.
 - 20 GB cards: --gpu-memory-utilization 0.82 and fp8_e5m2 KV (24 GB cards ship 0.95).
-- WSL2: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False (roles.wsl.serving_environment).
+- WSL2: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False (rigbook.wsl.serving_environment).
 - vLLM drains for --shutdown-timeout 30 seconds on SIGTERM (and unlinks its /dev/shm buffer
   only then); the unit's TimeoutStopSec=120 stays above it.
 
@@ -32,14 +32,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from roles.errors import RigbookError
-from roles.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
-from roles.types import IpAddress, Line, LocalPath, Word
-from roles.venvs import engine_venv, venv_link
-from roles.wsl import serving_environment
+from rigbook import FILES
+from rigbook.errors import RigbookError
+from rigbook.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
+from rigbook.types import IpAddress, Line, LocalPath, Word
+from rigbook.venvs import engine_venv, venv_link
+from rigbook.wsl import serving_environment
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "files" / "recipes"
-RECIPES_MD = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
+RECIPES_DIR = FILES / "recipes"
 
 #: A revision that says "no real commit known": the rig must pin the repo in `models`.
 PLACEHOLDER_REVISION = "0" * 40
@@ -592,7 +592,3 @@ def recipes_markdown() -> str:
         parts += _schema_table(model, key)
     return "\n".join(parts) + "\n"
 
-
-def write_recipes_docs(path: Path = RECIPES_MD) -> Path:
-    path.write_text(recipes_markdown())
-    return path

@@ -24,9 +24,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
-from roles.errors import RigbookError
+from rigbook.errors import RigbookError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ REBOOT_EXIT = 133
 REPO_MOUNT = "/srv/rigbook-sim-repo"
 # Rigs have no route out: Python packages reach them from this machine's wheelhouse, read-only.
 WHEELS_MOUNT = "/srv/rigbook-wheels"
-SIM_DIR = Path(__file__).resolve().parent.parent / "sandbox" / "simulated"
+SIM_DIR = Path(str(files("rigbook.simulated")))
 TOOLS = (
     "debootstrap",
     "systemd-nspawn",

@@ -10,7 +10,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from roles.errors import RigbookError
+from rigbook.errors import RigbookError
 
 #: What a secret looks like in text: an HF token, an API key, credentials in a URL.
 _SECRET = re.compile(r"hf_[A-Za-z0-9]{8,}|sk-[A-Za-z0-9]{8,}|://[^/\s]*@")

@@ -41,14 +41,14 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files, server
 
-from roles import FILES, cap_check, power
-from roles.checks import Check, Facts, Finding, Read, drift, error, refusal
-from roles.errors import RigbookError
-from roles.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
-from roles.gpus import GpuProbe
-from roles.guards import GpuLostMark, GpuTopology, Topology, gpu_lost_reason, p2p_disable_problem
-from roles.messages import refuse, warn_once
-from roles.models import (
+from rigbook import FILES, cap_check, power
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal
+from rigbook.errors import RigbookError
+from rigbook.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
+from rigbook.gpus import GpuProbe
+from rigbook.guards import GpuLostMark, GpuTopology, Topology, gpu_lost_reason, p2p_disable_problem
+from rigbook.messages import refuse, warn_once
+from rigbook.models import (
     CacheState,
     ModelCache,
     Secret,
@@ -57,7 +57,7 @@ from roles.models import (
     secret_upload,
     snapshot_status,
 )
-from roles.recipes import (
+from rigbook.recipes import (
     Recipe,
     api_key_variable,
     bind_of,
@@ -68,10 +68,10 @@ from roles.recipes import (
     recipe_pins,
     vram_need_gib,
 )
-from roles.render import env_line, render, systemd_word
-from roles.secrets import read_secret_file
-from roles.spec import ModelSpec, Rig
-from roles.venvs import (
+from rigbook.render import env_line, render, systemd_word
+from rigbook.secrets import read_secret_file
+from rigbook.spec import ModelSpec, Rig
+from rigbook.venvs import (
     VenvBuilds,
     VenvState,
     incompatibility,
@@ -79,7 +79,7 @@ from roles.venvs import (
     staleness,
     venv_link,
 )
-from roles.wsl import serving_environment
+from rigbook.wsl import serving_environment
 
 UNIT_NAME = "rigbook-serve.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
@@ -161,7 +161,7 @@ def read_api_key(path: str) -> str:
 
 def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:
     """The recipe's, the platform's and rigbook's variables (the venv's own come first, read
-    from the rig when the operation executes: `roles.venvs.launcher_environment`)."""
+    from the rig when the operation executes: `rigbook.venvs.launcher_environment`)."""
     env = dict(recipe.env)
     env.update(serving_environment(rig))
     env.update({

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from roles.errors import RigbookError
-from roles.secrets import looks_secret
-from roles.shmglob import pattern_problem
-from roles.types import (
+from rigbook.errors import RigbookError
+from rigbook.secrets import looks_secret
+from rigbook.shmglob import pattern_problem
+from rigbook.types import (
     Glob,
     HttpUrl,
     IpAddress,

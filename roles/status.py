@@ -19,7 +19,7 @@ Exit status: 0 every rig as declared, 1 drift, 2 a rig unreachable or a GPU gone
 fails, Xid 79 / 154 since the last boot, or the Xid watch's GPU-lost mark is set).
 docs/status.md explains every column.
 
-GPU facts come from nvidia-smi (roles.facts.NvidiaGpus). GPU health (roles/health.py) comes from
+GPU facts come from nvidia-smi (rigbook.facts.NvidiaGpus). GPU health (roles/health.py) comes from
 NVML through rigbook's probe where the tools venv can run it, else from nvidia-smi.
 """
 
@@ -45,21 +45,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 from rich.text import Text
 
-from roles.checks import Facts, every_check, read_facts, reads_of, run_checks
-from roles.checks import Finding as CheckFinding
-from roles.disks import by_mount
-from roles.driver import driver_packages, driver_versions, reboot_reasons, wanted
-from roles.errors import RigbookError
-from roles.gpus import Gpu
-from roles.guards import gpu_lost_reason, xid_events
-from roles.inventory import load_inventory
-from roles.models import human, model_state, unreferenced, wanted_models
-from roles.power import asked_cap, unit_caps, watts
-from roles.serving import health_text, plan_of, running_recipe
-from roles.spec import Rig
-from roles.tuning import gib, parse_sysctl_conf, same_sysctl, shm_fstab, sysctl_values
-from roles.venvs import spec_hash, venv_condition
-from roles.wsl import RegProbe, memory_findings, tdr_values
+from rigbook.checks import Facts, every_check, read_facts, reads_of, run_checks
+from rigbook.checks import Finding as CheckFinding
+from rigbook.disks import by_mount
+from rigbook.driver import driver_packages, driver_versions, reboot_reasons, wanted
+from rigbook.errors import RigbookError
+from rigbook.gpus import Gpu
+from rigbook.guards import gpu_lost_reason, xid_events
+from rigbook.inventory import load_inventory
+from rigbook.models import human, model_state, unreferenced, wanted_models
+from rigbook.power import asked_cap, unit_caps, watts
+from rigbook.serving import health_text, plan_of, running_recipe
+from rigbook.spec import Rig
+from rigbook.tuning import gib, parse_sysctl_conf, same_sysctl, shm_fstab, sysctl_values
+from rigbook.venvs import spec_hash, venv_condition
+from rigbook.wsl import RegProbe, memory_findings, tdr_values
 
 #: Seconds the fact command may run on a rig (nvidia-smi has its own 60 s limit inside).
 FACT_TIMEOUT_S = 300

@@ -22,7 +22,7 @@ from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.operations import apt
 
-from roles.spec import Rig
+from rigbook.spec import Rig
 
 TOOLS_VENV = "/opt/rigbook/tools"
 TOOLS_PYTHON = f"{TOOLS_VENV}/bin/python"
@@ -87,7 +87,7 @@ def tools_packages(rig: Rig):
     """
     Make the tools venv and install the pinned tools where the installed version differs.
 
-    + rig: the rig's validated host data (``roles.spec.Rig``)
+    + rig: the rig's validated host data (``rigbook.spec.Rig``)
 
     ``python3 -m venv /opt/rigbook/tools`` when it does not exist, then one
     ``pip install uv==X huggingface_hub==Y`` (with ``--no-index`` / ``--find-links`` from

@@ -32,11 +32,11 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import FileContents
 from pyinfra.operations import files
 
-from roles import FILES
-from roles.checks import Check, Facts, Finding, Read, drift, error, warn
-from roles.messages import refuse, warn_once
-from roles.render import template
-from roles.spec import Rig
+from rigbook import FILES
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.messages import refuse, warn_once
+from rigbook.render import template
+from rigbook.spec import Rig
 
 SYSCTL_TEMPLATE = FILES / "tuning" / "90-rigbook.conf.j2"
 SYSCTL_CONF = "/etc/sysctl.d/90-rigbook.conf"

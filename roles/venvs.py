@@ -40,14 +40,14 @@ from pyinfra import host
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 
-from roles import FILES
-from roles.checks import Check, Facts, Finding, Read, drift, error
-from roles.errors import RigbookError
-from roles.facts import GPUS, GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
-from roles.messages import notice, refuse, warn_once
-from roles.render import render, template
-from roles.spec import Rig, VenvSpec
-from roles.tools import UV, canonical, package_source_args, tools_venv
+from rigbook import FILES
+from rigbook.checks import Check, Facts, Finding, Read, drift, error
+from rigbook.errors import RigbookError
+from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
+from rigbook.messages import notice, refuse, warn_once
+from rigbook.render import render, template
+from rigbook.spec import Rig, VenvSpec
+from rigbook.tools import UV, canonical, package_source_args, tools_venv
 
 VENVS_DIR = "/opt/rigbook/venvs"
 MANIFEST = "rigbook-manifest.json"
@@ -724,8 +724,8 @@ def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
     """
     Build one serving venv when it is missing or its spec changed, smoke-test it, swap it in.
 
-    + rig: the rig's validated host data (``roles.spec.Rig``)
-    + spec: the venv (``roles.spec.VenvSpec``, one of ``rig.venvs``)
+    + rig: the rig's validated host data (``rigbook.spec.Rig``)
+    + spec: the venv (``rigbook.spec.VenvSpec``, one of ``rig.venvs``)
     + rebuild_stale: also rebuild a venv built for another driver (deploys/venvs.py); with
       ``rig.rebuild_all`` rebuild it even when it is current
 
@@ -788,8 +788,8 @@ def venv_env_file(rig: Rig, spec: VenvSpec):
     """
     Write the launcher environment of a venv, /opt/rigbook/venvs/<name>.env.
 
-    + rig: the rig's validated host data (``roles.spec.Rig``)
-    + spec: the venv (``roles.spec.VenvSpec``)
+    + rig: the rig's validated host data (``rigbook.spec.Rig``)
+    + spec: the venv (``rigbook.spec.VenvSpec``)
 
     ``KEY=value`` lines (a systemd ``EnvironmentFile=``, or ``set -a; . FILE; set +a``) from
     ``venv_environment``: CUDA_HOME in the venv's nvidia/cu13, PATH with the venv's bin first,

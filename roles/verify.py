@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
-from roles.errors import RigbookError
+from rigbook.errors import RigbookError
 
 LADDER = ("health", "chat", "prefill", "needle", "bench")
 #: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
@@ -732,8 +732,8 @@ def api_url(rig, rig_name: str, address: str, bind: str, port: int) -> str:
 
 def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
     """The target and settings of a rig with a recipe; RigbookError names the field and range."""
-    from roles.recipes import bind_of, port_of, recipe_for
-    from roles.serving import read_api_key
+    from rigbook.recipes import bind_of, port_of, recipe_for
+    from rigbook.serving import read_api_key
 
     recipe = recipe_for(rig, rig_name)
     settings = settings_of(rig)
@@ -757,7 +757,7 @@ def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
 
 def _hardware(host) -> tuple[str | None, tuple[float, ...]]:
     """Driver version and enforced power caps as the rig reports them now (none: no GPUs)."""
-    from roles.facts import NvidiaGpus
+    from rigbook.facts import NvidiaGpus
 
     probe = host.get_fact(NvidiaGpus)
     if probe is None or not probe.ok:
@@ -798,7 +798,7 @@ def verify_serving(target: Target, settings: Settings, root: str | None = None):
 @deploy("Verify")
 def verify(rig) -> None:
     """Verify the rig's running recipe (deploy-level: plans one operation for this host)."""
-    from roles.models import refused
+    from rigbook.models import refused
 
     if rig.recipe is None:
         refused(name="Check the serving recipe",

@@ -32,13 +32,13 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.api.util import get_template
 from pyinfra.operations import files
 
-from roles import FILES
-from roles.checks import Check, Facts, Finding, Read, drift, error, warn
-from roles.errors import RigbookError
-from roles.messages import notice, refuse, warn_once
-from roles.render import template
-from roles.spec import Rig
-from roles.tuning import SHM_READ, Shm
+from rigbook import FILES
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.errors import RigbookError
+from rigbook.messages import notice, refuse, warn_once
+from rigbook.render import template
+from rigbook.spec import Rig
+from rigbook.tuning import SHM_READ, Shm
 
 REG_EXE = "/mnt/c/Windows/System32/reg.exe"
 GRAPHICS_DRIVERS = r"HKLM\System\CurrentControlSet\Control\GraphicsDrivers"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from roles import messages
+from rigbook import messages
 
 ROOT = Path(__file__).resolve().parent.parent
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
@@ -42,7 +42,7 @@ def sandbox_unavailable() -> str | None:
 def rigbook(*args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run the rigbook CLI from this checkout."""
     return subprocess.run(
-        [sys.executable, "-m", "roles.cli", *args],
+        [sys.executable, "-m", "rigbook.cli", *args],
         cwd=ROOT, capture_output=True, text=True, check=check, timeout=timeout,
     )
 

@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from roles.recipes import snapshot_dir
-from roles.sandbox import rigs, wheelhouse
-from roles.tools import TOOLS_PINS
+from rigbook.recipes import snapshot_dir
+from rigbook.sandbox import rigs, wheelhouse
+from rigbook.tools import TOOLS_PINS
 from tests.tinymodel import FILE, REPO, cache_layout, revision_of, write_tiny_gguf
 
 LLAMA = "llama-cpp-python==0.3.36"

@@ -1,4 +1,4 @@
-"""roles.checks and roles.preflight: facts read in one round trip, findings, what refuses.
+"""rigbook.checks and rigbook.preflight: facts read in one round trip, findings, what refuses.
 
 The batched command runs for real here (sh on this machine), with rigbook's and pyinfra's own
 facts, so a fact whose command breaks the shell around it, keeps state between command() and
@@ -14,8 +14,8 @@ import pytest
 from pyinfra.api import FactBase
 from pyinfra.facts.files import FileContents
 
-from roles import driver, guards, models, power, serving, tuning, venvs, wsl
-from roles.checks import (
+from rigbook import driver, guards, models, power, serving, tuning, venvs, wsl
+from rigbook.checks import (
     Check,
     Facts,
     Read,
@@ -27,10 +27,10 @@ from roles.checks import (
     refusal,
     run_checks,
 )
-from roles.errors import RigbookError
-from roles.preflight import no_prompt_mid_run, refusal_text
-from roles.spec import Rig
-from roles.tuning import PresentPaths
+from rigbook.errors import RigbookError
+from rigbook.preflight import no_prompt_mid_run, refusal_text
+from rigbook.spec import Rig
+from rigbook.tuning import PresentPaths
 
 
 class Fails(FactBase):

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from roles import cli
-from roles.errors import EXIT_USAGE
+from rigbook import cli
+from rigbook.errors import EXIT_USAGE
 from tests.conftest import rigbook
 
 

@@ -1,4 +1,4 @@
-"""roles.gpus and the GPU facts, on output captured from a real H200 host (tests/fixtures).
+"""rigbook.gpus and the GPU facts, on output captured from a real H200 host (tests/fixtures).
 
 The error messages below are nvidia-smi's own, verbatim: the facts must carry them to the
 operator instead of failing the deploy.
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from roles import gpus
-from roles.facts import (
+from rigbook import gpus
+from rigbook.facts import (
     NVIDIA_SMI_PATHS,
     LoadedNvidiaModule,
     NvidiaDriverVersion,
     NvidiaGpus,
 )
-from roles.gpus import (
+from rigbook.gpus import (
     QUERY_FIELDS,
     Gpu,
     GpuProbe,
@@ -306,7 +306,7 @@ def test_probe_without_nvml_prints_error_and_exits_3(monkeypatch, capsys):
 
 def test_probe_command_line_on_this_machine():
     """The real entry point: a probe with a driver, or the error object and 3 without one."""
-    proc = subprocess.run([sys.executable, "-m", "roles.gpus", "--probe"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "rigbook.gpus", "--probe"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     data = json.loads(proc.stdout)
     if proc.returncode == 0:

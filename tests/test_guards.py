@@ -32,11 +32,11 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FunctionCommand
 
-from roles import guards
-from roles.checks import Facts
-from roles.errors import RigbookError
-from roles.gpus import Gpu, GpuProbe
-from roles.guards import (
+from rigbook import guards
+from rigbook.checks import Facts
+from rigbook.errors import RigbookError
+from rigbook.gpus import Gpu, GpuProbe
+from rigbook.guards import (
     GpuLostMark,
     NvLinks,
     ReapPlan,
@@ -55,10 +55,10 @@ from roles.guards import (
     topology_report,
     topology_summary,
 )
-from roles.recipes import catalogue
-from roles.render import render
-from roles.spec import Rig, parse_rig
-from roles.status import build_rig_status
+from rigbook.recipes import catalogue
+from rigbook.render import render
+from rigbook.spec import Rig, parse_rig
+from rigbook.status import build_rig_status
 from tests.opkit import execute, local_fact, run_op, shell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1035,7 +1035,7 @@ def test_constructed_nvlink_status():
 
 
 def smi_block(path: str, lines: list[str], rc: int = 0) -> list[str]:
-    """What roles.facts._smi_script prints for one nvidia-smi run."""
+    """What rigbook.facts._smi_script prints for one nvidia-smi run."""
     return [f"##RIGBOOK_SMI## {path}", *lines, "", f"##RIGBOOK_RC## {rc}"]
 
 

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from roles.guards import (
+from rigbook.guards import (
     ENGINE_FAULTS_LOG,
     GPU_LOST_MARK,
     REAPER,
@@ -38,7 +38,7 @@ from roles.guards import (
     WATCH,
     WATCH_UNIT,
 )
-from roles.status import FleetStatus
+from rigbook.status import FleetStatus
 from tests.conftest import (
     ROOT,
     SANDBOX_INVENTORY,
@@ -136,8 +136,8 @@ def guarded(sandbox, tmp_path_factory):
     """rig2 with the guards deployed (twice: the second run changes nothing); the deploy file."""
     RIGS.update(sandbox)
     deploy = tmp_path_factory.mktemp("deploy") / "guards_only.py"
-    deploy.write_text("from pyinfra import host\nfrom roles.guards import guards\n"
-                      "from roles.spec import rig_of\nguards(rig_of(host))\n")
+    deploy.write_text("from pyinfra import host\nfrom rigbook.guards import guards\n"
+                      "from rigbook.spec import rig_of\nguards(rig_of(host))\n")
     first = run_pyinfra(SANDBOX_INVENTORY, str(deploy), "--limit", RIG)
     assert first.returncode == 0, first.explain()
     assert first.changed(), first.explain()
@@ -250,7 +250,7 @@ def test_reaper_fails_closed_reaps_leaks_and_keeps_held_buffers(guarded):
 
 
 def rigbook_status() -> FleetStatus:
-    script = ("import sys; from roles.status import status; "
+    script = ("import sys; from rigbook.status import status; "
               f"sys.exit(status({SANDBOX_INVENTORY!r}, [{RIG!r}], True))")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""roles.health: the health query read from a real H200 (tests/fixtures/nvidia-h200/health.csv),
+"""rigbook.health: the health query read from a real H200 (tests/fixtures/nvidia-h200/health.csv),
 and the findings each fault gives, on that same row with one value changed at a time; the NVML
 probe's answer and nvidia-smi's, captured one after the other on another H200, read the same;
 the fact's shell takes NVML when the tools venv answers and nvidia-smi otherwise.
@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from roles.checks import Facts
-from roles.facts import _NO_SMI, _RC, _SMI
-from roles.health import (
+from rigbook.checks import Facts
+from rigbook.facts import _NO_SMI, _RC, _SMI
+from rigbook.health import (
     HEALTH_FIELDS,
     GpuHealthReadings,
     health_findings,
     health_from_probe,
     parse_health,
 )
-from roles.spec import Rig
-from roles.tools import TOOLS_PYTHON
+from rigbook.spec import Rig
+from rigbook.tools import TOOLS_PYTHON
 from tests.conftest import ROOT
 
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"

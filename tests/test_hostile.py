@@ -18,8 +18,8 @@ import subprocess
 
 import pytest
 
-from roles.render import env_line, one_line, systemd_word, unit_text
-from roles.spec import parse_rig
+from rigbook.render import env_line, one_line, systemd_word, unit_text
+from rigbook.spec import parse_rig
 from tests.conftest import PYINFRA, ROOT
 from tests.test_spec import GOOD, listener  # noqa: F401  (the counting loopback listener)
 
@@ -170,8 +170,8 @@ def test_a_control_character_never_reaches_a_file(value):
 
 def test_the_refused_table_is_refused_by_the_models_themselves():
     """The same values, one by one, through parse_rig and the checks that need no rig."""
-    from roles.errors import RigbookError
-    from roles.inventory import rig_problems
+    from rigbook.errors import RigbookError
+    from rigbook.inventory import rig_problems
 
     for key, value in REFUSED:
         data = {**GOOD, key: value}
@@ -185,8 +185,8 @@ def test_the_refused_table_is_refused_by_the_models_themselves():
 
 
 def test_a_hostile_recipe_file_is_refused_with_its_file_and_field(tmp_path):
-    from roles.errors import RigbookError
-    from roles.recipes import load_recipe
+    from rigbook.errors import RigbookError
+    from rigbook.recipes import load_recipe
 
     good = (ROOT / "tests" / "recipes" / "tiny-cpu-a.toml").read_text()
     hostile = {

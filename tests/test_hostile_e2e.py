@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from roles.driver import TEMPLATES, AptSource, ModprobeConf
-from roles.guards import REAPER, REAPER_UNIT
-from roles.guards import SOURCES as GUARD_FILES
-from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE, MIRROR_TOKEN_PATH
-from roles.render import render, systemd_word
-from roles.serving import ENV_PATH, SERVE_HOME, SERVE_USER, render_env, render_unit, serve_plan
-from roles.spec import Rig
+from rigbook.driver import TEMPLATES, AptSource, ModprobeConf
+from rigbook.guards import REAPER, REAPER_UNIT
+from rigbook.guards import SOURCES as GUARD_FILES
+from rigbook.models import MIRROR_SCRIPT, MIRROR_TEMPLATE, MIRROR_TOKEN_PATH
+from rigbook.render import render, systemd_word
+from rigbook.serving import ENV_PATH, SERVE_HOME, SERVE_USER, render_env, render_unit, serve_plan
+from rigbook.spec import Rig
 from tests.conftest import ROOT, rig_ssh
 from tests.test_hostile import ACCEPTED_ARGS
 

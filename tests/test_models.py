@@ -23,9 +23,9 @@ import pytest
 from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.command import FileUploadCommand
 
-from roles import FILES
-from roles.errors import RigbookError
-from roles.models import (
+from rigbook import FILES
+from rigbook.errors import RigbookError
+from rigbook.models import (
     MIRROR_TOKEN_PATH,
     TOKEN_PATH,
     CacheState,
@@ -52,7 +52,7 @@ from roles.models import (
     snapshot_status,
     unreferenced,
 )
-from roles.spec import ModelSpec, Rig, parse_rig
+from rigbook.spec import ModelSpec, Rig, parse_rig
 from tests.hubstub import Hub, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import local_fact, run_op, shell
 
@@ -344,7 +344,7 @@ def test_mirror_token_file_refused_when_loose_or_weak_never_shown(tmp_path):
     assert mirror_token(rig(models_mirror_token_file=fleet_token_file(tmp_path))).reveal() == \
         MIRROR_TOKEN
     # before connecting: the inventory check reads it
-    from roles.inventory import rig_problems
+    from rigbook.inventory import rig_problems
 
     problems = rig_problems(rig(models_mirror_token_file=loose), "rig1")
     assert problems == [f"rig1: models_mirror_token_file: other users of this machine may read "
@@ -616,7 +616,7 @@ def test_hf_token_under_sudo_creates_the_temporary_file_0600_first():
 
 
 def _wheel_requirements() -> list[str]:
-    from roles.tools import TOOLS_PINS
+    from rigbook.tools import TOOLS_PINS
 
     return [f"huggingface_hub=={TOOLS_PINS['huggingface_hub']}"]
 
@@ -640,7 +640,7 @@ def ensure_wheels(requirements: list[str], wheelhouse: Path) -> None:
 @pytest.fixture(scope="session")
 def hf_python(tmp_path_factory) -> str:
     """A throwaway venv with the pinned huggingface_hub, from the rigs' wheelhouse."""
-    from roles.sandbox import wheelhouse
+    from rigbook.sandbox import wheelhouse
 
     requirements = _wheel_requirements()
     try:
@@ -1071,8 +1071,8 @@ def test_mirror_script_refuses_to_start_without_a_token_and_serves_with_one(tmp_
 
 
 def test_mirror_unit_template():
-    from roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
-    from roles.render import render
+    from rigbook.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
+    from rigbook.render import render
 
     text = render(MIRROR_TEMPLATE, cache="/var/lib/rigbook/hf/hub", bind="10.0.0.5", port=8090,
                   script=MIRROR_SCRIPT, token_path=MIRROR_TOKEN_PATH)
@@ -1086,8 +1086,8 @@ def test_mirror_unit_template():
 
 
 def test_ssh_address_fact_and_the_mirror_check():
-    from roles.checks import Facts, run_checks
-    from roles.models import CHECKS, NO_MIRROR_ADDRESS, SshAddress, parse_ssh_address
+    from rigbook.checks import Facts, run_checks
+    from rigbook.models import CHECKS, NO_MIRROR_ADDRESS, SshAddress, parse_ssh_address
 
     assert parse_ssh_address(["10.0.3.1 51234 10.0.3.7 22"]) == "10.0.3.7"
     assert parse_ssh_address(["::1 51234 ::ffff:10.0.3.7 22"]) == "10.0.3.7"

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from roles.models import MIRROR_TOKEN_PATH, TOKEN_PATH, repo_folder
-from roles.sandbox import WHEELS_MOUNT, wheelhouse
-from roles.tools import TOOLS_PINS
+from rigbook.models import MIRROR_TOKEN_PATH, TOKEN_PATH, repo_folder
+from rigbook.sandbox import WHEELS_MOUNT, wheelhouse
+from rigbook.tools import TOOLS_PINS
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra, security_exposure
 from tests.hubstub import huge_repo, tiny_repo
 from tests.test_models import ensure_wheels

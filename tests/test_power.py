@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from roles.errors import RigbookError
-from roles.gpus import SMI_ADVICE, Gpu, GpuProbe, parse_query_csv
-from roles.power import (
+from rigbook.errors import RigbookError
+from rigbook.gpus import SMI_ADVICE, Gpu, GpuProbe, parse_query_csv
+from rigbook.power import (
     UNIT_NAME,
     UNIT_PATH,
     CapRow,
@@ -29,7 +29,7 @@ from roles.power import (
     power_unit,
     render_unit,
 )
-from roles.spec import Rig
+from rigbook.spec import Rig
 from tests.opkit import FakeHost, describe, run_op
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -343,7 +343,7 @@ def test_read_back_fails_loudly_when_a_card_did_not_take_its_cap():
 
 
 def test_read_back_records_the_real_old_and_new_values():
-    from roles.power import _ROWS, recorded_rows
+    from rigbook.power import _ROWS, recorded_rows
 
     _ROWS.clear()
     commands, _ = power_op(live_power_caps, dual_3090(power_cap_watts=300),

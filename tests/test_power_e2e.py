@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from roles.gpus import Gpu, parse_query_csv, query_args
-from roles.power import UNIT_NAME, UNIT_PATH
-from roles.serving import CAP_CHECK_PATH, CAP_CHECK_SOURCE, render_unit, serve_plan
-from roles.status import FleetStatus
+from rigbook.gpus import Gpu, parse_query_csv, query_args
+from rigbook.power import UNIT_NAME, UNIT_PATH
+from rigbook.serving import CAP_CHECK_PATH, CAP_CHECK_SOURCE, render_unit, serve_plan
+from rigbook.status import FleetStatus
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.test_serving import SMI, dual_rig
 

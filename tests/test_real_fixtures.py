@@ -13,10 +13,10 @@ import re
 
 import pytest
 
-from roles.gpus import csv_header, pl_range, smi_failure
-from roles.venvs import parse_smi_header
-from roles.wsl import WslSignals, platform_problem
-from roles.xid import GONE_ACTIONS, parse_xid_lines
+from rigbook.gpus import csv_header, pl_range, smi_failure
+from rigbook.venvs import parse_smi_header
+from rigbook.wsl import WslSignals, platform_problem
+from rigbook.xid import GONE_ACTIONS, parse_xid_lines
 from tests.conftest import ROOT
 
 REAL = ROOT / "tests" / "fixtures" / "real"

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from roles.errors import RigbookError
-from roles.recipes import (
+from rigbook.errors import RigbookError
+from rigbook.recipes import (
     PLACEHOLDER_REVISION,
     RECIPES_DIR,
-    RECIPES_MD,
     Recipe,
     catalogue,
     engine_argv,
@@ -21,8 +20,8 @@ from roles.recipes import (
     recipe_for,
     recipes_markdown,
 )
-from roles.serving import engine_environment
-from roles.spec import Rig
+from rigbook.serving import engine_environment
+from rigbook.spec import Rig
 from tests.conftest import ROOT
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")
@@ -255,4 +254,5 @@ def test_test_recipes_load_from_their_own_folder_without_shadowing(tmp_path: Pat
 
 
 def test_recipes_docs_are_generated_from_the_catalogue():
-    assert RECIPES_MD.read_text() == recipes_markdown(), "run `rigbook docs` to regenerate"
+    docs = (ROOT / "docs" / "recipes.md").read_text()
+    assert docs == recipes_markdown(), "run `rigbook docs` to regenerate"

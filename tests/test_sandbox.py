@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from roles.sandbox import REPO_MOUNT, Rig, _sim_gpus, cache_dir, state_dir
+from rigbook.sandbox import REPO_MOUNT, Rig, _sim_gpus, cache_dir, state_dir
 from tests.conftest import ROOT, rig_ssh, rigbook
 
 SIM = ROOT / "sandbox" / "simulated"

@@ -12,13 +12,13 @@ import gguf
 import pytest
 from pyinfra.api import FunctionCommand
 
-from roles.errors import RigbookError
-from roles.gpus import Gpu, GpuProbe
-from roles.guards import GpuLost, Topology, parse_topo_matrix
-from roles.models import parse_cache
-from roles.power import UNIT_PATH as POWER_UNIT
-from roles.recipes import vram_need_gib
-from roles.serving import (
+from rigbook.errors import RigbookError
+from rigbook.gpus import Gpu, GpuProbe
+from rigbook.guards import GpuLost, Topology, parse_topo_matrix
+from rigbook.models import parse_cache
+from rigbook.power import UNIT_PATH as POWER_UNIT
+from rigbook.recipes import vram_need_gib
+from rigbook.serving import (
     CAP_CHECK_PATH,
     CAP_CHECK_SOURCE,
     ENV_PATH,
@@ -39,8 +39,8 @@ from roles.serving import (
     serve_recipe,
     systemd_word,
 )
-from roles.spec import Rig
-from roles.venvs import VenvLayout, VenvState
+from rigbook.spec import Rig
+from rigbook.venvs import VenvLayout, VenvState
 from tests.conftest import ROOT
 from tests.opkit import FakeHost, describe, execute, local_fact, run_op
 from tests.tinymodel import N_LAYER, cache_layout, revision_of, vocabulary, write_tiny_gguf
@@ -383,7 +383,7 @@ def op_facts(probe: ServeState, gpus=GPUS, cache=FULL_CACHE, venv=VENV_OK, dirs=
 
 
 def launcher_of(layout: VenvLayout) -> dict:
-    from roles.venvs import venv_environment
+    from rigbook.venvs import venv_environment
 
     return venv_environment(layout)
 

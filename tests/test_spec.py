@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from roles.docs import HOST_DATA_MD, host_data_markdown
-from roles.errors import RigbookError
-from roles.inventory import cli_override_data, load_inventory, load_rigs
-from roles.spec import parse_rig
+from rigbook.docs import host_data_markdown
+from rigbook.errors import RigbookError
+from rigbook.inventory import cli_override_data, load_inventory, load_rigs
+from rigbook.spec import parse_rig
 from tests.conftest import PYINFRA, ROOT
 
 GOOD = {"platform": "ubuntu", "gpu_class": "rtx3090", "gpu_count": 2}
@@ -75,7 +75,8 @@ def test_cli_override_data_types_values_like_pyinfra():
 
 
 def test_host_data_docs_are_generated_from_the_models():
-    assert HOST_DATA_MD.read_text() == host_data_markdown(), "run `rigbook docs` to regenerate"
+    docs = (ROOT / "docs" / "host-data.md").read_text()
+    assert docs == host_data_markdown(), "run `rigbook docs` to regenerate"
 
 
 class _CountingListener:

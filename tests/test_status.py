@@ -1,4 +1,4 @@
-"""roles.status: facts -> RigStatus (drift rules, exit codes), the table and the JSON.
+"""rigbook.status: facts -> RigStatus (drift rules, exit codes), the table and the JSON.
 
 Fact values are made the way pyinfra makes them: each fact's own `process()` on output in its
 real format (the H200 captures in tests/fixtures/nvidia-h200, dpkg/apt/df/proc output), and the
@@ -24,24 +24,24 @@ from pyinfra.api import Inventory
 from pyinfra.facts.files import FindInFile
 from rich.console import Console
 
-from roles import venvs as venvs_role
-from roles.apt import AptHolds, DpkgInstalled
-from roles.checks import Facts, every_check, reads_of
-from roles.disks import FreeDisk
-from roles.driver import LoadedDriverVersion
-from roles.errors import RigbookError
-from roles.facts import NvidiaGpus
-from roles.gpus import Gpu, GpuProbe
-from roles.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_kernel_log
-from roles.inventory import select_hosts as limit_hosts
-from roles.models import ModelCache
-from roles.power import PowerUnitFile, desired_caps, render_unit, unit_caps
-from roles.render import render as render_template
-from roles.serving import ENV_PATH as SERVE_ENV_PATH
-from roles.serving import HEALTH_PATH, KEY_PATH, ServeProbe, probe_args, render_env, serve_plan
-from roles.serving import UNIT_PATH as SERVE_UNIT_PATH
-from roles.spec import Rig
-from roles.status import (
+from rigbook import venvs as venvs_role
+from rigbook.apt import AptHolds, DpkgInstalled
+from rigbook.checks import Facts, every_check, reads_of
+from rigbook.disks import FreeDisk
+from rigbook.driver import LoadedDriverVersion
+from rigbook.errors import RigbookError
+from rigbook.facts import NvidiaGpus
+from rigbook.gpus import Gpu, GpuProbe
+from rigbook.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_kernel_log
+from rigbook.inventory import select_hosts as limit_hosts
+from rigbook.models import ModelCache
+from rigbook.power import PowerUnitFile, desired_caps, render_unit, unit_caps
+from rigbook.render import render as render_template
+from rigbook.serving import ENV_PATH as SERVE_ENV_PATH
+from rigbook.serving import HEALTH_PATH, KEY_PATH, ServeProbe, probe_args, render_env, serve_plan
+from rigbook.serving import UNIT_PATH as SERVE_UNIT_PATH
+from rigbook.spec import Rig
+from rigbook.status import (
     FleetStatus,
     RigStatus,
     build_rig_status,
@@ -50,7 +50,7 @@ from roles.status import (
     status,
     unreachable_status,
 )
-from roles.tuning import (
+from rigbook.tuning import (
     SYSCTL_TEMPLATE,
     PresentPaths,
     fstab_line,
@@ -58,8 +58,8 @@ from roles.tuning import (
     parse_shm,
     parse_sysctl_conf,
 )
-from roles.venvs import MANIFEST, LiveDriver, VenvBuilds, build_name, smoke_input, spec_hash
-from roles.wsl import RegProbe, WindowsProfile, WslSignals
+from rigbook.venvs import MANIFEST, LiveDriver, VenvBuilds, build_name, smoke_input, spec_hash
+from rigbook.wsl import RegProbe, WindowsProfile, WslSignals
 from tests.opkit import local_fact
 from tests.test_models import FILES_A, make_repo
 
@@ -958,7 +958,7 @@ def test_gather_reaches_one_rig_and_reports_the_other_unreachable(tmp_path):
     """Through pyinfra's API: @local is read, a closed loopback port is one clear line."""
     inventory = tmp_path / "inv.py"
     inventory.write_text(LOCAL_INVENTORY)
-    script = ("import sys; from roles.status import status; "
+    script = ("import sys; from rigbook.status import status; "
               f"sys.exit(status({str(inventory)!r}, None, True))")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -22,9 +22,9 @@ import sys
 
 import pytest
 
-from roles.spec import Rig
-from roles.status import FleetStatus
-from roles.venvs import MANIFEST, VENVS_DIR
+from rigbook.spec import Rig
+from rigbook.status import FleetStatus
+from rigbook.venvs import MANIFEST, VENVS_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import fill_wheelhouse
 
@@ -38,7 +38,7 @@ def rigbook_status(*limit: str, as_json: bool = True) -> subprocess.CompletedPro
 def rigbook_status_of(inventory: str, *limit: str, as_json: bool = True
                       ) -> subprocess.CompletedProcess:
     script = (
-        "import sys; from roles.status import status; "
+        "import sys; from rigbook.status import status; "
         f"sys.exit(status({inventory!r}, {list(limit) or None!r}, {as_json!r}))"
     )
     # piped, the table takes COLUMNS when set (pytest sets it for its own terminal)

@@ -1,4 +1,4 @@
-"""roles.tuning: the sysctl file and its live step, /dev/shm, leftovers.
+"""rigbook.tuning: the sysctl file and its live step, /dev/shm, leftovers.
 
 Facts are run for real on this machine (their commands read /proc and /dev/shm here), so the
 parsers are tested on real output; operations are run with facts given by the test and the
@@ -17,10 +17,10 @@ from pyinfra.api import FunctionCommand
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files
 
-from roles.checks import Facts
-from roles.errors import RigbookError
-from roles.spec import Rig
-from roles.tuning import (
+from rigbook.checks import Facts
+from rigbook.errors import RigbookError
+from rigbook.spec import Rig
+from rigbook.tuning import (
     FSTAB_SHM_LINE,
     READ_ONLY_NOTE,
     SYSCTL_CONF,
@@ -60,7 +60,7 @@ def rig(**data) -> Rig:
 
 
 def render(cfg: Rig) -> str:
-    from roles.render import render as render_template
+    from rigbook.render import render as render_template
 
     return render_template(SYSCTL_TEMPLATE, cfg=cfg)
 
@@ -100,7 +100,7 @@ def test_template_matches_what_the_live_step_compares():
     ],
 )
 def test_bad_sysctl_extra_is_refused_at_load(extra, message):
-    from roles.spec import parse_rig
+    from rigbook.spec import parse_rig
 
     with pytest.raises(RigbookError, match=re.escape(message)) as error:
         parse_rig("rig1", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,

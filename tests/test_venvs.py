@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FunctionCommand
 
-from roles.errors import RigbookError
-from roles.facts import _RC, _SMI
-from roles.gpus import Gpu, GpuProbe
-from roles.recipes import VENV_ENGINE
-from roles.render import render
-from roles.spec import Rig, VenvSpec, parse_rig
-from roles.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
-from roles.venvs import (
+from rigbook.errors import RigbookError
+from rigbook.facts import _RC, _SMI
+from rigbook.gpus import Gpu, GpuProbe
+from rigbook.recipes import VENV_ENGINE
+from rigbook.render import render
+from rigbook.spec import Rig, VenvSpec, parse_rig
+from rigbook.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
+from rigbook.venvs import (
     DRIVER_FOR_CUDA,
     ENGINE_PINS,
     ENV_TEMPLATE,
@@ -122,8 +122,8 @@ def test_host_data_of_the_python_packages_section():
 def test_sandbox_rigs_install_from_the_wheelhouse_and_have_no_venvs_by_default(
     tmp_path, monkeypatch
 ):
-    from roles.inventory import load_rigs
-    from roles.sandbox import WHEELS_MOUNT
+    from rigbook.inventory import load_rigs
+    from rigbook.sandbox import WHEELS_MOUNT
 
     monkeypatch.setenv("RIGBOOK_SANDBOX_DIR", str(tmp_path))  # three rigs, none of them up
     (tmp_path / "hosts.json").write_text(json.dumps([
@@ -277,7 +277,7 @@ def test_venv_environment_with_nvcc_on_path_or_in_cuda_home():
 
 
 def render_env(name: str, env: dict[str, str]) -> list[str]:
-    """The env file as venv_env_file writes it (roles.render, the same template)."""
+    """The env file as venv_env_file writes it (rigbook.render, the same template)."""
     return render(ENV_TEMPLATE, name=name, env=env).splitlines()
 
 

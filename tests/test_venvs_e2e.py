@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-from roles.inventory import load_rigs
-from roles.tools import TOOLS_PINS, TOOLS_VENV
-from roles.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
+from rigbook.inventory import load_rigs
+from rigbook.tools import TOOLS_PINS, TOOLS_VENV
+from rigbook.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import fill_wheelhouse
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from roles import cli
-from roles.errors import RigbookError
-from roles.spec import parse_rig
-from roles.verify import (
+from rigbook import cli
+from rigbook.errors import RigbookError
+from rigbook.spec import parse_rig
+from rigbook.verify import (
     Settings,
     Target,
     VerifyRun,

@@ -1,4 +1,4 @@
-"""roles.wsl: WSL2 detection, the TDR registry values through reg.exe, .wslconfig memory.
+"""rigbook.wsl: WSL2 detection, the TDR registry values through reg.exe, .wslconfig memory.
 
 reg.exe is exercised through the sandbox's stand-in (sandbox/simulated/reg.exe), which prints
 the real tool's format (CRLF line ends, four-space columns, hex REG_DWORD) and refuses HKLM
@@ -18,11 +18,11 @@ import pytest
 from pyinfra.api import FunctionCommand
 from pyinfra.api.util import get_file_sha1
 
-from roles import wsl
-from roles.checks import Facts
-from roles.errors import RigbookError
-from roles.spec import Rig
-from roles.wsl import (
+from rigbook import wsl
+from rigbook.checks import Facts
+from rigbook.errors import RigbookError
+from rigbook.spec import Rig
+from rigbook.wsl import (
     GRAPHICS_DRIVERS,
     RegistryValues,
     RegProbe,
@@ -69,7 +69,7 @@ def test_serving_environment_only_on_wsl2():
 
 
 def test_profile_script_exports_it(tmp_path):
-    from roles.render import render
+    from rigbook.render import render
 
     text = render(wsl.FILES / "wsl" / "rigbook-wsl.sh.j2", cfg=rig(),
                   env=serving_environment(rig()))
@@ -423,7 +423,7 @@ def test_memory_not_set_reports_the_default():
 
 
 def test_memory_operation_only_reports(caplog):
-    from roles.tuning import ShmState
+    from rigbook.tuning import ShmState
 
     facts = {"WindowsProfiles": profile("[wsl2]\nmemory=8GB\n"),
              "Shm": ShmState("tmpfs", "", 0, 0, 8 * GIB)}

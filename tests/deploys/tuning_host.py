@@ -5,9 +5,9 @@
 
 from pyinfra import host
 
-from roles import tuning, wsl
-from roles.preflight import preflight
-from roles.spec import rig_of
+from rigbook import tuning, wsl
+from rigbook.preflight import preflight
+from rigbook.spec import rig_of
 
 rig = rig_of(host)
 

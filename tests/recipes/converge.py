@@ -2,9 +2,9 @@
 
 from pyinfra import host
 
-from roles.serving import serving
-from roles.spec import rig_of
-from roles.venvs import venvs
+from rigbook.serving import serving
+from rigbook.spec import rig_of
+from rigbook.venvs import venvs
 
 rig = rig_of(host)
 venvs(rig)

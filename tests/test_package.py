@@ -1,0 +1,87 @@
+"""A real install: the wheel built from this checkout, in a fresh venv outside it.
+
+The venv gets rigbook from the wheel alone (pip --no-deps --no-index); its dependencies are the
+ones this test run already has, reached through a .pth file, so nothing is downloaded. The
+commands then run from a folder outside the checkout, where neither roles/ nor files/ can be
+found by accident: everything rigbook reads must be package data.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, SANDBOX_INVENTORY
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The fresh venv's bin folder, with rigbook installed from its wheel."""
+    base = tmp_path_factory.mktemp("package")
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", "-w", str(base / "dist"), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (base / "dist").glob("rigbook-*.whl")
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    site = subprocess.run(
+        [str(venv / "bin" / "python"), "-c",
+         "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    # this run's dependencies; .pth files inside that folder (our editable install) are not run
+    (Path(site) / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+         str(wheel)], capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return venv / "bin"
+
+
+def run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bin_dir / "rigbook"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_wheel_holds_one_import_name_and_its_data(installed, tmp_path):
+    where = subprocess.run(
+        [str(installed / "python"), "-c",
+         "import rigbook, rigbook.files; from rigbook import FILES; "
+         "from rigbook.sandbox import SIM_DIR; print(rigbook.__file__); print(FILES); "
+         "print(SIM_DIR); import importlib.util as u; print(u.find_spec('roles'))"],
+        cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
+    venv = str(installed.parent)
+    assert all(line.startswith(venv) for line in where[:3]), where
+    assert where[3] == "None"  # no `roles` package to shadow a user's own
+    files = Path(where[1])
+    for data in ("serving/rigbook-serve.service.j2", "venvs/pins.toml", "models/pull.py",
+                 "recipes/dual-3090-tp2.toml", "guards/rigbook-xid-watch"):
+        assert (files / data).is_file(), data
+    assert (Path(where[2]) / "nvidia-smi").is_file()
+
+
+def test_help_version_and_docs_check_run_outside_the_checkout(installed, tmp_path):
+    assert "status" in run(installed, "--help", cwd=tmp_path).stdout
+    version = run(installed, "--version", cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.strip() == "rigbook 0.1.0", version
+    checked = run(installed, "docs", "--check", "--dir", str(ROOT / "docs"), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    nowhere = run(installed, "docs", "--check", cwd=tmp_path)  # no docs/ here: a usage error
+    assert nowhere.returncode == 3 and "no docs folder docs" in nowhere.stderr
+
+
+@pytest.mark.sandbox
+def test_status_of_sandbox_rigs_from_the_installed_package(installed, sandbox, tmp_path):
+    done = run(installed, "status", str(ROOT / SANDBOX_INVENTORY), "--json", "--limit", "rig2",
+               cwd=tmp_path)
+    assert done.returncode in (0, 1, 2), done.stderr  # a verdict on the rig, not an error
+    (rig,) = json.loads(done.stdout)["rigs"]
+    assert rig["name"] == "rig2" and rig["gpus"], rig
