@@ -705,6 +705,16 @@ def test_bump_script_holds_again_when_apt_fails(standins):
     assert log.read_text() == out
 
 
+def test_bump_script_keeps_the_ten_newest_logs_of_earlier_bumps(standins):
+    standins.logs.mkdir()
+    old = [standins.logs / f"driver-bump-202601{day:02d}T000000Z-1.log" for day in range(1, 13)]
+    for path in old:
+        path.write_text("an earlier bump\n")
+    standins.run(*TARGETS).communicate(timeout=30)
+    kept = sorted(path.name for path in standins.logs.glob("driver-bump-*.log"))
+    assert kept[:10] == [path.name for path in old[2:]] and len(kept) == 11  # + this run's
+
+
 def test_bump_script_holds_what_a_failed_dpkg_left_half_way(standins):
     # iF: half-configured (a postinst failed), iU: unpacked; both are on the system.
     standins.status(nvidia_open="iU", nvidia_smi="iF", libnvidia_ml1="ii")

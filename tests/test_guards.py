@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import mmap
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -838,8 +839,9 @@ def watch_dir(tmp_path) -> Path:
     return folder
 
 
-def run_watch(folder: Path, tmp_path: Path, scan: str, follow: str, *args: str):
-    env = {**os.environ, "RIGBOOK_XID_SCAN": scan, "RIGBOOK_XID_FOLLOW": follow}
+def run_watch(folder: Path, tmp_path: Path, scan: str, follow: str, *args: str,
+              env: dict | None = None):
+    env = {**os.environ, "RIGBOOK_XID_SCAN": scan, "RIGBOOK_XID_FOLLOW": follow, **(env or {})}
     return subprocess.run(
         [sys.executable, str(folder / "rigbook-xid-watch"), "--mark",
          str(tmp_path / "run" / "gpu-lost"), "--faults-log",
@@ -882,6 +884,23 @@ def test_watch_marks_this_boots_fatal_xids_and_logs_engine_faults(watch_dir, tmp
     assert check.stderr.splitlines()[0] == f"{mark}: GPU lost: do not restart serving"
     mark.unlink()
     assert run_watch(watch_dir, tmp_path, "true", "true", "--check").returncode == 0
+
+
+def test_the_engine_faults_log_rotates_itself_and_a_restart_logs_nothing_twice(watch_dir,
+                                                                               tmp_path):
+    """A real log with five Xid 31/13 lines (587 bytes) and a 300-byte limit: one rotation."""
+    source = ROOT / "tests" / "fixtures" / "real" / "klog" / "dmesg-xid31-13-32-dxvk-overwatch.txt"
+    faults = tmp_path / "log" / "engine-faults.log"
+    env = {"RIGBOOK_XID_FAULTS_MAX_BYTES": "300"}
+    done = run_watch(watch_dir, tmp_path, f"cat {source}", "true", env=env)
+    assert done.returncode == 0, done.stderr
+    current, older = faults.read_text(), faults.with_name("engine-faults.log.1").read_text()
+    assert 0 < len(current.encode()) <= 300 and 0 < len(older.encode()) <= 300
+    logged = older.splitlines() + current.splitlines()
+    assert len(logged) == 5 and len(set(logged)) == 5
+    assert all(re.search(r"Xid .*\): (31|13),", line) for line in logged), logged
+    again = run_watch(watch_dir, tmp_path, f"cat {source}", "true", env=env)
+    assert again.returncode == 0 and faults.read_text() == current  # lines in .1 count too
 
 
 def test_earlier_boots_set_no_mark(watch_dir, tmp_path):

@@ -16,6 +16,8 @@
 set -u
 
 LOG_DIR=${RIGBOOK_LOG_DIR:-/var/log/rigbook}
+# Logs of earlier bumps kept beside this one's: the oldest beyond these go (log rotation).
+KEEP_LOGS=10
 # Debian package names (with an optional :arch) and apt version globs; nothing else gets to apt.
 SPEC='^[a-z0-9][a-z0-9+.-]+(:[a-z0-9]+)?=[0-9][A-Za-z0-9.+~:*-]*$'
 
@@ -55,6 +57,8 @@ finish() {
 }
 
 mkdir -p "$LOG_DIR" || exit
+# Names sort by time (UTC stamp first): keep the newest KEEP_LOGS, this run's added after.
+ls -1 "$LOG_DIR"/driver-bump-*.log 2>/dev/null | head -n -"$KEEP_LOGS" | xargs -r -d '\n' rm -f --
 log=$LOG_DIR/driver-bump-$(date -u +%Y%m%dT%H%M%SZ)-$$.log
 exec 3>&1 >"$log" 2>&1 </dev/null || exit
 trap finish EXIT
