@@ -84,4 +84,5 @@ def test_status_of_sandbox_rigs_from_the_installed_package(installed, sandbox, t
                cwd=tmp_path)
     assert done.returncode in (0, 1, 2), done.stderr  # a verdict on the rig, not an error
     (rig,) = json.loads(done.stdout)["rigs"]
-    assert rig["name"] == "rig2" and rig["gpus"], rig
+    assert rig["name"] == "rig2" and rig["state"] != "unreachable", rig
+    assert rig["error"] is None and rig["driver"] is not None, rig  # its facts were read
