@@ -12,11 +12,11 @@ the other rigs go on. docs/runbooks/driver-bump.md has the whole procedure.
 
 from pyinfra import host
 
-from rigbook.driver import driver_bump
+from rigbook.driver import ONBOARD, driver_bump
 from rigbook.preflight import preflight
 from rigbook.spec import rig_of
 from rigbook.wsl import PLATFORM
 
 rig = rig_of(host)
-if preflight(rig, [PLATFORM]):
+if preflight(rig, [PLATFORM, ONBOARD]):  # ONBOARD: a new DKMS module needs Secure Boot's key
     driver_bump(rig)

@@ -42,7 +42,14 @@ from rigbook.checks import Check, Facts, Finding, Read, drift, error
 from rigbook.checks import refusal as refusal_finding
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
-from rigbook.messages import notice, refuse, warn_once
+from rigbook.kernel import (
+    blacklist_nouveau,
+    kernel_headers,
+    onboard_findings,
+    onboard_reads,
+    pin_out_sources,
+)
+from rigbook.messages import notice, refuse, refused, warn_once
 from rigbook.render import template
 from rigbook.spec import Rig
 from rigbook.venvs import VenvBuilds
@@ -90,11 +97,12 @@ _LINUX_DRIVER = re.compile(
     r"|libnvidia-(compute|ml)|libcuda1|cuda-drivers|linux-(modules|objects|signatures)-nvidia-)"
 )
 
-#: Ubuntu releases and the branches their archive carries (facts.md section 1: 580 on jammy
-#: and noble, 595 on noble-updates; 595 on jammy is unconfirmed).
+#: Ubuntu releases and the branches their archive carries (docs/sources.md, "Driver branches and
+#: repositories": 580 on jammy and noble, 595 on noble-updates; 595 on jammy is unconfirmed).
 UBUNTU_BRANCHES = {"24.04": (580, 595), "22.04": (580,)}
 
-#: NVIDIA's CUDA repository for Debian 12 (the only release whose path facts.md confirms).
+#: NVIDIA's CUDA repository for Debian 12 (the only release whose path is confirmed:
+#: docs/sources.md, "Driver branches and repositories").
 CUDA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/"
 CUDA_KEYRING_DEB = CUDA_REPO + "cuda-keyring_1.1-1_all.deb"
 #: sha256 of CUDA_KEYRING_DEB: the trust anchor of the driver source is installed only when it
@@ -355,16 +363,6 @@ def _plan(rig: Rig) -> DriverPlan:
 
 
 # --- operations ----------------------------------------------------------------------------
-
-
-@operation(is_idempotent=False)
-def fail(message: str):
-    """
-    Fail this rig with a message, before anything after it changes; the other rigs go on.
-
-    + message: what is wrong and what to run instead
-    """
-    yield refuse(message)
 
 
 @operation()
@@ -753,16 +751,17 @@ def driver(rig: Rig):
     try:
         plan = _plan(rig)
     except RigbookError as error:
-        fail(name="Driver platform check", message=str(error))
+        refused(name="Driver platform check", message=str(error))
         return
     if plan.platform == "wsl2":
         check_wsl(name="WSL2: the Windows driver serves the GPUs")
         return
     why = refusal(rig, driver_versions(host.get_fact(DpkgInstalled)))
     if why:
-        fail(name="Keep the installed driver", message=why)
+        refused(name="Keep the installed driver", message=why)
         return
     _apt_source(plan)
+    _onboard(rig)
     _pin(rig, plan)
     install_driver(
         name=f"Install the driver ({', '.join(plan.packages)} {plan.version})",
@@ -788,7 +787,7 @@ def driver_bump(rig: Rig):
             )
         plan = _plan(rig)
     except RigbookError as error:
-        fail(name="Driver bump input check", message=str(error))
+        refused(name="Driver bump input check", message=str(error))
         return
     if plan.platform == "wsl2":
         report(
@@ -900,4 +899,41 @@ def _driver_reads(rig: Rig, rig_name: str) -> list[Read]:
 
 
 DRIVER = Check("driver", _driver_reads, driver_findings)
-CHECKS = (DRIVER,)
+
+
+# --- onboarding a real box: nouveau, Secure Boot, DKMS, headers, other sources (roles/kernel.py)
+
+
+def main_package(rig: Rig) -> str:
+    """The driver's first package as plan_driver names it (its metapackage), from the host data
+    alone: what the check asks apt-cache policy about."""
+    if rig.platform == "debian":
+        return "nvidia-open" if rig.driver_open else "cuda-drivers"
+    infix = "-server" if rig.driver_server else ""
+    return f"nvidia-driver-{rig.driver_branch}{infix}{'-open' if rig.driver_open else ''}"
+
+
+def _onboard_reads(rig: Rig, rig_name: str) -> list[Read]:
+    if rig.platform == "wsl2":
+        return []
+    loaded = Read("loaded", LoadedDriverVersion, "loaded driver module")
+    return [*onboard_reads((main_package(rig),)), loaded]
+
+
+def _onboard_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    return onboard_findings(rig, facts, rig_name, CUDA_REPO)
+
+
+def _onboard(rig: Rig):
+    """Before the driver goes in: other sources pinned out, nouveau blacklisted (a reboot
+    recorded while it is loaded), the running kernel's headers installed. Each reads its facts
+    when it runs. The Secure Boot refusal came earlier, in the preflight (ONBOARD)."""
+    pin_out_sources(name="Pin out other sources of the driver", rig=rig,
+                    packages=(main_package(rig),), default_repo=CUDA_REPO,
+                    globs=DRIVER_PACKAGE_GLOBS)
+    blacklist_nouveau(name="Blacklist nouveau", marker=REBOOT_MARKER, marker_fact=RebootMarker)
+    kernel_headers(name="Headers for the running kernel")
+
+
+ONBOARD = Check("driver onboarding", _onboard_reads, _onboard_findings)
+CHECKS = (DRIVER, ONBOARD)

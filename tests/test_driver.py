@@ -60,7 +60,8 @@ SIM_INSTALLED = {
     "python3": "3.11.2-1+b1",
 }
 
-#: An Ubuntu 24.04 rig with the open 580 driver (names from facts.md section 1).
+#: An Ubuntu 24.04 rig with the open 580 driver (names from docs/sources.md, "Driver branches and
+#: repositories").
 UBUNTU_INSTALLED = {
     "libnvidia-compute-580": "580.95.05-0ubuntu0.24.04.1",
     "nvidia-driver-580-open": "580.95.05-0ubuntu0.24.04.1",
