@@ -7,12 +7,15 @@ repos made of deterministic bytes, so a test computes their commit and sha256 it
 
 - rigbook-test/tiny: README.md, config.json, tokenizer.json and a 256 KiB model.safetensors
   that the hub stores in LFS (its tree entry carries the sha256);
-- rigbook-test/huge: its metadata says model.safetensors is 10 TB (disk preflight tests).
+- rigbook-test/huge: its metadata says model.safetensors is 10 TB (disk preflight tests);
+- rigbook-test/big: tiny with a 32 MiB model.safetensors, for pulls that take a while
+  (with --rate).
 
 Test knobs: --token-file (every route wants `Authorization: Bearer <that token>`; read from a
 file so that it is not in this process's argv either), --interrupt PATH (the first GET of PATH
 sends half its bytes and drops the connection, later GETs of it answer 503: a pull fails half
-way), --log FILE (one JSON line per request: method, path, Range, route, auth). It sends no Xet
+way), --rate BYTES (file bodies go out at that many bytes a second: a pull that takes seconds),
+--log FILE (one JSON line per request: method, path, Range, route, auth). It sends no Xet
 headers; clients set HF_HUB_DISABLE_XET=1. Standard library only: it is copied to a sandbox rig
 (with mirror.py beside it) and run there with the system python3.
 
@@ -27,6 +30,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -112,6 +116,14 @@ def tiny_repo(repo_id: str = "rigbook-test/tiny", weights_bytes: int = 256 * 102
     ))
 
 
+def big_repo(repo_id: str = "rigbook-test/big", weights_bytes: int = 32 * 1024**2) -> Repo:
+    """tiny's files with big weights (shake_256 makes them fast: _weights takes ~1 s here)."""
+    weights = RepoFile("model.safetensors", hashlib.shake_256(repo_id.encode()).digest(
+        weights_bytes))
+    return Repo(repo_id, tuple(weights if item.path == weights.path else item
+                               for item in tiny_repo(repo_id, 0).files))
+
+
 def huge_repo(repo_id: str = "rigbook-test/huge") -> Repo:
     return Repo(repo_id, (
         RepoFile("config.json", b'{"model_type": "llama"}\n'),
@@ -138,10 +150,11 @@ class MemoryStore(mirror.Store):
 class Hub:
     """What a stub server holds: repos, the token it wants, a fault, and the request log."""
 
-    def __init__(self, repos, token=None, interrupt=None, log_path=None):
+    def __init__(self, repos, token=None, interrupt=None, log_path=None, rate=None):
         self.store = MemoryStore(repos)
         self.token = token
         self.interrupt = interrupt
+        self.rate = rate  # bytes a second of file bodies; None: as fast as the socket goes
         self.interrupted = False
         self.log_path = log_path
         self.lock = threading.Lock()
@@ -186,7 +199,15 @@ class StubHandler(mirror.HubHandler):
             self.close_connection = True
             self.connection.shutdown(2)
             return
-        super().send_body(entry, start)
+        if self.hub.rate is None:
+            super().send_body(entry, start)
+            return
+        step = 64 * 1024
+        for block in entry.chunks(start):
+            for at in range(0, len(block), step):
+                piece = block[at:at + step]
+                self.wfile.write(piece)
+                time.sleep(len(piece) / self.hub.rate)
 
 
 def serve(hub: Hub, host: str = "127.0.0.1", port: int = 0):
@@ -201,13 +222,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-file", help="require this token (Authorization: Bearer)")
     parser.add_argument("--interrupt", help="repo path whose first GET drops half way")
     parser.add_argument("--log", help="append one JSON line per request here")
+    parser.add_argument("--rate", type=int, help="send file bodies at this many bytes a second")
     args = parser.parse_args(argv)
     token = None
     if args.token_file:
         with open(args.token_file) as handle:
             token = handle.read().strip()
-    hub = Hub((tiny_repo(), huge_repo()), token=token, interrupt=args.interrupt,
-              log_path=args.log)
+    hub = Hub((tiny_repo(), huge_repo(), big_repo()), token=token, interrupt=args.interrupt,
+              log_path=args.log, rate=args.rate)
     serve(hub, args.host, args.port).serve_forever()
 
 

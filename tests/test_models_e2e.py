@@ -13,7 +13,8 @@ fetches only the missing file; the one after changes nothing and makes no reques
 is refused with the numbers and nothing downloaded; an .incomplete leftover is cleaned; repos
 outside models are reported, then pruned; the rig runs rigbook's mirror (on its SSH address,
 with the token, hardened: its systemd-analyze security exposure is printed and held to 3.0) and
-another cache pulls through it. Throughout, the fake tokens never show in pyinfra's output
+another cache pulls through it; a 32 MiB pull from a stub that sends 4 MiB/s shows its progress
+in pyinfra's output while it runs. Throughout, the fake tokens never show in pyinfra's output
 (-vvv --debug --diff), the rig's journal or any file but their 0600 ones.
 """
 
@@ -21,17 +22,30 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
+import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from rigbook.models import MIRROR_TOKEN_PATH, TOKEN_PATH, repo_folder
+from rigbook.models import repo_folder
 from rigbook.sandbox import WHEELS_MOUNT, wheelhouse
+from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH
 from rigbook.tools import TOOLS_PINS
-from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra, security_exposure
-from tests.hubstub import huge_repo, tiny_repo
+from tests.conftest import (
+    PYINFRA,
+    ROOT,
+    SANDBOX_INVENTORY,
+    PyinfraRun,
+    rig_ssh,
+    run_pyinfra,
+    security_exposure,
+)
+from tests.hubstub import big_repo, huge_repo, tiny_repo
 from tests.test_models import ensure_wheels
 
 DEPLOY = "deploys/models.py"
@@ -43,7 +57,7 @@ TOKEN = "hf_rigbookE2EfakeTOKEN7c1d2e3f4a5b6c7d"
 MIRROR_TOKEN = "rigbookE2Efleet0c1d2e3f4a5b6c7d8e9f0a1b2c3d"
 #: The operator's copy of the fleet's token (0600), for models_mirror_token_file.
 FLEET_TOKEN_FILE = Path(tempfile.gettempdir()) / "rigbook-e2e-fleet-token"
-TINY, HUGE = tiny_repo(), huge_repo()
+TINY, HUGE, BIG = tiny_repo(), huge_repo(), big_repo()
 
 pytestmark = pytest.mark.sandbox
 
@@ -60,8 +74,9 @@ def data_args(*pairs: tuple[str, object]) -> list[str]:
     return args
 
 
-def deploy(rig: dict, *extra, models=(TINY,), **data):
-    """deploys/models.py on one rig; a key given as None is left out of its data."""
+def deploy_args(rig: dict, *extra, models=(TINY,), **data) -> list[str]:
+    """pyinfra's arguments after the deploy for one rig; a key given as None is left out of its
+    data."""
     base = {
         "models": [model(repo) for repo in models],
         "models_endpoint": f"http://127.0.0.1:{PORT}",
@@ -72,8 +87,34 @@ def deploy(rig: dict, *extra, models=(TINY,), **data):
         **data,
     }
     pairs = [(key, value) for key, value in base.items() if value is not None]
-    return run_pyinfra(SANDBOX_INVENTORY, DEPLOY, "--limit", rig["name"], *data_args(*pairs),
-                       *extra)
+    return ["--limit", rig["name"], *data_args(*pairs), *extra]
+
+
+def deploy(rig: dict, *extra, **data) -> PyinfraRun:
+    """deploys/models.py on one rig."""
+    return run_pyinfra(SANDBOX_INVENTORY, DEPLOY, *deploy_args(rig, *extra, **data))
+
+
+def pyinfra_timed(inventory: str, deploy: str, *args: str) -> tuple[PyinfraRun, list]:
+    """run_pyinfra(), with each line of pyinfra's stderr (stripped: pyinfra indents) and the
+    second it arrived at: what shows while a run goes on."""
+    proc = subprocess.Popen(
+        [PYINFRA, "-y", "--json", inventory, deploy, *args], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYINFRA_PROGRESS": "off"},
+    )
+    stdout: list[str] = []
+    reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()))
+    reader.start()
+    started, lines = time.monotonic(), []
+    for line in proc.stderr:
+        lines.append((time.monotonic() - started, line.strip()))
+    reader.join()
+    returncode = proc.wait(timeout=60)
+    try:
+        results = json.loads(stdout[0]).get("results")
+    except json.JSONDecodeError:
+        results = None
+    return PyinfraRun(returncode, stdout[0], "\n".join(line for _, line in lines), results), lines
 
 
 class Stub:
@@ -316,3 +357,36 @@ def test_fleet_pull_through_rigbook_mirror(rig_with_stub, monkeypatch):
         rig_ssh(rig, f"systemctl disable --now rigbook-hf-mirror 2>/dev/null; rm -rf {other} "
                      "/etc/systemd/system/rigbook-hf-mirror.service; systemctl daemon-reload",
                 check=False)
+
+
+def test_a_long_pull_shows_its_progress_while_it_runs(rig_with_stub, monkeypatch):
+    """32 MiB at 4 MiB/s: byte counts and rates come into pyinfra's output, with the rig's prefix,
+    seconds before the pull ends with its summary (files, bytes, seconds, average rate)."""
+    rig, stub = rig_with_stub
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("RIGBOOK_PROGRESS_EVERY", "1")
+    stub.start("--rate", str(4 * 2**20))
+    cache = "/var/lib/rigbook/hf/hub-progress"
+    try:
+        run, lines = pyinfra_timed(SANDBOX_INVENTORY, DEPLOY, *deploy_args(
+            rig, models=(BIG,), models_cache=cache, models_only=BIG.repo_id))
+        no_token(run.stdout, run.stderr)
+        assert run.returncode == 0, run.explain()
+        where = f"[{rig['name']}] {BIG.repo_id}@{BIG.commit[:12]}: "
+        counting = re.compile(re.escape(where) + r"(\d+\.\d\d) MiB of 32\.00 MiB \(\d+%\) at "
+                              r"(\d+\.\d\d) MiB/s, \d of 4 file\(s\) done")
+        counts = [(at, match) for at, line in lines if (match := counting.match(line))]
+        done = [at for at, line in lines if line.startswith(
+            f"{where}pulled 4 file(s), 32.00 MiB in ") and " MiB/s); complete: 4 file(s), "
+            "32.00 MiB" in line]
+        shown = "\n".join(f"{at:6.1f} s  {line}" for at, line in lines if line.startswith(where))
+        print(f"\nprogress of the pull as pyinfra printed it:\n{shown}")
+        assert len(done) == 1, shown
+        assert f"{where}downloading 4 file(s), 32.00 MiB" in run.stderr
+        assert f"{where}checking sizes and hashes of 4 file(s)" in run.stderr
+        written = [float(match[1]) for _, match in counts]
+        assert len(set(written)) >= 2 and written == sorted(written), shown  # more and more
+        assert any(float(match[2]) > 0 for _, match in counts), shown  # at a rate
+        assert any(match[1] != "32.00" and done[0] - at >= 2 for at, match in counts), shown
+    finally:
+        rig_ssh(rig, f"rm -rf {cache}", check=False)

@@ -2,12 +2,14 @@
 
 One story, in order, because each step starts from the state the last one left: the converge
 builds a small real venv (tools venv, uv from the wheelhouse, smoke test, manifest, symlink,
-launcher environment); a second converge changes nothing; a changed pin builds a new venv and
-swaps (the old one kept); reverting the pin swaps back to the kept build; a pin that cannot
-install fails the rig with uv's reason and leaves the working venv and its symlink; a driver
-bump (stand-in packages installed over SSH, rig rebooted) makes the converge report the venv
-stale without touching it, and deploys/venvs.py rebuilds it, keeping the build it replaced and
-pruning the other; run again, it changes nothing.
+launcher environment), its phases and uv's counts in pyinfra's output; a second converge
+changes nothing; a changed pin builds a new venv and swaps (the old one kept); reverting the
+pin swaps back to the kept build; a pin that cannot install fails the rig with uv's reason and
+leaves the working venv and its symlink; a driver bump (stand-in packages installed over SSH,
+rig rebooted) makes the converge report the venv stale without touching it, and
+deploys/venvs.py rebuilds it, keeping the build it replaced and pruning the other; run again,
+it changes nothing. Then a venv whose smoke test takes 6 s shows its phases in pyinfra's output
+while it builds.
 Sandbox rigs have no route out: the packages come from the wheelhouse this test fills with
 `pip download` (Python 3.11, manylinux x86_64; no torch), which every rig sees read-only.
 """
@@ -21,10 +23,14 @@ import time
 import pytest
 
 from rigbook.inventory import load_rigs
+from rigbook.sandbox import wheelhouse
 from rigbook.tools import TOOLS_PINS, TOOLS_VENV
 from rigbook.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import fill_wheelhouse
+from tests.test_models import ensure_wheels
+from tests.test_models_e2e import pyinfra_timed
+from tests.test_venvs import make_wheel
 
 CONVERGE = "deploys/rig.py"
 REBUILD = "deploys/venvs.py"
@@ -91,8 +97,9 @@ def venv_changes(run) -> dict[str, list[str]]:
     return {name: hosts for name, hosts in run.changed().items() if name.startswith("Python venvs")}
 
 
-def test_venv_build_swap_fail_stale_rebuild(sandbox):
+def test_venv_build_swap_fail_stale_rebuild(sandbox, monkeypatch):
     rig1 = sandbox["rig1"]
+    monkeypatch.setenv("RIGBOOK_PROGRESS_EVERY", "1")
     fill_wheelhouse()
     installed = smi_driver(rig1)
     if installed not in (None, OLD):  # an earlier test left another driver running
@@ -106,6 +113,16 @@ def test_venv_build_swap_fail_stale_rebuild(sandbox):
         assert first.returncode == 0, first.explain()
         assert first.changed().get(VENV_OP) == ["rig1"], first.explain()
         assert first.changed().get(ENV_OP) == ["rig1"], first.explain()
+        shown = [line.strip().removeprefix(f"[rig1] venv {NAME}: ")
+                 for line in first.stderr.splitlines()
+                 if line.strip().startswith(f"[rig1] venv {NAME}: ")]
+        print("\nthe build as pyinfra printed it:\n" + "\n".join(shown))
+        assert shown[:2] == ["creating the venv with Python 3.11",
+                             "installing 1 requirement(s): resolving, downloading, installing"]
+        uv_said = [" ".join(line.split()[:3]) for line in shown[2:-2]]  # Prepared: not if cached
+        assert uv_said[0] == "Resolved 1 package" and uv_said[-1] == "Installed 1 package", shown
+        assert shown[-2] == "smoke test: imports, CUDA libraries, the manifest"
+        assert re.fullmatch(r"built, smoke-tested and swapped in after \d+\.\d s", shown[-1])
         pip_list = rig_ssh(rig1, f"{TOOLS_VENV}/bin/python -m pip list --format=json").stdout
         tools = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(pip_list)}
         assert tools["uv"] == TOOLS_PINS["uv"]
@@ -200,3 +217,33 @@ def test_venv_build_swap_fail_stale_rebuild(sandbox):
         if bumped:  # leave the rig at the inventory's driver, for whatever runs next
             switch_driver(rig1, OLD)
         rig_ssh(rig1, "rm -rf /opt/rigbook/venvs /opt/rigbook/tools", check=False)
+
+
+def test_a_slow_build_shows_its_phases_while_it_runs(sandbox, monkeypatch):
+    """A venv whose module sleeps 6 s on import, so its smoke test does: the phases of its build
+    come into pyinfra's output while it runs, seconds before the line that ends it."""
+    rig1 = sandbox["rig1"]
+    monkeypatch.setenv("RIGBOOK_PROGRESS_EVERY", "1")
+    ensure_wheels([f"{name}=={version}" for name, version in TOOLS_PINS.items()], wheelhouse())
+    make_wheel(wheelhouse(), "rigslow", "1.0", body="import time\ntime.sleep(6)\n")
+    slow = [{"name": "slow", "engine": "none", "python": "3.11", "packages": ["rigslow==1.0"]}]
+    try:
+        run, lines = pyinfra_timed(SANDBOX_INVENTORY, REBUILD, "--limit", "rig1",
+                                   "--data", "venvs=" + json.dumps(slow))
+        assert run.returncode == 0, run.explain()
+        where = "[rig1] venv slow: "
+        seen = [(at, line.removeprefix(where)) for at, line in lines if line.startswith(where)]
+        print("\nthe slow build as pyinfra printed it:\n"
+              + "\n".join(f"{at:6.1f} s  {where}{text}" for at, text in seen))
+        at = {text: when for when, text in seen}
+        assert [text for _, text in seen if not text.startswith(("Resolved", "Prepared",
+                                                                 "Installed"))][:3] == [
+            "creating the venv with Python 3.11",
+            "installing 1 requirement(s): resolving, downloading, installing",
+            "smoke test: imports, CUDA libraries, the manifest"]
+        assert re.fullmatch(r"built, smoke-tested and swapped in after \d+\.\d s", seen[-1][1])
+        assert seen[-1][0] - at["smoke test: imports, CUDA libraries, the manifest"] >= 3
+    finally:
+        rig_ssh(rig1, f"rm -rf {VENVS_DIR}/slow {VENVS_DIR}/slow-* {VENVS_DIR}/slow.env "
+                      f"{VENVS_DIR}/.slow.build.log", check=False)
+        (wheelhouse() / "rigslow-1.0-py3-none-any.whl").unlink(missing_ok=True)

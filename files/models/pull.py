@@ -7,6 +7,13 @@ huggingface_hub); roles/models.py parses the one JSON object it prints on stdout
 
 Exit status: 0 complete, 2 refused (nothing was downloaded), 3 partial, 4 error.
 
+Progress goes to stderr, one JSON object a line, so that rigbook shows it while the pull runs:
+`{"progress": "download", "files": N, "bytes": B}` before the download, then every
+--progress-every seconds `{"progress": "bytes", "bytes": ..., "total": ..., "rate": ...,
+"files_done": ..., "files": ..., "active": [{"path", "bytes", "size", "rate"}, ...]}` (bytes
+written so far, rates in bytes/s over the last 30 s), and `{"progress": "verify", "files": N}`
+before the check.
+
 What it does, in order, holding a per-repo lock so that two pulls of one repo never race:
 
 1. reads the file list of the pinned commit, filtered by the allow/ignore patterns: from the
@@ -43,8 +50,10 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 EXIT = {"complete": 0, "refused": 2, "partial": 3, "error": 4}
@@ -54,6 +63,8 @@ MANIFEST_ROUTE = "/api/rigbook/manifest"
 MANIFEST_SHA256 = "X-Rigbook-Manifest-Sha256"
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "oid": re.compile(r"[0-9a-f]{40}")}
 HASH_CHUNK = 8 * 1024 * 1024
+#: Seconds of progress samples a rate is taken over.
+RATE_WINDOW = 30.0
 GIB = 1024**3
 
 
@@ -275,6 +286,84 @@ def download(repo, revision, cache, endpoint, paths, workers) -> dict[str, str]:
     return errors
 
 
+def report(kind: str, **fields) -> None:
+    """One progress line on stderr (stdout holds only the result)."""
+    print(json.dumps({"progress": kind, **fields}, sort_keys=True), file=sys.stderr, flush=True)
+
+
+class Progress:
+    """How far the download of the missing files is, read from the cache alone.
+
+    huggingface_hub writes each download to `blobs/<etag>.<8 hex>.incomplete` (etag: the sha256
+    of an LFS file, else its git blob id), then moves it to its blob and links it into the
+    snapshot (a Xet download writes to the same file): the sizes on disk are the bytes written,
+    and nothing hooks into the download, so nothing here can break it. It writes in steps of up
+    to 10 MiB, so rates are taken over the last RATE_WINDOW seconds, not step to step.
+    """
+
+    def __init__(self, snapshot: Path, blobs: Path, missing: dict[str, dict], now: float):
+        self.snapshot, self.blobs, self.missing = snapshot, blobs, missing
+        self.total = sum(meta["size"] for meta in missing.values())
+        self.samples = [(now, dict.fromkeys(missing, 0))]  # (when, bytes by path), oldest first
+
+    def partial_sizes(self) -> dict[str, int]:
+        """etag -> bytes of its download in progress."""
+        sizes: dict[str, int] = {}
+        try:
+            with os.scandir(self.blobs) as entries:
+                for entry in entries:
+                    if entry.name.endswith(".incomplete"):
+                        etag = entry.name.split(".", 1)[0]
+                        try:
+                            sizes[etag] = max(sizes.get(etag, 0), entry.stat().st_size)
+                        except OSError:
+                            continue  # moved into place meanwhile
+        except FileNotFoundError:
+            pass  # no download has started yet
+        return sizes
+
+    def sample(self, now: float) -> dict:
+        """Bytes written so far (each file's count never goes back), files done, and rates in
+        bytes/s over the last RATE_WINDOW seconds: overall and of each file being written."""
+        partial, last = self.partial_sizes(), self.samples[-1][1]
+        while len(self.samples) > 1 and self.samples[1][0] <= now - RATE_WINDOW:
+            self.samples.pop(0)
+        since, base = self.samples[0]
+        elapsed = max(now - since, 1e-9)
+        written, active, done = {}, [], 0
+        for path, meta in self.missing.items():
+            complete = size_of(self.snapshot / path) == meta["size"]
+            etag = meta["sha256"] if meta["lfs"] else meta["oid"]
+            written[path] = max(meta["size"] if complete else partial.get(etag, 0), last[path])
+            if complete:
+                done += 1
+            elif etag in partial:
+                active.append({"path": path, "bytes": written[path], "size": meta["size"],
+                               "rate": round((written[path] - base[path]) / elapsed)})
+        self.samples.append((now, written))
+        return {"bytes": sum(written.values()), "total": self.total, "files_done": done,
+                "files": len(self.missing), "active": active,
+                "rate": round((sum(written.values()) - sum(base.values())) / elapsed)}
+
+
+@contextmanager
+def reporting(progress: Progress, every: float):
+    """Report progress.sample() every `every` seconds while the block runs."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every):
+            report("bytes", **progress.sample(time.monotonic()))
+
+    thread = threading.Thread(target=loop, name="progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def vouched_sha256(meta: dict, known: dict) -> str | None:
     """The sha256 a manifest recorded for a file, when it vouches for the file now expected:
     the same sha256, or (a non-LFS file from the hub, whose sha256 is not listed) the same git
@@ -354,15 +443,23 @@ def pull(args: argparse.Namespace) -> dict:
         if refusal is not None:
             return {**result, **refusal, "status": "refused"}
 
-        errors = download(
-            args.repo, args.revision, str(cache), args.endpoint, sorted(missing), args.workers
-        )
+        downloading = time.monotonic()
+        progress = Progress(snapshot, repo_dir / "blobs", missing, downloading)
+        if missing:
+            report("download", files=len(missing), bytes=progress.total)
+        with reporting(progress, args.progress_every):
+            errors = download(
+                args.repo, args.revision, str(cache), args.endpoint, sorted(missing), args.workers
+            )
+        download_seconds = time.monotonic() - downloading
         downloaded = sorted(p for p in missing if p not in errors)
         vouched = (read_manifest(manifest_path) or {}).get("files", {})
+        report("verify", files=len(files))
         absent, wrong, bad, hashes = verify(snapshot, files, vouched, set(missing))
         result.update(
             downloaded=downloaded,
             downloaded_bytes=sum(missing[p]["size"] for p in downloaded),
+            download_seconds=round(download_seconds, 1),
             seconds=round(time.monotonic() - started, 1),
         )
         if absent or wrong or bad:
@@ -397,6 +494,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="rigbook's mirror to pull from (else the hub, HF_ENDPOINT)")
     parser.add_argument("--margin-bytes", type=int, default=10 * GIB)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--progress-every", type=float, default=5.0,
+                        help="seconds between progress lines on stderr")
     return parser.parse_args(argv)
 
 
