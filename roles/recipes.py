@@ -3,15 +3,17 @@
 The catalogue is files/recipes/<name>.toml, read with tomllib and validated into a frozen
 `Recipe` (extra keys are errors). A recipe says which rigs it fits (card class, card count,
 NVLink, platform) and renders into the exact command line the serving unit runs
-(`engine_argv`): only engine flags that the project's verified facts list are used.
+(`engine_argv`): only engine flags that docs/sources.md ("Engine flags") quotes are used.
 
-Facts from the seeds that the catalogue encodes:
+Facts from the source documents that the catalogue encodes (docs/sources.md quotes each):
 
-- dual 3090 without NVLink: NCCL_P2P_DISABLE=1, and no MTP head over PCIe (56 vs 58 tok/s with
-  speculation on); a separate draft model (vLLM --speculative-config, method draft_model)
-  reached 170-210 tok/s. A recipe with MTP on more than one card must require NVLink.
+- dual 3090 without NVLink: NCCL_P2P_DISABLE=1. MTP follows the evidence, not the topology: the
+  failure log's MTP bought nothing because its INT4 MTP head was quantised (acceptance
+  1.07-1.27), while the hardware notes' PCIe-only dual 20 GB pair ran MTP K=3; a recipe with
+  MTP declares `speculative.mtp_head` and a quantised head is refused.
 - 20 GB cards: --gpu-memory-utilization 0.82 and fp8_e5m2 KV (24 GB cards ship 0.95).
-- WSL2: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False (rigbook.wsl.serving_environment).
+- WSL2 and NVLink rigs: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+  (rigbook.wsl.serving_environment).
 - vLLM drains for --shutdown-timeout 30 seconds on SIGTERM (and unlinks its /dev/shm buffer
   only then); the unit's TimeoutStopSec=120 stays above it.
 
@@ -30,13 +32,13 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rigbook import FILES
 from rigbook.errors import RigbookError
 from rigbook.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
-from rigbook.types import IpAddress, Line, LocalPath, Word
-from rigbook.venvs import engine_venv, venv_link
+from rigbook.types import IpAddress, Line, LocalPath, StrictModel, Word
+from rigbook.venvs import engine_pins, engine_venv, venv_link
 from rigbook.wsl import serving_environment
 
 RECIPES_DIR = FILES / "recipes"
@@ -51,7 +53,7 @@ Engine = Literal["vllm", "sglang", "llama.cpp"]
 #: The VenvSpec engine that serves each recipe engine.
 VENV_ENGINE = {"vllm": "vllm", "sglang": "sglang", "llama.cpp": "llama-cpp-python"}
 
-#: --kv-cache-dtype values the engines document (facts §4, §6).
+#: --kv-cache-dtype values the engines document (docs/sources.md, "Engine flags").
 VLLM_KV_DTYPES = (
     "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4",
 )
@@ -74,11 +76,7 @@ OWN_FLAGS = (
 _ENV_KEY = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelPin(_Model):
+class ModelPin(StrictModel):
     """A model in the Hugging Face cache, pinned to one commit."""
 
     repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="Hub repo id, ORG/NAME.")
@@ -95,22 +93,56 @@ class ModelPin(_Model):
         None, description="Model id the API reports; none = the repo id (llama.cpp, vLLM)."
     )
     weights_gib: float = Field(gt=0, description="Size of the weights in GiB (preflight).")
+    gdn: bool = Field(
+        False,
+        description="The model has Gated DeltaNet (GDN) linear-attention layers (Qwen3.6/3.8-27B, "
+        "Qwen3-Next class): its venv must be CUDA 13.0 exactly, and the failure log's GDN traps "
+        "are refused (docs/sources.md, GDN models).",
+    )
 
     @property
     def placeholder(self) -> bool:
         return self.revision == PLACEHOLDER_REVISION
 
 
-class Speculative(_Model):
+class Speculative(StrictModel):
     """vLLM speculative decoding, rendered as --speculative-config JSON."""
 
     method: Literal["draft_model", "mtp"] = Field(
         description="draft_model (a separate draft model) or mtp (the model's own MTP head)."
     )
     num_speculative_tokens: int = Field(ge=1, le=16, description="Tokens proposed per step.")
+    mtp_head: Literal["unquantised", "quantised"] | None = Field(
+        None,
+        description="mtp only, required: how the checkpoint stores its MTP head, read from its "
+        "model.safetensors.index.json (`mtp_head_of_index`): `...mtp....weight` = unquantised, "
+        "`weight_packed` = quantised (refused: docs/sources.md, MTP).",
+    )
 
 
-class Fits(_Model):
+#: The source documents docs/sources.md quotes.
+SourceDocument = Literal["Hardware notes", "Failure log", "Runbook", "Facts sheet"]
+
+
+class SourceRef(StrictModel):
+    """Where a recipe's settings come from: a document, its section, the docs/sources.md topic."""
+
+    document: SourceDocument = Field(description="The source document (docs/sources.md).")
+    section: str = Field(min_length=1, description="Its section or paragraph.")
+    topic: str = Field(
+        min_length=1, description="The docs/sources.md section that quotes it (its heading)."
+    )
+
+    def markdown(self) -> str:
+        return f"{self.document}, {self.section} ([{self.topic}](sources.md#{anchor(self.topic)}))"
+
+
+def anchor(heading: str) -> str:
+    """The link anchor a Markdown renderer gives a heading (GitHub's rule)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+class Fits(StrictModel):
     """The rigs a recipe is known to work on."""
 
     gpu_class: tuple[GpuClass, ...] = Field(
@@ -125,7 +157,7 @@ class Fits(_Model):
     platforms: tuple[Platform, ...] = Field(description="Platforms it fits.")
 
 
-class Estimate(_Model):
+class Estimate(StrictModel):
     """What the preflight checks against the rig's free memory (GiB)."""
 
     kv_gib: float = Field(
@@ -137,11 +169,16 @@ class Estimate(_Model):
     host_ram_gib: float = Field(gt=0, description="Host RAM the engine needs while it loads.")
 
 
-class Recipe(_Model):
+class Recipe(StrictModel):
     """One serving recipe (files/recipes/<name>.toml)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="Its name; the file's stem.")
     description: str = Field(description="What it is for, and the facts behind its settings.")
+    sources: tuple[SourceRef, ...] = Field(
+        (),
+        description="The source documents and sections its settings follow (docs/sources.md); "
+        "empty = rigbook's own configuration, following no source.",
+    )
     engine: Engine = Field(description="vllm, sglang or llama.cpp (llama-cpp-python's server).")
     venv: str = Field(
         pattern=r"^[a-z0-9][a-z0-9_.-]*$",
@@ -180,7 +217,10 @@ class Recipe(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
-        problems = _engine_problems(self) + _model_problems(self) + _env_problems(self)
+        problems = (
+            _engine_problems(self) + _model_problems(self) + _env_problems(self)
+            + _gdn_problems(self)
+        )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -241,17 +281,135 @@ def _model_problems(r: Recipe) -> list[str]:
         problems.append("speculative method draft_model needs a draft model")
     if r.draft is not None and (spec is None or spec.method != "draft_model"):
         problems.append("a draft model is used only with speculative method draft_model")
-    if (
-        spec is not None and spec.method == "mtp" and r.tensor_parallel_size > 1
-        and r.fits.nvlink != "required"
-    ):
-        problems.append(
-            "MTP over PCIe bought nothing on dual cards without NVLink (56 vs 58 tok/s): "
-            "use a draft model, or fits.nvlink required"
-        )
+    if spec is not None and spec.method == "mtp":
+        if spec.mtp_head is None:
+            problems.append(
+                "speculative.mtp_head: say how the checkpoint stores its MTP head (unquantised "
+                "or quantised; model.safetensors.index.json shows weight vs weight_packed)"
+            )
+        elif spec.mtp_head == "quantised":
+            problems.append(
+                "speculative.mtp_head quantised: the failure log's INT4-quantised MTP head "
+                "accepted only 1.07-1.27 tokens and bought nothing (56 vs 58 tok/s); use an "
+                "unquantised (BF16) head or a draft model (docs/sources.md, MTP)"
+            )
+    elif spec is not None and spec.mtp_head is not None:
+        problems.append("speculative.mtp_head is for method mtp")
     if r.engine != "llama.cpp" and r.model.file is not None:
         problems.append("model.file is for llama.cpp GGUF models")
     return problems
+
+
+#: Card classes with SM86 silicon (Ampere consumer / workstation).
+SM86_CLASSES = ("rtx3090", "rtx3090ti", "a6000")
+#: The only CUDA runtime GDN kernels build and load with (docs/sources.md, GDN models).
+GDN_CUDA = "13.0"
+#: Longest context for a GDN model on one SM86 card (Cliff 2: "may OOM at >50K single-prompt").
+GDN_SM86_SINGLE_MAX = 50_000
+
+
+def _gdn_problems(r: Recipe) -> list[str]:
+    """The failure log's GDN traps that a recipe alone shows (docs/sources.md, GDN models)."""
+    problems = []
+    for arg in r.extra_args:
+        flag = arg.split("=", 1)[0]
+        if r.model.gdn and flag == "--enable-torch-compile":
+            problems.append(
+                "extra_args: --enable-torch-compile crashes on GDN models (the failure log; "
+                "docs/sources.md, GDN models)"
+            )
+        if "extra_buffer" in arg:
+            problems.append(
+                "extra_args: the extra_buffer mamba radix-cache strategy took decode from 62 to "
+                "30 tok/s (~52%) in the failure log, a permanent charge against a rare failure "
+                "(docs/sources.md, GDN models); leave the engine's default"
+            )
+    return problems
+
+
+def gdn_fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
+    """The GDN traps that need the rig: FlashInfer's GDN kernels on SM86, and a venv whose CUDA
+    is known (a shipped pin set) and is not 13.0."""
+    if not any(pin.gdn for pin in recipe.models):
+        return []
+    problems = []
+    if rig.gpu_class in SM86_CLASSES and any("flashinfer" in a.lower() for a in recipe.extra_args):
+        problems.append(
+            f"extra_args select FlashInfer, whose GDN kernels need SM90+; a {rig.gpu_class} is "
+            "SM86, where only the Triton linear-attention backend runs (the failure log; "
+            "docs/sources.md, GDN models)"
+        )
+    context = max_model_len_of(recipe, rig)
+    if (
+        recipe.engine != "llama.cpp" and recipe.tensor_parallel_size == 1
+        and rig.gpu_class in SM86_CLASSES and context > GDN_SM86_SINGLE_MAX
+    ):
+        problems.append(
+            f"max_model_len {context} on one SM86 card: a GDN model's single prompts past ~50K "
+            "may OOM there (Cliff 2), and the hardware notes recommend llama.cpp past ~60K "
+            "(docs/sources.md, Long context on SM86); set serving_max_model_len "
+            f"<= {GDN_SM86_SINGLE_MAX}, split over two cards, or use llama.cpp"
+        )
+    venv = next((v for v in rig.venvs if v.name == recipe.venv), None)
+    cuda = venv_cuda(venv.packages) if venv is not None else None
+    if cuda is not None and cuda != GDN_CUDA:
+        problems.append(
+            f"venv {venv.name} resolves to CUDA {cuda}; GDN kernels need CUDA {GDN_CUDA} exactly "
+            "(12.8 hangs on load, 13.3 fails to build: the failure log; docs/sources.md, "
+            "GDN models)"
+        )
+    return problems
+
+
+def venv_cuda(packages: tuple[str, ...]) -> str | None:
+    """The CUDA runtime a venv's pins resolve to, where rigbook knows it: a shipped pin set
+    (files/venvs/pins.toml `cuda`); None otherwise (the preflight reads the built manifest)."""
+    for pins in engine_pins().values():
+        if tuple(pins["packages"]) == tuple(packages):
+            return pins.get("cuda")
+    return None
+
+
+def mtp_head_of_index(index: dict) -> Literal["unquantised", "quantised"] | None:
+    """How a checkpoint stores its MTP head, from its model.safetensors.index.json: a tensor
+    under an `mtp` module ending in `.weight_packed` means quantised (the failure log's
+    half-quantised checkpoint), `.weight` only means unquantised; None: no MTP tensors."""
+    names = [
+        name for name in (index.get("weight_map") or {})
+        if "mtp" in name.split(".")
+    ]
+    if any(name.endswith(".weight_packed") for name in names):
+        return "quantised"
+    if any(name.endswith(".weight") for name in names):
+        return "unquantised"
+    return None
+
+
+#: The weight index of a sharded safetensors checkpoint (where the MTP head's storage shows).
+WEIGHT_INDEX = "model.safetensors.index.json"
+
+
+def mtp_index_problem(recipe: Recipe, index_text: str | None) -> str | None:
+    """The served checkpoint's own index against the recipe's MTP declaration (None: fine, or
+    nothing to check: no MTP, or no index in the snapshot)."""
+    spec = recipe.speculative
+    if spec is None or spec.method != "mtp" or not index_text:
+        return None
+    try:
+        index = json.loads(index_text)
+    except ValueError:
+        return None
+    head = mtp_head_of_index(index) if isinstance(index, dict) else None
+    if head == "quantised":
+        return (
+            f"{WEIGHT_INDEX} stores the MTP head as weight_packed (quantised), though the recipe "
+            "declares it unquantised: a quantised head accepted only 1.07-1.27 tokens in the "
+            "failure log (docs/sources.md, MTP); use a checkpoint with a BF16 head or a draft "
+            "model"
+        )
+    if head is None:
+        return f"{WEIGHT_INDEX} lists no MTP tensors: the model has no MTP head to speculate with"
+    return None
 
 
 def _env_problems(r: Recipe) -> list[str]:
@@ -341,18 +499,65 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
         problems.append("the recipe needs NVLink (nvlink: true)")
     if fits.nvlink == "forbidden" and rig.nvlink:
         problems.append("the recipe is for rigs without NVLink (this rig has nvlink: true)")
+    problems += gdn_fit_problems(recipe, rig) + override_problems(recipe, rig)
     card = VRAM_GIB.get(rig.gpu_class)
-    if card is not None and vram_need_gib(recipe) > card:
-        problems.append(f"weights and KV need {vram_need_gib(recipe):.1f} GiB per card; a "
-                        f"{rig.gpu_class} has {card} GiB")
+    need = vram_need_gib(recipe, rig)
+    if card is not None and need > card - VRAM_MARGIN_GIB:
+        problems.append(f"weights and KV need {need:.1f} GiB per card; a {rig.gpu_class} has "
+                        f"{card} GiB, {VRAM_MARGIN_GIB:g} GiB of it kept free (docs/sources.md, "
+                        "VRAM margins)")
     return problems
 
 
-def vram_need_gib(recipe: Recipe) -> float:
-    """Per card: the weights and KV split over the cards, plus the per-card overhead."""
+#: VRAM kept free on every card, never handed to a model (the runbook's margin_mib = 1024;
+#: docs/sources.md, VRAM margins): a driver, a compositor or a display live in it.
+VRAM_MARGIN_GIB = 1.0
+
+
+def vram_need_gib(recipe: Recipe, rig: Rig | None = None) -> float:
+    """Per card: the weights and KV split over the cards, plus the per-card overhead. With a
+    rig, the KV estimate scales with the rig's serving_max_model_len."""
     cards = recipe.tensor_parallel_size
     weights = sum(pin.weights_gib for pin in recipe.models)
-    return (weights + recipe.estimate.kv_gib) / cards + recipe.estimate.overhead_gib
+    kv = recipe.estimate.kv_gib
+    if rig is not None:
+        kv *= min(max_model_len_of(recipe, rig) / recipe.max_model_len, 1.0)
+    return (weights + kv) / cards + recipe.estimate.overhead_gib
+
+
+def max_model_len_of(recipe: Recipe, rig: Rig) -> int:
+    """The context served on this rig: serving_max_model_len, else the recipe's."""
+    return rig.serving_max_model_len or recipe.max_model_len
+
+
+def gpu_memory_utilization_of(recipe: Recipe, rig: Rig) -> float | None:
+    """The share of each card claimed on this rig: serving_gpu_memory_utilization, else the
+    recipe's (None: llama.cpp, which claims what it loads)."""
+    if recipe.gpu_memory_utilization is None:
+        return None
+    return rig.serving_gpu_memory_utilization or recipe.gpu_memory_utilization
+
+
+def override_problems(recipe: Recipe, rig: Rig) -> list[str]:
+    """The rig's serving overrides against the recipe, and the VRAM margin on a known card."""
+    problems = []
+    if rig.serving_max_model_len is not None and rig.serving_max_model_len > recipe.max_model_len:
+        problems.append(
+            f"serving_max_model_len {rig.serving_max_model_len} is above the recipe's "
+            f"{recipe.max_model_len}: it can only lower it (the recipe's memory estimate is for "
+            "its own context)"
+        )
+    if rig.serving_gpu_memory_utilization is not None and recipe.gpu_memory_utilization is None:
+        problems.append(f"serving_gpu_memory_utilization: {recipe.engine} has no such setting")
+    card = VRAM_GIB.get(rig.gpu_class)
+    share = gpu_memory_utilization_of(recipe, rig)
+    if card is not None and share is not None and card - share * card < VRAM_MARGIN_GIB - 1e-9:
+        problems.append(
+            f"gpu_memory_utilization {share:g} of a {card} GiB {rig.gpu_class} leaves "
+            f"{card - share * card:.2f} GiB; {VRAM_MARGIN_GIB:g} GiB per card is kept for the "
+            "driver and display (docs/sources.md, VRAM margins)"
+        )
+    return problems
 
 
 
@@ -423,8 +628,8 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
             "--served-model-name", recipe.served_name(),
             "--host", host, "--port", port,
             "--tensor-parallel-size", str(recipe.tensor_parallel_size),
-            "--max-model-len", str(recipe.max_model_len),
-            "--gpu-memory-utilization", f"{recipe.gpu_memory_utilization:g}",
+            "--max-model-len", str(max_model_len_of(recipe, rig)),
+            "--gpu-memory-utilization", f"{gpu_memory_utilization_of(recipe, rig):g}",
         ]
         if recipe.kv_cache_dtype is not None:
             argv += ["--kv-cache-dtype", recipe.kv_cache_dtype]
@@ -442,8 +647,8 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
             f"{venv}/python", "-m", "sglang.launch_server", "--model-path", path,
             "--host", host, "--port", port,
             "--tp", str(recipe.tensor_parallel_size),
-            "--context-length", str(recipe.max_model_len),
-            "--mem-fraction-static", f"{recipe.gpu_memory_utilization:g}",
+            "--context-length", str(max_model_len_of(recipe, rig)),
+            "--mem-fraction-static", f"{gpu_memory_utilization_of(recipe, rig):g}",
         ]
         if recipe.kv_cache_dtype is not None:
             argv += ["--kv-cache-dtype", recipe.kv_cache_dtype]
@@ -452,7 +657,7 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
             f"{venv}/python", "-m", "llama_cpp.server", "--model", path,
             "--model_alias", recipe.served_name(),
             "--host", host, "--port", port,
-            "--n_ctx", str(recipe.max_model_len),
+            "--n_ctx", str(max_model_len_of(recipe, rig)),
             "--n_gpu_layers", "0" if recipe.cpu_only else "-1",
         ]
     return argv + list(recipe.extra_args)
@@ -513,8 +718,12 @@ def _recipe_section(recipe: Recipe) -> list[str]:
     rig = example_rig(recipe)
     fits = recipe.fits
     lines = [f"## `{recipe.name}`\n", recipe.description.strip() + "\n"]
+    follows = "; ".join(ref.markdown() for ref in recipe.sources) or (
+        "rigbook's own configuration: no source document"
+    )
     rows = [
         ("engine", f"{recipe.engine} (venv `{recipe.venv}`)"),
+        ("follows", follows),
         ("fits", _fits_text(recipe)),
     ]
     for label, pin in (("model", recipe.model), ("draft", recipe.draft)):
@@ -586,8 +795,8 @@ def recipes_markdown() -> str:
     parts += ["## Recipe file keys\n", "| key | meaning |", "| --- | --- |"]
     parts += _schema_table(Recipe)
     for key, model in (
-        ("model.", ModelPin), ("speculative.", Speculative), ("fits.", Fits),
-        ("estimate.", Estimate),
+        ("sources[].", SourceRef), ("model.", ModelPin), ("speculative.", Speculative),
+        ("fits.", Fits), ("estimate.", Estimate),
     ):
         parts += _schema_table(model, key)
     return "\n".join(parts) + "\n"

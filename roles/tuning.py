@@ -34,7 +34,7 @@ from pyinfra.operations import files
 
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
-from rigbook.messages import refuse, warn_once
+from rigbook.messages import gib, refuse, warn_once
 from rigbook.render import template
 from rigbook.spec import Rig
 
@@ -271,10 +271,6 @@ def size_bytes(size: str, mem_total_bytes: int) -> int:
     return pages * PAGE
 
 
-def gib(size: int) -> str:
-    return f"{size / 1024**3:.1f} GiB"
-
-
 def shm_problem(size: str, shm: ShmState) -> str | None:
     """Why /dev/shm must not be set to `size` on this host (what it has, what is allowed), or
     None when it can be."""
@@ -409,6 +405,82 @@ def _shm_findings(rig: Rig, facts: Facts) -> list[Finding]:
     return found
 
 
+@dataclass(frozen=True)
+class InotifyHolder:
+    """One process holding inotify watches."""
+
+    pid: int
+    uid: int
+    comm: str
+    watches: int
+
+
+class InotifyWatches(FactBase[list[InotifyHolder]]):
+    """
+    inotify watches per process, counted from /proc/*/fdinfo (an ``inotify wd:`` line per
+    watch), as the runbook diagnoses ENOSPC (docs/sources.md, "inotify watches"). Processes of
+    other users are counted only when the deploy may read them (root). Output: one line per
+    holder, ``WATCHES PID UID COMM``::
+
+        59628 4242 1000 code
+        12 812 0 systemd
+    """
+
+    default = list
+
+    def command(self) -> str:
+        return (
+            "for d in /proc/[0-9]*; do "
+            "n=$(cat \"$d\"/fdinfo/* 2>/dev/null | grep -c '^inotify wd:'); "
+            "[ \"${n:-0}\" -gt 0 ] 2>/dev/null && "
+            "echo \"$n ${d#/proc/} $(stat -c %u \"$d\" 2>/dev/null) "
+            "$(cat \"$d\"/comm 2>/dev/null)\"; "
+            "done; true"
+        )
+
+    def process(self, output: list[str]) -> list[InotifyHolder]:
+        return parse_inotify(output)
+
+
+def parse_inotify(output: Iterable[str]) -> list[InotifyHolder]:
+    """InotifyWatches' lines, most watches first (lines that do not parse are skipped)."""
+    holders = []
+    for line in output:
+        parts = line.split(None, 3)
+        if len(parts) >= 3 and all(p.isdigit() for p in parts[:3]):
+            comm = parts[3].strip() if len(parts) == 4 else "?"
+            holders.append(InotifyHolder(int(parts[1]), int(parts[2]), comm, int(parts[0])))
+    return sorted(holders, key=lambda h: (-h.watches, h.pid))
+
+
+#: Warn when one user holds this share of fs.inotify.max_user_watches.
+INOTIFY_NEAR = 0.8
+
+
+def inotify_findings(holders: list[InotifyHolder] | None, limit: str | None) -> list[Finding]:
+    """A warning per user near fs.inotify.max_user_watches (the limit is per user), naming the
+    processes that hold the most watches."""
+    if not holders or limit is None or not str(limit).strip().isdigit():
+        return []
+    cap = int(limit)
+    by_user: dict[int, list[InotifyHolder]] = {}
+    for holder in holders:
+        by_user.setdefault(holder.uid, []).append(holder)
+    found = []
+    for uid, mine in sorted(by_user.items()):
+        total = sum(h.watches for h in mine)
+        if cap and total >= INOTIFY_NEAR * cap:
+            top = ", ".join(f"{h.comm} (pid {h.pid}) {h.watches}" for h in mine[:3])
+            found.append(warn(
+                "tuning",
+                f"uid {uid} holds {total} of fs.inotify.max_user_watches {cap} inotify watches "
+                f"({100 * total // cap}%); most: {top}. A start can die with ENOSPC: exclude "
+                "the watcher's folders or raise sysctl_inotify_max_user_watches "
+                "(docs/sources.md, inotify watches)",
+            ))
+    return found
+
+
 def tuning_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     """A tuning the host cannot take (errors: a /dev/shm size above MemTotal or below what it
     holds, a /dev/shm that is not tmpfs, a sysctl key this kernel lacks), and every drift."""
@@ -417,6 +489,8 @@ def tuning_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     if facts.missing(*names):
         return facts.missing(*names)
     found = _sysctl_findings(rig, facts) + _shm_findings(rig, facts)
+    live = (facts.sysctl_live or {}).get("fs.inotify.max_user_watches")
+    found += inotify_findings(facts.inotify, live.value if live is not None else None)
     return found + [drift("tuning", f"leftover {path} is present")
                     for path in facts.stale_present or ()]
 
@@ -428,6 +502,7 @@ def _tuning_reads(rig: Rig, rig_name: str) -> list[Read]:
              (("keys", tuple(sysctl_values(rig))),)),
         SHM_READ,
         Read("fstab", FileContents, FSTAB, (("path", FSTAB),)),
+        Read("inotify", InotifyWatches, "inotify watches per process"),
     ]
     if rig.stale_files:
         reads.append(Read("stale_present", PresentPaths, "leftover files",

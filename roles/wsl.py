@@ -11,7 +11,8 @@
 - WSL2 needs >= 24 GiB of memory for model loading; %UserProfile%\\.wslconfig is read and a
   lower value reported (never edited: it is the user's Windows file).
 - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False avoids a boot crash at weight repack:
-  `serving_environment` gives it to the serving role, /etc/profile.d/rigbook-wsl.sh to shells.
+  `serving_environment` gives it to the serving role (on WSL2 and on NVLink rigs, the two
+  occurrences the hardware notes list), /etc/profile.d/rigbook-wsl.sh to shells.
 
 The platform check runs on every rig: a rig declared wsl2 that is not WSL2, or a WSL2 host
 declared otherwise, fails before anything else of this role runs.
@@ -29,14 +30,13 @@ from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 from pyinfra.api.command import QuoteString
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.api.util import get_template
 from pyinfra.operations import files
 
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
-from rigbook.messages import notice, refuse, warn_once
-from rigbook.render import template
+from rigbook.messages import gib, notice, refuse, warn_once
+from rigbook.render import render_crlf, template
 from rigbook.spec import Rig
 from rigbook.tuning import SHM_READ, Shm
 
@@ -62,17 +62,17 @@ _VALUE_LINE = re.compile(r"^\s+(\S+)\s+(REG_[A-Z0-9_]+)\s*(.*)$")
 _MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)B?$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
-#: Windows' own CRLF line ends for the files the user runs there.
-WINDOWS_TEXT = {"newline_sequence": "\r\n"}
-
 
 def serving_environment(rig: Rig) -> dict[str, str]:
     """Environment the serving role merges into every engine's unit on this rig.
 
-    WSL2: expandable_segments:False (an engine died at weight repack with "device not ready"
-    with PyTorch's expandable segments on).
+    expandable_segments:False on WSL2 and on NVLink rigs: an engine died at weight repack with
+    "device not ready" with PyTorch's expandable segments on. The hardware notes list it under
+    WSL2 but say it "is not strictly WSL2-only", and their NVLink composes "already hardcode
+    expandable_segments off" (docs/sources.md, "expandable_segments"): those are the two
+    known occurrences, so both get it.
     """
-    if rig.platform == "wsl2":
+    if rig.platform == "wsl2" or rig.nvlink:
         return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     return {}
 
@@ -376,7 +376,7 @@ def windows_path(path: str) -> str:
 
 def render_windows_file(name: str, **data) -> str:
     """A files/wsl template rendered with CRLF line ends, as Windows tools expect."""
-    return get_template(str(FILES / "wsl" / name), dict(WINDOWS_TEXT)).render(**data)
+    return render_crlf(FILES / "wsl" / name, **data)
 
 
 def tdr_reg_file(host_name: str, values: dict[str, int]) -> str:
@@ -517,7 +517,7 @@ def memory_findings(
             continue
         if size < least:
             warnings.append(
-                f"{host_name}: {where}: [wsl2] memory={raw} ({size / 1024**3:.1f} GiB) is below "
+                f"{host_name}: {where}: [wsl2] memory={raw} ({gib(size)}) is below "
                 f"wsl_min_memory_gib={min_gib}: model loading needs at least {min_gib} GiB"
             )
         else:

@@ -72,13 +72,23 @@ def h200_rig(**data) -> Rig:
 # --- cap policy ----------------------------------------------------------------------------
 
 
-def test_profiles_pick_the_seeds_sweet_spots():
+def test_profiles_pick_the_hardware_notes_sweet_spots():
     assert [c.watts for c in desired_caps(dual_3090(), "rig1", DUAL)] == [290, 290]
     water = desired_caps(dual_3090(cooling="water"), "rig1", DUAL)
     assert [c.watts for c in water] == [330, 330]
     prefill = desired_caps(dual_3090(power_profile="prefill"), "rig1", DUAL)
     assert [c.watts for c in prefill] == [250, 250]
     assert prefill[0].source == "power_profile prefill (rtx3090, air)"
+    aio = desired_caps(dual_3090(cooling="aio"), "rig1", DUAL)
+    assert [c.watts for c in aio] == [330, 330]  # the 330 W anchor ran on an AIO
+
+
+def test_5090_prefill_is_the_notes_400_w_knee():
+    """Hardware notes, 5090 per-workload ceilings: prefill "400W (0.618 TPS/W)"."""
+    rig = Rig(platform="ubuntu", gpu_class="rtx5090", gpu_count=1, power_profile="prefill")
+    assert rig.default_cap() == 400
+    with pytest.raises(ValueError, match="rtx5090 cooled by water"):
+        Rig(platform="ubuntu", gpu_class="rtx5090", gpu_count=1, cooling="water")
 
 
 def test_stock_is_the_cards_default_limit():

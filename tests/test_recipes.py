@@ -22,6 +22,7 @@ from rigbook.recipes import (
 )
 from rigbook.serving import engine_environment
 from rigbook.spec import Rig
+from rigbook.venvs import engine_pins
 from tests.conftest import ROOT
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")
@@ -99,7 +100,37 @@ def recipe_data(**changes) -> dict:
     return data
 
 
-def test_the_catalogue_ships_the_recipes_the_seeds_describe():
+def test_every_shipped_recipe_names_the_sources_it_follows():
+    """docs/recipes.md shows each recipe's source and section; each topic is a section of
+    docs/sources.md, which quotes it."""
+    from rigbook.recipes import anchor
+
+    sources = (ROOT / "docs" / "sources.md").read_text()
+    headings = {anchor(line[3:]) for line in sources.splitlines() if line.startswith("## ")}
+    docs = (ROOT / "docs" / "recipes.md").read_text()
+    for recipe in catalogue().values():
+        assert recipe.sources, recipe.name
+        for ref in recipe.sources:
+            assert anchor(ref.topic) in headings, (recipe.name, ref.topic)
+            assert ref.markdown() in docs
+    assert anchor("Shutdown drain and /dev/shm") == "shutdown-drain-and-devshm"
+    assert anchor("expandable_segments") == "expandable_segments"
+
+
+def test_recipes_quote_no_figures_from_configurations_they_do_not_ship():
+    """Issue 20 (2): the failure log's acceptance and tok/s belong to its 1.4B draft and GDN
+    27B; (3): the long-context vLLM recipe is not for SM86 cards."""
+    recipes = catalogue()
+    for recipe in recipes.values():
+        for figure in ("3.7-4.2", "170-210", "1.07-1.27", "56 tok/s", "56 vs 58"):
+            assert figure not in recipe.description, (recipe.name, figure)
+    long = recipes["single-24g-long"]
+    assert long.max_model_len > 60_000
+    assert not set(long.fits.gpu_class) & {"rtx3090", "rtx3090ti", "a6000"}
+    assert "recommend past ~60K" not in recipes["llamacpp-single"].description
+
+
+def test_the_catalogue_ships_the_recipes_the_sources_describe():
     recipes = catalogue()
     assert set(recipes) == set(EXPECTED)
     assert all(path.stem in recipes for path in RECIPES_DIR.glob("*.toml"))
@@ -166,8 +197,20 @@ def test_wsl2_recipes_get_the_allocator_setting_from_the_wsl_role():
 
 @pytest.mark.parametrize(("data", "expected"), [
     (recipe_data(flavour="x"), "flavour: Extra inputs are not permitted"),
-    (recipe_data(speculative={"method": "mtp", "num_speculative_tokens": 1},
-                 tensor_parallel_size=2), "MTP over PCIe bought nothing"),
+    (recipe_data(speculative={"method": "mtp", "num_speculative_tokens": 3},
+                 tensor_parallel_size=2), "speculative.mtp_head: say how the checkpoint stores"),
+    (recipe_data(speculative={"method": "mtp", "num_speculative_tokens": 3,
+                              "mtp_head": "quantised"}),
+     "INT4-quantised MTP head accepted only 1.07-1.27 tokens"),
+    (recipe_data(speculative={"method": "draft_model", "num_speculative_tokens": 5,
+                              "mtp_head": "unquantised"}, draft={"repo": "o/d", "revision": DRAFT,
+                                                                 "weights_gib": 1}),
+     "speculative.mtp_head is for method mtp"),
+    (recipe_data(model={"repo": "o/m", "revision": MAIN, "weights_gib": 1, "gdn": True},
+                 extra_args=["--enable-torch-compile"]),
+     "--enable-torch-compile crashes on GDN models"),
+    (recipe_data(extra_args=["--mamba-cache-strategy=extra_buffer"]),
+     "extra_buffer mamba radix-cache strategy took decode from 62 to 30 tok/s"),
     (recipe_data(speculative={"method": "draft_model", "num_speculative_tokens": 5}),
      "draft_model needs a draft model"),
     (recipe_data(kv_cache_dtype="turboquant_3bit_nc"), "kv_cache_dtype 'turboquant_3bit_nc'"),
@@ -190,6 +233,134 @@ def test_bad_recipes_are_refused_with_the_field(tmp_path: Path, data, expected):
     with pytest.raises(RigbookError) as error:
         load_recipe(path)
     assert expected in str(error.value) and str(path) in str(error.value)
+
+
+def test_mtp_follows_the_head_not_the_topology():
+    """The hardware notes' PCIe-only dual 20 GB pair ran MTP K=3; the failure log's MTP failed
+    for its quantised head (docs/sources.md, MTP). No NVLink requirement, a quantised head
+    refused."""
+    ok = Recipe.model_validate(recipe_data(
+        tensor_parallel_size=2, fits={"gpu_class": ["rtx3090"], "gpu_count": 2,
+                                      "nvlink": "forbidden", "platforms": ["debian"]},
+        speculative={"method": "mtp", "num_speculative_tokens": 3, "mtp_head": "unquantised"},
+    ))
+    assert ok.speculative.mtp_head == "unquantised"
+    argv = engine_argv(ok, Rig(platform="debian", gpu_class="rtx3090", gpu_count=2,
+                               venvs=[{"name": "v", "engine": "vllm", "packages": ["vllm==1"]}]))
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert config == {"num_speculative_tokens": 3, "method": "mtp"}  # mtp_head is not a flag
+
+
+def test_mtp_head_is_read_from_the_checkpoint_index():
+    from rigbook.recipes import mtp_head_of_index
+
+    half = {"weight_map": {
+        "model.layers.0.mlp.down_proj.weight_packed": "a.safetensors",
+        "mtp.layers.0.mlp.down_proj.weight_packed": "b.safetensors",
+        "mtp.fc.weight": "b.safetensors",
+    }}
+    assert mtp_head_of_index(half) == "quantised"
+    bf16 = {"weight_map": {"model.layers.0.mlp.down_proj.weight_packed": "a.safetensors",
+                           "mtp.layers.0.mlp.down_proj.weight": "b.safetensors"}}
+    assert mtp_head_of_index(bf16) == "unquantised"
+    assert mtp_head_of_index({"weight_map": {"model.embed_tokens.weight": "a"}}) is None
+    assert mtp_head_of_index({}) is None
+
+
+def gdn_recipe(**changes) -> Recipe:
+    data = recipe_data(model={"repo": "o/m", "revision": MAIN, "weights_gib": 1, "gdn": True})
+    data.update(changes)
+    return Recipe.model_validate(data)
+
+
+def gdn_rig(gpu_class="rtx3090", packages=("vllm==0.33.0", "torch==2.14.0")) -> Rig:
+    return Rig(platform="debian", gpu_class=gpu_class, gpu_count=2,
+               venvs=[{"name": "v", "engine": "vllm", "packages": list(packages)}])
+
+
+def test_gdn_models_refuse_flashinfer_on_sm86():
+    recipe = gdn_recipe(extra_args=["--linear-attention-backend=flashinfer"],
+                        fits={"gpu_class": ["rtx3090", "rtx4090"], "gpu_count": 2,
+                              "platforms": ["debian"]})
+    problems = fit_problems(recipe, gdn_rig())
+    assert len(problems) == 1 and "GDN kernels need SM90+; a rtx3090 is SM86" in problems[0]
+    assert "docs/sources.md, GDN models" in problems[0]
+    assert fit_problems(recipe, gdn_rig(gpu_class="rtx4090")) == []
+    assert fit_problems(gdn_recipe(), gdn_rig()) == []  # Triton (the default) on SM86 is fine
+    plain = Recipe.model_validate(recipe_data(extra_args=["--linear-attention-backend=flashinfer"]))
+    assert fit_problems(plain, gdn_rig()) == []  # not a GDN model
+
+
+def test_gdn_models_past_50k_on_one_sm86_card_are_refused():
+    """Hardware notes: Cliff 2, "may OOM at >50K single-prompt context" on a single 3090; TP=2
+    escapes it (docs/sources.md, Long context on SM86)."""
+    one = {"gpu_class": ["rtx3090", "rtx4090"], "gpu_count": 1, "platforms": ["debian"]}
+    long = gdn_recipe(max_model_len=131072, fits=one)
+    rig = Rig(platform="debian", gpu_class="rtx3090", gpu_count=1,
+              venvs=[{"name": "v", "engine": "vllm", "packages": ["vllm==1.0"]}])
+    (problem,) = fit_problems(long, rig)
+    assert problem.startswith("max_model_len 131072 on one SM86 card: a GDN model's single")
+    assert fit_problems(long, rig.model_copy(update={"serving_max_model_len": 50000})) == []
+    assert fit_problems(long, rig.model_copy(update={"gpu_class": "rtx4090"})) == []
+    two = gdn_recipe(max_model_len=131072, tensor_parallel_size=2)
+    assert fit_problems(two, gdn_rig(packages=("vllm==1.0",))) == []
+
+
+def test_gdn_models_need_a_cuda_13_0_venv(monkeypatch):
+    from rigbook import recipes
+
+    assert recipes.venv_cuda(("vllm==0.33.0", "torch==2.14.0")) == "13.0"
+    assert fit_problems(gdn_recipe(), gdn_rig()) == []
+    monkeypatch.setitem(engine_pins(), "future", {
+        "venv": "f", "packages": ["vllm==9.9", "torch==9.9"], "cuda": "13.2"})
+    problems = fit_problems(gdn_recipe(), gdn_rig(packages=("vllm==9.9", "torch==9.9")))
+    assert problems == [
+        "venv v resolves to CUDA 13.2; GDN kernels need CUDA 13.0 exactly (12.8 hangs on load, "
+        "13.3 fails to build: the failure log; docs/sources.md, GDN models)"
+    ]
+    # Unknown pins: the serving preflight reads the built venv's CUDA instead.
+    assert fit_problems(gdn_recipe(), gdn_rig(packages=("vllm==1.0",))) == []
+
+
+def test_a_rig_can_lower_context_and_memory_share_for_a_display():
+    """Hardware notes: a 4090 driving a display has ~23.5 GB usable and needed
+    MAX_MODEL_LEN=90000; the same overrides apply for other GPU consumers (docs/sources.md,
+    VRAM margins)."""
+    from rigbook.recipes import vram_need_gib
+
+    recipe = catalogue()["single-24g-long"]
+    rig = pinned_rig(recipe, serving_max_model_len=90000, serving_gpu_memory_utilization=0.9)
+    argv = engine_argv(recipe, rig)
+    assert argv[argv.index("--max-model-len") + 1] == "90000"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert fit_problems(recipe, rig) == []
+    # KV scales with the context: 9 GiB at 131072 -> 9 x 90000 / 131072.
+    assert vram_need_gib(recipe, rig) == pytest.approx(7.5 + 9 * 90000 / 131072 + 1.5)
+    assert vram_need_gib(recipe) == 18
+    higher = pinned_rig(recipe, serving_max_model_len=262144)
+    assert fit_problems(recipe, higher) == [
+        "serving_max_model_len 262144 is above the recipe's 131072: it can only lower it (the "
+        "recipe's memory estimate is for its own context)"
+    ]
+    llama = catalogue()["llamacpp-single"]
+    share = pinned_rig(llama, serving_gpu_memory_utilization=0.8)
+    assert fit_problems(llama, share) == [
+        "serving_gpu_memory_utilization: llama.cpp has no such setting"
+    ]
+    short = pinned_rig(llama, serving_max_model_len=8192)
+    argv = engine_argv(llama, short)
+    assert argv[argv.index("--n_ctx") + 1] == "8192"
+
+
+def test_a_share_that_eats_the_per_card_margin_is_refused():
+    """The runbook keeps 1 GiB per card that is never handed to a model."""
+    recipe = catalogue()["single-24g-long"]
+    greedy = pinned_rig(recipe, serving_gpu_memory_utilization=0.98)
+    assert fit_problems(recipe, greedy) == [
+        "gpu_memory_utilization 0.98 of a 24 GiB rtx4090 leaves 0.48 GiB; 1 GiB per card is kept "
+        "for the driver and display (docs/sources.md, VRAM margins)"
+    ]
+    assert fit_problems(recipe, pinned_rig(recipe, serving_gpu_memory_utilization=0.95)) == []
 
 
 def test_a_recipe_is_named_after_its_file(tmp_path: Path):

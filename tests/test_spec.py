@@ -40,7 +40,13 @@ def test_example_fleet_validates_with_group_data_and_host_precedence():
         ({**GOOD, "power_caps": {"2": 300}}, "power_caps names GPU 2 but the rig has 2"),
         ({**GOOD, "power_caps": {"0": 0}}, "cap for GPU 0 must be positive"),
         ({**GOOD, "gpu_class": "a6000"}, "no documented sweet-spot cap for a6000"),
-        ({**GOOD, "power_profile": "prefill", "gpu_class": "rtx5090"}, "no documented prefill cap"),
+        ({**GOOD, "power_profile": "prefill", "gpu_class": "rtx4090"}, "no documented prefill cap"),
+        ({**GOOD, "gpu_class": "rtx4090", "cooling": "water"},
+         "no documented sweet-spot cap for rtx4090 cooled by water: the hardware notes measured "
+         "it air-cooled only"),
+        ({**GOOD, "gpu_class": "rtx5090", "cooling": "aio"}, "rtx5090 cooled by aio"),
+        ({**GOOD, "power_profile": "prefill", "cooling": "water"},
+         "no documented prefill cap for rtx3090 cooled by water"),
         ({**GOOD, "shm_size": "lots"}, "box: shm_size: a tmpfs size, e.g. 64G, 512M or 50% "
                                        "(got 'lots')"),
         ({**GOOD, "stale_files": ["etc/x"]}, "box: stale_files.0: an absolute path on the rig"),
@@ -153,8 +159,11 @@ def test_data_is_checked_only_against_the_hosts_the_limit_selects():
     _, hosts, rigs = load_inventory(fleet, prefill, limit=["rig-dual3090"])
     assert [host.name for host in hosts] == ["rig-dual3090"]
     assert rigs["rig-dual3090"].default_cap() == 250
-    with pytest.raises(RigbookError, match="rig-5090: no documented prefill cap for rtx5090"):
-        load_inventory(fleet, prefill)
+    _, _, rigs = load_inventory(fleet, prefill)
+    assert rigs["rig-5090"].default_cap() == 400  # the notes' prefill knee, 0.618 TPS/W
+    with pytest.raises(RigbookError, match="rig-5090: no documented sweet-spot cap for rtx5090 "
+                                           "cooled by water"):
+        load_inventory(fleet, {"cooling": "water"})
     _, hosts, _ = load_inventory(fleet, {"power_caps": {"0": 280, "1": 300}}, limit=["dual_3090"])
     assert [host.name for host in hosts] == ["rig-dual3090"]
     _, hosts, _ = load_inventory(fleet, exclude=["rig-5090"])

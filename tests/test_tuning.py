@@ -386,3 +386,45 @@ def test_the_check_refuses_with_every_reason():
 def test_the_check_leaves_shm_alone_when_not_asked():
     cfg = rig()  # shm_size None: even a tiny, non-tmpfs /dev/shm is fine
     assert refusals(cfg, tuning_facts(cfg, state(fstype=None, size=None), live_ok(cfg))) == []
+
+
+# --- inotify watches per process (docs/sources.md, inotify watches) ----------------------------
+
+
+def test_inotify_watches_are_counted_per_process_on_this_machine(tmp_path):
+    import ctypes
+    import os
+
+    from rigbook.tuning import InotifyWatches
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init()
+    if fd < 0:
+        pytest.skip("no inotify here")
+    try:
+        for i in range(3):
+            folder = tmp_path / str(i)
+            folder.mkdir()
+            assert libc.inotify_add_watch(fd, str(folder).encode(), 0x100) >= 0  # IN_CREATE
+        holders = local_fact(InotifyWatches)
+        mine = [h for h in holders if h.pid == os.getpid()]
+        assert len(mine) == 1 and mine[0].watches >= 3 and mine[0].uid == os.getuid()
+    finally:
+        os.close(fd)
+
+
+def test_inotify_near_the_limit_names_the_holders():
+    from rigbook.tuning import inotify_findings, parse_inotify
+
+    holders = parse_inotify(["12 812 0 systemd", "59628 4242 1000 code", "junk", "5 99 1000 x y"])
+    assert [(h.comm, h.watches) for h in holders] == [("code", 59628), ("systemd", 12), ("x y", 5)]
+    (finding,) = inotify_findings(holders, "65536")
+    assert (finding.level, finding.area) == ("warn", "tuning")
+    assert finding.reason == (
+        "uid 1000 holds 59633 of fs.inotify.max_user_watches 65536 inotify watches (90%); most: "
+        "code (pid 4242) 59628, x y (pid 99) 5. A start can die with ENOSPC: exclude the "
+        "watcher's folders or raise sysctl_inotify_max_user_watches (docs/sources.md, inotify "
+        "watches)"
+    )
+    assert inotify_findings(holders, "1048576") == []
+    assert inotify_findings(holders, None) == [] and inotify_findings([], "10") == []

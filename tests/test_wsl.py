@@ -63,9 +63,13 @@ def rig(**data) -> Rig:
 # --- the serving environment ----------------------------------------------------------------
 
 
-def test_serving_environment_only_on_wsl2():
-    assert serving_environment(rig()) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+def test_serving_environment_on_wsl2_and_on_nvlink_rigs():
+    """The hardware notes: "not strictly WSL2-only"; the NVLink composes hard-code it off."""
+    off = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    assert serving_environment(rig()) == off
     assert serving_environment(rig(platform="debian")) == {}
+    assert serving_environment(rig(platform="debian", gpu_count=2, nvlink=True)) == off
+    assert serving_environment(rig(platform="ubuntu", gpu_count=2)) == {}
 
 
 def test_profile_script_exports_it(tmp_path):

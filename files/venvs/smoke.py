@@ -1,6 +1,7 @@
 # rigbook venv smoke test: run by the NEW venv's own Python (-I: isolated, so nothing from the
 # working directory or PYTHON* variables leaks in) before the stable symlink moves to it.
-# Imports the engine (or the first package), checks torch against the driver, and only then writes
+# Imports the engine (or the first package), refuses placeholder CUDA library wheels and loads
+# libnvrtc/libcudart/libcublas from the venv, checks torch against the driver, and only then writes
 # rigbook-manifest.json into the venv: a build with a manifest is a build that passed.
 # argv[1]: JSON from roles/venvs.py (smoke_input); stdout goes to the build log.
 import importlib
@@ -57,12 +58,76 @@ def runtime_cuda(packages):
     return None, None
 
 
+#: CUDA library wheels and the library each must put in the venv (nvidia/<dir>/lib). A wheel that
+#: installed as a 0.0.0 placeholder carries no library: the failure log's vLLM 0.27.1 never
+#: initialised because nvidia-cuda-nvrtc was 0.0.0a0 and libnvrtc.so.13 was missing
+#: (docs/sources.md, "nvrtc placeholder wheel").
+CUDA_LIBRARIES = {
+    "nvidia-cuda-nvrtc": "libnvrtc.so.13",
+    "nvidia-cuda-runtime": "libcudart.so.13",
+    "nvidia-cublas": "libcublas.so.13",
+}
+_PLACEHOLDER = re.compile(r"^0+(\.0+)*([._-]?(a|alpha|dev|rc|b)\d*)?$")
+
+
+def site_dirs():
+    return [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+
+
+def find_library(lib, sites):
+    """The venv's own copy of a CUDA library (site-packages/nvidia/*/lib/<lib>), or None."""
+    for site in sites:
+        base = os.path.join(site, "nvidia")
+        if not os.path.isdir(base):
+            continue
+        for sub in sorted(os.listdir(base)):
+            path = os.path.join(base, sub, "lib", lib)
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def cuda_library_problems(packages, sites):
+    """Why the venv's CUDA library wheels cannot work: placeholders, libraries missing or not
+    loadable from the venv. Only CUDA 13 wheels (name or -cu13) are checked."""
+    import ctypes
+
+    problems = []
+    by_name = {canonical(name): version for name, version in packages.items()}
+    for dist, lib in CUDA_LIBRARIES.items():
+        name = next((n for n in (dist, dist + "-cu13") if n in by_name), None)
+        if name is None:
+            continue
+        version = by_name[name]
+        if _PLACEHOLDER.match(version):
+            problems.append(
+                f"{name} {version} is a placeholder wheel, so {lib} is missing (the failure log's "
+                f"vLLM died of exactly this; docs/sources.md, nvrtc placeholder wheel): "
+                f"force-reinstall {name}"
+            )
+            continue
+        if name == dist and not version.startswith("13"):
+            continue  # a CUDA 12 build of the plain name: not a cu13 library
+        path = find_library(lib, sites)
+        if path is None:
+            problems.append(f"{name} {version} is installed but {lib} is not in the venv")
+            continue
+        try:
+            ctypes.CDLL(path)
+        except OSError as error:
+            problems.append(f"{lib} from the venv does not load: {error}")
+    return problems
+
+
 def main():
     spec = json.loads(sys.argv[1])
+    packages = installed()
+    problems = cuda_library_problems(packages, site_dirs())
+    if problems:
+        raise SystemExit("smoke: " + "; ".join(problems))
     module = spec["module"] or import_name(spec["packages"][0])
     imported = importlib.import_module(module)
     print(f"smoke: import {module} ok ({getattr(imported, '__file__', '?')})")
-    packages = installed()
     cuda_runtime, torch = runtime_cuda(packages)
     devices = None
     runtime, supported = cuda_pair(cuda_runtime), cuda_pair(spec["cuda"])
