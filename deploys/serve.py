@@ -16,7 +16,7 @@ the rig's own recipe is converged. docs/runbooks/switch-recipe.md walks through 
 from pyinfra import host
 
 from rigbook import guards, serving
-from rigbook.models import refused
+from rigbook.messages import refused
 from rigbook.preflight import preflight
 from rigbook.spec import rig_of
 from rigbook.wsl import PLATFORM

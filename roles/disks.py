@@ -12,8 +12,8 @@ from pyinfra.api import FactBase, QuoteString, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 
 from rigbook.checks import Check, Facts, Finding, Read, warn
+from rigbook.messages import gib
 from rigbook.spec import Rig
-from rigbook.tuning import gib
 
 DISK_PATHS = ("/", "/opt/rigbook")
 #: Warn when a filesystem has less than this share free.

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from rigbook.errors import RigbookError
 from rigbook.recipes import recipes_markdown
@@ -43,7 +42,7 @@ def _type_name(annotation) -> str:
 
 
 def _default(field) -> str:
-    if field.default is PydanticUndefined:
+    if field.is_required():
         return "**required**"
     return f"`{json.dumps(field.default, default=list)}`"
 
@@ -64,7 +63,10 @@ def _table(model: type[BaseModel]) -> list[str]:
 def _sweet_spots() -> list[str]:
     lines = ["| card | profile | air | water | aio |", "| --- | --- | --- | --- | --- |"]
     for (card, profile), caps in SWEET_SPOTS.items():
-        watts = " | ".join(f"{caps[cooling]} W" for cooling in ("air", "water", "aio"))
+        watts = " | ".join(
+            f"{caps[cooling]} W" if cooling in caps else "not measured (refused)"
+            for cooling in ("air", "water", "aio")
+        )
         lines.append(f"| {card} | {profile} | {watts} |")
     return lines
 
@@ -77,9 +79,9 @@ def host_data_markdown() -> str:
         *_table(Rig),
         "\n## Power profiles\n",
         "`power_profile` picks a cap per card and cooling when `power_cap_watts` is unset.",
-        "These are the sweet spots of the 10 W sweeps in the project's seed notes;",
-        "a card without an entry needs `power_cap_watts` or `power_profile: stock`",
-        "(the card's own default limit).\n",
+        "These are the sweet spots of the 10 W sweeps in the hardware notes, quoted in",
+        "[sources](sources.md#power-sweet-spots); a card or cooling without a measured entry",
+        "needs `power_cap_watts` or `power_profile: stock` (the card's own default limit).\n",
         *_sweet_spots(),
         "\n## `venvs` entries\n",
         *_table(VenvSpec),

@@ -42,7 +42,7 @@ _NO_SMI = "##RIGBOOK_NO_SMI##"
 SMI_TIMEOUT_S = 60
 
 
-def _smi_script(args: str) -> str:
+def smi_script(args: str) -> str:
     """Shell that runs `nvidia-smi ARGS` from the first place that works, always exiting 0.
 
     Each attempt prints `_SMI path`, the tool's stdout and stderr, and `_RC status`; it stops at
@@ -66,7 +66,7 @@ def _smi_script(args: str) -> str:
     )
 
 
-def _smi_attempts(output: list[str]) -> list[tuple[str, list[str], int]] | None:
+def smi_attempts(output: list[str]) -> list[tuple[str, list[str], int]] | None:
     """(path, output lines, exit status) per nvidia-smi tried; None when there was none."""
     if output and output[0].strip() == _NO_SMI:
         return None
@@ -87,7 +87,7 @@ def _smi_attempts(output: list[str]) -> list[tuple[str, list[str], int]] | None:
     return attempts
 
 
-def _smi_answer(attempts: list[tuple[str, list[str], int]]) -> tuple[str, list[str], int]:
+def smi_answer(attempts: list[tuple[str, list[str], int]]) -> tuple[str, list[str], int]:
     """The first nvidia-smi that exited 0; if none did, the first one, whose message (what a user
     on that host gets by typing nvidia-smi) says what is broken."""
     return next((attempt for attempt in attempts if attempt[2] == 0), attempts[0])
@@ -118,13 +118,13 @@ class NvidiaGpus(FactBase[GpuProbe | None]):
     """
 
     def command(self) -> str:
-        return _smi_script(query_args(header=True))
+        return smi_script(query_args(header=True))
 
     def process(self, output: list[str]) -> GpuProbe | None:
-        attempts = _smi_attempts(output)
+        attempts = smi_attempts(output)
         if attempts is None:
             return None
-        path, lines, status = _smi_answer(attempts)
+        path, lines, status = smi_answer(attempts)
         text = "\n".join(lines)
         if status == 124:  # coreutils timeout: the card hangs nvidia-smi
             text = f"nvidia-smi did not answer within {SMI_TIMEOUT_S} s\n{text}"

@@ -1,4 +1,4 @@
-"""What the GPUs are and how they are set, parsed from nvidia-smi and NVML output.
+"""What the GPUs are and how they are set, parsed from nvidia-smi, and the NVML health probe.
 
 Every role that looks at GPUs (power caps, driver checks, serving preflight, the status table)
 reads them through this one module, so a GPU means the same `Gpu` everywhere. It is plain Python
@@ -6,12 +6,9 @@ on purpose: it imports no pyinfra, so `python3 gpus.py --probe` also runs on a r
 where only nvidia-ml-py (pynvml) is needed, and the facts in roles/facts.py only build commands
 around it.
 
-Three sources, one shape:
-
-- `nvidia-smi --query-gpu=... --format=csv` (`parse_query_csv`), what the facts use;
-- `nvidia-smi -L` (`parse_list`), the cheap "is the card still there" check;
-- the NVML probe below (`nvml_probe`, `parse_probe_json`): `rigbook status` runs it on a rig with
-  the tools venv's python for the GPU health readings (roles/health.py).
+- `nvidia-smi --query-gpu=... --format=csv` (`parse_query_csv`): what the GPU facts read;
+- the NVML probe below (`nvml_probe`, `--probe`): `rigbook status` runs it on a rig with the
+  tools venv's python for the GPU health readings (roles/health.py parses its JSON).
 """
 
 from __future__ import annotations
@@ -21,10 +18,8 @@ import csv
 import json
 import re
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
-
-MIB = 1024 * 1024
 
 #: Exit status of `--probe` when NVML cannot be loaded or initialised (no driver, mismatch).
 PROBE_NO_NVML = 3
@@ -36,11 +31,10 @@ class ProbeError(RuntimeError):
 
 @dataclass(frozen=True)
 class Gpu:
-    """One GPU as nvidia-smi or NVML reports it; None where the source did not say.
+    """One GPU as nvidia-smi reports it; None where it did not say.
 
     Power is in watts, memory in MiB (as nvidia-smi counts it), temperature in degrees C.
-    `bus_id` is nvidia-smi's `00000000:00:06.0` form; it is "" only when the source did not
-    report it at all (NVML captures made before the probe recorded it).
+    `bus_id` is nvidia-smi's `00000000:00:06.0` form.
     """
 
     index: int
@@ -63,20 +57,6 @@ class Gpu:
     pcie_width_max: int | None = None
     temperature_c: int | None = None
     compute_cap: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Gpu:
-        """The inverse of to_dict; an unknown key is an error, so JSON drift is seen."""
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown Gpu keys: {', '.join(sorted(unknown))}")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ValueError(f"bad Gpu data: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -300,58 +280,22 @@ def pl_range(text: str) -> tuple[float, float] | None:
     return (float(match.group(1)), float(match.group(2))) if match else None
 
 
-# --- nvidia-smi -L -------------------------------------------------------------------------
-
-_LIST_GPU = re.compile(r"^GPU (\d+): (.+) \(UUID: ([^)]+)\)$")
-_LIST_MIG = re.compile(r"^\s+MIG\b")
-
-
-def parse_list(text: str) -> list[tuple[int, str, str]]:
-    """(index, name, uuid) per GPU from `nvidia-smi -L`; MIG instance lines are skipped.
-
-        GPU 0: NVIDIA H200 (UUID: GPU-b76da475-45a0-f91f-b11d-022ca55575ef)
-
-    Any other line (e.g. "No devices were found") is a ValueError: a card that vanished must
-    not read as an empty list.
-    """
-    gpus = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or _LIST_MIG.match(line):
-            continue
-        match = _LIST_GPU.match(line.rstrip())
-        if not match:
-            raise ValueError(f"line {number}: not an nvidia-smi -L GPU line: {line!r}")
-        gpus.append((int(match.group(1)), match.group(2), match.group(3)))
-    return gpus
-
-
 # --- NVML ----------------------------------------------------------------------------------
 
 
-def cuda_version_from_driver(version: int) -> str:
-    """CUDA's integer driver API version -> 'major.minor' (13000 -> '13.0', 12080 -> '12.8')."""
-    return f"{version // 1000}.{version % 1000 // 10}"
-
-
 def nvml_probe() -> dict[str, Any]:
-    """Ask NVML directly (no nvidia-smi) what the driver and every GPU say, as a JSON-able dict.
+    """Ask NVML directly (no nvidia-smi) for every GPU's health readings, as a JSON-able dict.
 
-    Shape (fixtures/nvidia-h200/nvml.txt is a real one, made before index, bus_id,
-    pcie_width_max and mem_reserved were added; parse_probe_json reads both):
+    Shape (what roles/health.py reads; tests/fixtures/nvidia-h200/nvml-health.json is a real
+    one, captured when the probe also read power, memory and processes):
 
-        {"driver": "580.159.04", "cuda_driver": 13000, "nvml": "13.580.159.04", "count": 1,
-         "gpus": [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-...", "serial": "...",
-                   "bus_id": "00000000:00:06.0", "power_limit_mw": 700000,
-                   "default_limit_mw": 700000, "constraints_mw": [200000, 700000],
-                   "enforced_mw": 700000, "power_usage_mw": 126412, "persistence": 1,
-                   "cc": [9, 0], "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16,
-                   "pcie_width_max": 16, "temp": 38, "procs": [{"pid": 1, "used_mib": 10}],
-                   "mem": [total_bytes, used_bytes], "mem_reserved": bytes,
-                   "tlimit": 43, "ecc_uncorrected": [0, 0], "retired_pending": null,
-                   "remapped": [0, 0, 0, 0], "events": 0, "util": 0}]}
+        {"gpus": [{"index": 0, "uuid": "GPU-...", "temp": 36, "pcie_gen": 5, "pcie_gen_max": 5,
+                   "pcie_width": 16, "pcie_width_max": 16, "tlimit": 51,
+                   "ecc_uncorrected": [0, 0], "retired_pending": null,
+                   "remapped": [0, 0, 0, 0], "events": 1, "util": 0}]}
 
-    (the last six are GPU health, roles/health.py.) A value the card does not support is null.
-    Raises ProbeError when pynvml is missing or NVML does not initialise.
+    A value the card does not support is null. Raises ProbeError when pynvml is missing or
+    NVML does not initialise.
     """
     try:
         import pynvml
@@ -369,55 +313,20 @@ def nvml_probe() -> dict[str, Any]:
             return None
 
     try:
-        count = pynvml.nvmlDeviceGetCount()
         gpus = []
-        for index in range(count):
+        for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            pci = ask(pynvml.nvmlDeviceGetPciInfo, handle)
-            cc = ask(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
-            constraints = ask(pynvml.nvmlDeviceGetPowerManagementLimitConstraints, handle)
-            mem = ask(pynvml.nvmlDeviceGetMemoryInfo, handle, pynvml.nvmlMemory_v2)
-            reserved = getattr(mem, "reserved", None)
-            if mem is None:  # drivers without the v2 call: used then includes reserved
-                mem = ask(pynvml.nvmlDeviceGetMemoryInfo, handle)
-            procs = ask(pynvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
             gpus.append({
                 "index": index,
-                "name": pynvml.nvmlDeviceGetName(handle),
                 "uuid": pynvml.nvmlDeviceGetUUID(handle),
-                "serial": ask(pynvml.nvmlDeviceGetSerial, handle),
-                "bus_id": str(pci.busId) if pci is not None else None,
-                "power_limit_mw": ask(pynvml.nvmlDeviceGetPowerManagementLimit, handle),
-                "default_limit_mw": ask(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, handle),
-                "constraints_mw": list(constraints) if constraints is not None else None,
-                "enforced_mw": ask(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle),
-                "power_usage_mw": ask(pynvml.nvmlDeviceGetPowerUsage, handle),
-                "persistence": ask(pynvml.nvmlDeviceGetPersistenceMode, handle),
-                "cc": list(cc) if cc is not None else None,
+                "temp": ask(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU),
                 "pcie_gen": ask(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
                 "pcie_gen_max": ask(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
                 "pcie_width": ask(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
                 "pcie_width_max": ask(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
-                "temp": ask(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU),
                 **_nvml_health(pynvml, ask, handle),
-                "procs": [
-                    {
-                        "pid": proc.pid,
-                        "used_mib": None if proc.usedGpuMemory is None
-                        else proc.usedGpuMemory // MIB,
-                    }
-                    for proc in procs
-                ],
-                "mem": [mem.total, mem.used] if mem is not None else None,
-                "mem_reserved": reserved,
             })
-        return {
-            "driver": pynvml.nvmlSystemGetDriverVersion(),
-            "cuda_driver": pynvml.nvmlSystemGetCudaDriverVersion(),
-            "nvml": ask(pynvml.nvmlSystemGetNVMLVersion),
-            "count": count,
-            "gpus": gpus,
-        }
+        return {"gpus": gpus}
     except pynvml.NVMLError as e:
         raise ProbeError(f"NVML query failed: {e}") from None
     finally:
@@ -440,62 +349,6 @@ def _nvml_health(pynvml, ask, handle) -> dict[str, Any]:
         "events": ask(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
         "util": getattr(utilization, "gpu", None),
     }
-
-
-def parse_probe_json(text: str) -> tuple[str, str, list[Gpu]]:
-    """(driver version, CUDA version, GPUs) from nvml_probe's JSON as printed by `--probe`.
-
-    Only the first JSON value is read: text after it is ignored (the H200 capture has the
-    pynvml path on the line after). An {"error": ...} object raises ProbeError; anything else
-    that is not a probe raises ValueError.
-    """
-    try:
-        data, _ = json.JSONDecoder().raw_decode(text.lstrip())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"NVML probe output is not JSON: {e}: {text[:200]!r}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"NVML probe output is not an object: {text[:200]!r}")
-    if "error" in data:
-        raise ProbeError(str(data["error"]))
-    try:
-        driver = data["driver"]
-        gpus = [_gpu_from_nvml(position, gpu, driver) for position, gpu in enumerate(data["gpus"])]
-        return driver, cuda_version_from_driver(int(data["cuda_driver"])), gpus
-    except (KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"NVML probe output lacks or mangles {e}: {text[:200]!r}") from None
-
-
-def _watts(milliwatts: int | None) -> float | None:
-    return None if milliwatts is None else milliwatts / 1000
-
-
-def _gpu_from_nvml(position: int, gpu: dict[str, Any], driver: str) -> Gpu:
-    constraints = gpu.get("constraints_mw") or (None, None)
-    mem = gpu.get("mem") or (None, None)
-    cc = gpu.get("cc")
-    persistence = gpu.get("persistence")
-    return Gpu(
-        index=gpu.get("index", position),
-        uuid=gpu["uuid"],
-        name=gpu["name"],
-        bus_id=gpu.get("bus_id") or "",
-        driver_version=driver,
-        power_limit_w=_watts(gpu.get("power_limit_mw")),
-        default_limit_w=_watts(gpu.get("default_limit_mw")),
-        min_limit_w=_watts(constraints[0]),
-        max_limit_w=_watts(constraints[1]),
-        enforced_limit_w=_watts(gpu.get("enforced_mw")),
-        power_draw_w=_watts(gpu.get("power_usage_mw")),
-        memory_total_mib=None if mem[0] is None else mem[0] // MIB,
-        memory_used_mib=None if mem[1] is None else mem[1] // MIB,
-        persistence=None if persistence is None else bool(persistence),
-        pcie_gen=gpu.get("pcie_gen"),
-        pcie_gen_max=gpu.get("pcie_gen_max"),
-        pcie_width=gpu.get("pcie_width"),
-        pcie_width_max=gpu.get("pcie_width_max"),
-        temperature_c=gpu.get("temp"),
-        compute_cap=None if cc is None else f"{cc[0]}.{cc[1]}",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

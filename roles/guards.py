@@ -44,7 +44,7 @@ from pyinfra.operations.util import any_changed
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, warn
 from rigbook.errors import RigbookError
-from rigbook.facts import GPUS_READ, NvidiaGpus, _smi_answer, _smi_attempts, _smi_script
+from rigbook.facts import GPUS_READ, NvidiaGpus, smi_answer, smi_attempts, smi_script
 from rigbook.gpus import Gpu
 from rigbook.messages import notice, refuse, warn_once
 from rigbook.render import template
@@ -432,11 +432,11 @@ def parse_topology(output: list[str]) -> Topology:
     """GpuTopology's output: two nvidia-smi attempts blocks (topo -m, then nvlink -s)."""
     if _TOPO not in output or _NVLINK_S not in output:
         raise FactProcessError(f"not the topology probe: {output!r}")
-    topo = _smi_attempts(_section(output, _TOPO, _NVLINK_S))
-    links = _smi_attempts(_section(output, _NVLINK_S, None))
+    topo = smi_attempts(_section(output, _TOPO, _NVLINK_S))
+    links = smi_attempts(_section(output, _NVLINK_S, None))
     if topo is None:
         return Topology(error="no nvidia-smi")
-    smi, lines, status = _smi_answer(topo)
+    smi, lines, status = smi_answer(topo)
     if status != 0:
         why = " ".join(" ".join(lines).split())[:200] or f"exit {status}"
         return Topology(smi=smi, error=f"{smi} topo -m failed: {why}")
@@ -446,7 +446,7 @@ def parse_topology(output: list[str]) -> Topology:
         return Topology(smi=smi, error=f"{smi} topo -m: {e}")
     nvlinks, error = None, None
     if links is not None:
-        path, link_lines, link_status = _smi_answer(links)
+        path, link_lines, link_status = smi_answer(links)
         if link_status == 0:
             try:
                 nvlinks = parse_nvlink_status(link_lines)
@@ -475,8 +475,8 @@ class GpuTopology(FactBase[Topology]):
         return Topology(error="no output from the topology probe")
 
     def command(self) -> str:
-        return (f"echo '{_TOPO}'; {_smi_script('topo -m')}; "
-                f"echo '{_NVLINK_S}'; {_smi_script('nvlink -s')}")
+        return (f"echo '{_TOPO}'; {smi_script('topo -m')}; "
+                f"echo '{_NVLINK_S}'; {smi_script('nvlink -s')}")
 
     def process(self, output: list[str]) -> Topology:
         return parse_topology(output)

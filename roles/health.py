@@ -27,7 +27,7 @@ from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
 from rigbook.checks import Check, Facts, Finding, Read, warn
-from rigbook.facts import SMI_TIMEOUT_S, _smi_answer, _smi_attempts, _smi_script
+from rigbook.facts import SMI_TIMEOUT_S, smi_answer, smi_attempts, smi_script
 from rigbook.gpus import csv_header, na, number, parse_fields
 from rigbook.spec import Rig
 from rigbook.tools import TOOLS_PYTHON
@@ -94,7 +94,7 @@ class GpuHealthReadings(FactBase[list[GpuHealth] | None]):
 
     def command(self) -> str:
         probe = f"{TOOLS_PYTHON} -I -c {shlex.quote(_PROBE.read_text())} --probe 2>/dev/null"
-        smi = _smi_script(f"--query-gpu={','.join(HEALTH_FIELDS)} --format=csv,nounits")
+        smi = smi_script(f"--query-gpu={','.join(HEALTH_FIELDS)} --format=csv,nounits")
         # a wedged GPU can hang NVML: past the limit (or without `timeout`) nvidia-smi answers
         return (f'if [ -x {TOOLS_PYTHON} ] && nvml=$(timeout {SMI_TIMEOUT_S} {probe}); then '
                 f'echo "{_NVML}"; '
@@ -106,10 +106,10 @@ class GpuHealthReadings(FactBase[list[GpuHealth] | None]):
                 return health_from_probe(json.loads("\n".join(output[1:])))
             except (ValueError, KeyError, TypeError) as error:
                 raise FactProcessError(f"NVML probe: {error}: {output[1:3]!r}") from error
-        attempts = _smi_attempts(output)
+        attempts = smi_attempts(output)
         if attempts is None:
             return None
-        path, lines, status = _smi_answer(attempts)
+        path, lines, status = smi_answer(attempts)
         if status != 0:
             raise FactProcessError(f"{path}: {' '.join(lines)[:300]}")
         try:

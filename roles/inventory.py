@@ -100,9 +100,10 @@ def rig_problems(rig: Rig, name: str) -> list[str]:
     """What needs no rig to be refused: the recipe (from the catalogue and serving_recipe_dirs)
     and its fit to the host data (cards, class VRAM, NVLink, platform, venv), the bind rule, the
     API key file and the token files (HF, mirror)."""
-    from rigbook.models import rig_tokens  # the roles import this module's neighbours
+    # imported here: the roles import this module's neighbours
     from rigbook.recipes import catalogue
     from rigbook.serving import plan_of
+    from rigbook.tokens import rig_tokens
 
     _, problem = plan_of(rig, name)
     problems = [problem.message(name)] if problem else []

@@ -1,4 +1,5 @@
-"""How roles speak to the operator from inside an operation: warnings, notices and refusals.
+"""How roles speak to the operator from inside an operation: warnings, notices and refusals
+(and `gib`, the one way a size is written in them).
 
 An operation body runs at prepare time (when pyinfra diffs) and again at execution, so what it
 says must be said once; and a problem that concerns one rig must fail that rig alone: pyinfra
@@ -8,9 +9,17 @@ aborts the whole run when deploy code raises while it prepares.
 from __future__ import annotations
 
 from pyinfra import host, logger
-from pyinfra.api import FunctionCommand
+from pyinfra.api import FunctionCommand, operation
+from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS
 
 _warned: set[tuple[str, str]] = set()
+
+GIB = 1024**3
+
+
+def gib(size_bytes: float) -> str:
+    """A size in bytes as GiB with one decimal: 25769803776 -> "24.0 GiB"."""
+    return f"{size_bytes / GIB:.1f} GiB"
 
 
 def warn_once(message: str) -> None:
@@ -47,3 +56,20 @@ def refuse(message: str) -> FunctionCommand:
     here, before the operations after it change anything, and the other hosts go on.
     """
     return FunctionCommand(_log_refusal, (message,), {})
+
+
+@operation(is_idempotent=False)
+def refused(message: str):
+    """
+    Fail this rig with a message, before anything after it changes; the other rigs go on.
+
+    + message: what is wrong (bad input found while planning) and what to do instead
+    """
+    yield refuse(message)
+
+
+def connector_arguments() -> dict:
+    """The current operation's connector arguments (_sudo, _env...), for the commands that a
+    FunctionCommand body runs itself (host.run_shell_command)."""
+    given = host.current_op_global_arguments or {}
+    return {key: value for key, value in given.items() if key in CONNECTOR_ARGUMENT_KEYS}

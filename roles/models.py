@@ -16,10 +16,11 @@ snapshot:
   the file list (sizes, LFS sha256) of the pinned commit, refuses with the numbers when the
   missing bytes plus models_disk_margin_gib do not fit on the cache's filesystem, downloads only
   what is missing, checks sizes and hashes, and writes the manifest only when the snapshot is
-  complete. A partial snapshot fails the rig with the files that are missing or wrong.
+  complete. A partial snapshot fails the rig with the files that are missing or wrong. While it
+  runs, its bytes and rates show in pyinfra's output every few seconds (rigbook.progress).
 - Tokens reach the rig as root-only 0600 files, never in a command, an argument, a diff or a
-  log line (see `hf_token`), and only where they are used: the HF token (the operator's HF_TOKEN
-  or models_token_file) where the rig pulls from the hub, the fleet's mirror token
+  log line (roles/tokens.py), and only where they are used: the HF token (the operator's
+  HF_TOKEN or models_token_file) where the rig pulls from the hub, the fleet's mirror token
   (models_mirror_token_file) where it pulls from a mirror or runs one. huggingface_hub reads the
   one for the pull's destination through HF_TOKEN_PATH, so each goes only there.
 - Cached repos that models does not list are reported with their sizes, and removed with
@@ -34,20 +35,13 @@ docs/models.md has the cache layout, offline serving, tokens, fleet pulls and pr
 
 from __future__ import annotations
 
-import io
 import ipaddress
 import json
-import os
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
-from typing import NamedTuple
 
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
-from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS
-from pyinfra.api.command import FileUploadCommand
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
@@ -55,11 +49,14 @@ from pyinfra.operations import files, systemd
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
-from rigbook.messages import notice, refuse, warn_once
+from rigbook.messages import GIB, notice, refused, warn_once
+from rigbook.messages import connector_arguments as _connector_arguments  # model_snapshot's
+from rigbook.progress import EVERY_DEFAULT, progress_every, run_watched
 from rigbook.recipes import recipe_for, recipe_pins
 from rigbook.render import template
-from rigbook.secrets import Secret, read_secret_file
+from rigbook.secrets import Secret
 from rigbook.spec import ModelSpec, Rig
+from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH, SecretFile, hf_token, rig_tokens
 from rigbook.tools import TOOLS_PYTHON, tools_venv
 from rigbook.types import ip_address
 
@@ -67,24 +64,17 @@ from rigbook.types import ip_address
 MODELS_DIR = "/opt/rigbook/models"
 PULL_SCRIPT = f"{MODELS_DIR}/pull.py"
 PULL_SOURCE = FILES / "models" / "pull.py"
+#: ModelCache's program, sent with `python3 -c` (standard library only, read-only).
+CACHE_SOURCE = FILES / "models" / "cache.py"
 #: rigbook's hub mirror (files/models/mirror.py) and its unit, where models_mirror_port is set.
 MIRROR_SCRIPT = f"{MODELS_DIR}/mirror.py"
 MIRROR_SOURCE = FILES / "models" / "mirror.py"
 MIRROR_UNIT = "rigbook-hf-mirror.service"
 MIRROR_UNIT_PATH = f"/etc/systemd/system/{MIRROR_UNIT}"
 MIRROR_TEMPLATE = FILES / "models" / f"{MIRROR_UNIT}.j2"
-#: The HF token on the rig: root-only, read by huggingface_hub through HF_TOKEN_PATH.
-SECRETS_DIR = "/etc/rigbook/secrets"
-TOKEN_PATH = f"{SECRETS_DIR}/hf-token"
-#: The fleet's mirror token on the rig: sent by pulls from models_endpoint (HF_TOKEN_PATH), handed
-#: to the mirror's unit as a credential (LoadCredential=).
-MIRROR_TOKEN_PATH = f"{SECRETS_DIR}/hf-mirror-token"
 #: The copy of it that systemd hands the running mirror (root can read it).
 MIRROR_CREDENTIAL_PATH = f"/run/credentials/{MIRROR_UNIT}/mirror-token"
-#: Manifests rigbook writes inside each repo folder of the cache: rigbook/<commit>.json.
-MANIFEST_DIR = "rigbook"
 REPO_PREFIX = "models--"
-GIB = 1024**3
 
 def repo_folder(repo: str) -> str:
     """ORG/NAME -> models--ORG--NAME (huggingface_hub's folder name in the cache)."""
@@ -96,7 +86,7 @@ def snapshot_path(rig: Rig, spec: ModelSpec) -> str:
     return f"{rig.models_cache}/{repo_folder(spec.repo)}/snapshots/{spec.revision}"
 
 
-def human(size: int) -> str:
+def human(size: float) -> str:
     """Bytes as GiB (two decimals) or, below 1 GiB, MiB."""
     if size >= GIB:
         return f"{size / GIB:.2f} GiB"
@@ -109,65 +99,6 @@ def label(spec: ModelSpec) -> str:
 
 # --- the cache fact ---------------------------------------------------------------------------
 
-#: Runs on the rig with its python3 (argv[1] is the cache); prints one JSON object. Standard
-#: library only, read-only, no network.
-CACHE_SCRIPT = r"""
-import json, os, sys
-cache = sys.argv[1]
-out = {"cache": cache, "exists": os.path.isdir(cache), "repos": []}
-names = sorted(os.listdir(cache)) if out["exists"] else []
-for name in names:
-    top = os.path.join(cache, name)
-    if not name.startswith("models--") or not os.path.isdir(top):
-        continue
-    repo = {"folder": name, "refs": {}, "snapshots": {}, "manifests": {}, "incomplete": [],
-            "bytes": 0}
-    refs = os.path.join(top, "refs")
-    for root, _, found in os.walk(refs):
-        for ref in found:
-            path = os.path.join(root, ref)
-            try:
-                with open(path) as handle:
-                    repo["refs"][os.path.relpath(path, refs)] = handle.read().strip()
-            except OSError:
-                pass
-    blobs = os.path.join(top, "blobs")
-    for blob in sorted(os.listdir(blobs)) if os.path.isdir(blobs) else []:
-        try:
-            size = os.stat(os.path.join(blobs, blob)).st_size
-        except OSError:
-            continue
-        repo["bytes"] += size
-        if blob.endswith(".incomplete"):
-            repo["incomplete"].append([blob, size])
-    snapshots = os.path.join(top, "snapshots")
-    for commit in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []:
-        base = os.path.join(snapshots, commit)
-        if not os.path.isdir(base):
-            continue
-        sizes = {}
-        for root, _, found in os.walk(base):
-            for item in found:
-                path = os.path.join(root, item)
-                try:
-                    sizes[os.path.relpath(path, base)] = os.stat(path).st_size
-                except OSError:
-                    sizes[os.path.relpath(path, base)] = None
-        repo["snapshots"][commit] = sizes
-    manifests = os.path.join(top, "rigbook")
-    for item in sorted(os.listdir(manifests)) if os.path.isdir(manifests) else []:
-        if not item.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(manifests, item)) as handle:
-                data = json.load(handle)
-            data = {key: data[key] for key in ("files", "allow_patterns", "ignore_patterns")}
-        except (OSError, ValueError, KeyError, TypeError):
-            data = None
-        repo["manifests"][item[:-5]] = data
-    out["repos"].append(repo)
-print(json.dumps(out, sort_keys=True))
-"""
 
 
 @dataclass(frozen=True)
@@ -212,8 +143,8 @@ class ModelCache(FactBase[CacheState]):
     """
     What a Hugging Face cache holds, read from its layout on the rig (no network).
 
-    Runs a short python3 script (``CACHE_SCRIPT``) that prints one JSON object, e.g. for a cache
-    with one complete snapshot::
+    Runs files/models/cache.py with the rig's python3 (sent as ``python3 -c``, one round trip);
+    it prints one JSON object, e.g. for a cache with one complete snapshot::
 
         {"cache": "/var/lib/rigbook/hf/hub", "exists": true, "repos": [{
           "folder": "models--rigbook-test--tiny", "bytes": 262318, "refs": {},
@@ -225,7 +156,8 @@ class ModelCache(FactBase[CacheState]):
     """
 
     def command(self, cache: str) -> StringCommand:
-        return StringCommand("python3", "-c", QuoteString(CACHE_SCRIPT), QuoteString(cache))
+        source = CACHE_SOURCE.read_text()
+        return StringCommand("python3", "-c", QuoteString(source), QuoteString(cache))
 
     def process(self, output: list[str]) -> CacheState:
         return parse_cache("\n".join(output))
@@ -346,11 +278,17 @@ def unhashed(cache: CacheState, spec: ModelSpec) -> int:
 # --- the pull ---------------------------------------------------------------------------------
 
 
-def pull_command(spec: ModelSpec, rig: Rig) -> StringCommand:
+def pull_log(spec: ModelSpec) -> str:
+    """pull.py's stderr on the rig (progress lines, warnings), kept from the repo's last pull."""
+    return f"{MODELS_DIR}/.{repo_folder(spec.repo)}.pull.log"
+
+
+def pull_command(spec: ModelSpec, rig: Rig, every: float = EVERY_DEFAULT) -> StringCommand:
     """The command that runs pull.py for one model: no secret in it, only the token's path.
 
     HF_TOKEN_PATH names the token of the pull's destination, so neither token goes anywhere
-    else: the HF token for the hub, the fleet's mirror token for models_endpoint.
+    else: the HF token for the hub, the fleet's mirror token for models_endpoint. Its stderr,
+    a progress line every `every` seconds among it, goes to ``pull_log``, read while it runs.
     """
     token_path = MIRROR_TOKEN_PATH if rig.models_endpoint else TOKEN_PATH
     env = [
@@ -363,6 +301,7 @@ def pull_command(spec: ModelSpec, rig: Rig) -> StringCommand:
         f"--repo={spec.repo}",
         f"--revision={spec.revision}",
         f"--margin-bytes={int(rig.models_disk_margin_gib * GIB)}",
+        f"--progress-every={every:g}",
     ]
     if rig.models_endpoint:
         # A mirror serves files over plain HTTP; Xet storage lives with the hub itself.
@@ -373,6 +312,7 @@ def pull_command(spec: ModelSpec, rig: Rig) -> StringCommand:
     return StringCommand(
         "env", "-u", "HF_TOKEN", "-u", "HUGGING_FACE_HUB_TOKEN",
         *env, TOOLS_PYTHON, PULL_SCRIPT, *(QuoteString(arg) for arg in args),
+        "2>", QuoteString(pull_log(spec)),
     )
 
 
@@ -389,6 +329,44 @@ def parse_pull_output(stdout: str) -> dict | None:
     return None
 
 
+def progress_record(line: str) -> dict | None:
+    """A progress line of pull.py (a JSON object with "progress"), else None."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "progress" in record else None
+
+
+def per_second(rate: float) -> str:
+    return f"{human(rate)}/s"
+
+
+def progress_text(record: dict) -> str:
+    """One progress record of pull.py in words (see its docstring for the records)."""
+    kind = record["progress"]
+    if kind == "download":
+        return f"downloading {record['files']} file(s), {human(record['bytes'])}"
+    if kind == "verify":
+        return f"checking sizes and hashes of {record['files']} file(s)"
+    done, total = record["bytes"], record["total"]
+    text = (f"{human(done)} of {human(total)} ({100 * done / total if total else 100:.0f}%) at "
+            f"{per_second(record['rate'])}, {record['files_done']} of {record['files']} "
+            "file(s) done")
+    active = [f"{item['path']} {human(item['bytes'])} of {human(item['size'])} at "
+              f"{per_second(item['rate'])}" for item in record["active"]]
+    return "; ".join([text, *active])
+
+
+def progress_shown(lines: list[str]) -> list[str]:
+    """What one read of the pull log shows: its download and check lines, and of the byte
+    counts only the newest (one comes every interval; a late read must not replay a backlog)."""
+    records = [record for record in map(progress_record, lines) if record is not None]
+    counts = [record for record in records if record["progress"] == "bytes"]
+    return [progress_text(record) for record in records
+            if record["progress"] != "bytes" or record is counts[-1]]
+
+
 def pull_message(spec: ModelSpec, result: dict | None, stderr: str = "") -> str:
     """One line that says what a pull did, for the operator (pyinfra prefixes the rig)."""
     where = label(spec)
@@ -397,10 +375,11 @@ def pull_message(spec: ModelSpec, result: dict | None, stderr: str = "") -> str:
         return f"{where}: the pull script failed without a result: {tail}"
     status = result["status"]
     if status == "complete":
-        pulled = result.get("downloaded", [])
+        pulled, size = result.get("downloaded", []), result.get("downloaded_bytes", 0)
+        seconds = result.get("download_seconds", result.get("seconds", 0))
         what = (
-            f"pulled {len(pulled)} file(s), {human(result.get('downloaded_bytes', 0))} "
-            f"in {result.get('seconds', 0):.1f} s"
+            f"pulled {len(pulled)} file(s), {human(size)} in {seconds:.1f} s"
+            + (f" ({per_second(size / seconds)})" if seconds else "")
             if pulled else "nothing to download"
         )
         removed = result.get("removed_incomplete", [])
@@ -438,21 +417,24 @@ def redact(text: str, secret: Secret | None) -> str:
     return secret.redact(text) if secret is not None else text
 
 
-def _connector_arguments() -> dict:
-    """The operation's connector arguments (_sudo, _env...), for commands run from a function."""
-    given = host.current_op_global_arguments or {}
-    return {key: value for key, value in given.items() if key in CONNECTOR_ARGUMENT_KEYS}
-
-
-def _pull(state, host, spec: ModelSpec, why: str, command: StringCommand, arguments: dict,
-          secret: Secret | None) -> bool:
-    """FunctionCommand body: run pull.py, report one line, fail the rig unless complete."""
+def _pull(state, host, spec: ModelSpec, why: str, command: StringCommand, every: float,
+          arguments: dict, secret: Secret | None) -> bool:
+    """FunctionCommand body: run pull.py, show its progress while it runs (redacted, with the
+    rig's prefix), end with one line that sums it up, fail the rig unless complete."""
     logger.info(f"{host.print_prefix}pulling {label(spec)} ({why}) ...")
-    _ok, output = host.run_shell_command(
-        command, print_output=state.print_output, print_input=state.print_input, **arguments
+
+    def show(lines: list[str]) -> None:
+        for text in progress_shown(lines):
+            logger.info(f"{host.print_prefix}{redact(f'{label(spec)}: {text}', secret)}")
+
+    _ok, output, log = run_watched(
+        host, command, pull_log(spec), show, every, print_output=state.print_output,
+        print_input=state.print_input, **arguments,
     )
     result = parse_pull_output(output.stdout)
-    message = redact(pull_message(spec, result, output.stderr), secret)
+    stderr = "\n".join([*output.stderr_lines,
+                        *(line for line in log if progress_record(line) is None)])
+    message = redact(pull_message(spec, result, stderr), secret)
     if result is not None and result["status"] == "complete":
         logger.info(f"{host.print_prefix}{message}")
         return True
@@ -489,162 +471,11 @@ def model_snapshot(spec: ModelSpec, rig: Rig, token: Secret | None = None) -> It
         return
     if not state.is_executing:
         warn_once(f"{label(spec)}: {reason}: will pull")
+    every = progress_every()
     yield FunctionCommand(
-        _pull, (spec, reason, pull_command(spec, rig), _connector_arguments(), token), {}
+        _pull, (spec, reason, pull_command(spec, rig, every), every, _connector_arguments(),
+                token), {}
     )
-
-
-# --- the token --------------------------------------------------------------------------------
-
-
-def operator_token(rig: Rig, environ: Mapping[str, str] = os.environ) -> Secret | None:
-    """The HF token on the operator's machine: models_token_file if set, else HF_TOKEN.
-
-    RigbookError when models_token_file cannot be read or does not hold one token.
-    """
-    if rig.models_token_file:
-        text = read_secret_file("models_token_file", rig.models_token_file, "token")
-        return Secret(text)
-    value = environ.get("HF_TOKEN", "").strip()
-    return Secret(value) if value else None
-
-
-#: A fleet token: long enough not to be guessed, and nothing an HTTP header would mangle.
-_MIRROR_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{32,}")
-
-
-def mirror_token(rig: Rig) -> Secret | None:
-    """The fleet's mirror token from models_mirror_token_file (None when unset).
-
-    RigbookError, never showing the file's content, when the file cannot be read, when others
-    may read it, or when it does not hold one token of 32 or more header-safe characters.
-    """
-    if rig.models_mirror_token_file is None:
-        return None
-    text = read_secret_file("models_mirror_token_file", rig.models_mirror_token_file, "token")
-    if not _MIRROR_TOKEN.fullmatch(text):
-        raise RigbookError(
-            "models_mirror_token_file: its token must be 32 or more letters, digits and "
-            "- . _ ~ + / = (e.g. the output of `openssl rand -hex 32`)"
-        )
-    return Secret(text)
-
-
-class RigToken(NamedTuple):
-    """A token file of the rig: what it holds, where, and the token (None: the file goes)."""
-
-    what: str
-    path: str
-    token: Secret | None
-    why_not: str  # why the rig holds none, when token is None
-
-
-def rig_tokens(rig: Rig, environ: Mapping[str, str] = os.environ) -> tuple[RigToken, RigToken]:
-    """The HF token and the fleet's mirror token, each only where the rig uses it.
-
-    The HF token where the rig pulls from the hub (models and no models_endpoint), the mirror
-    token where it pulls from a mirror (models_endpoint) or runs one (models_mirror_port). Both
-    files of the operator are read either way, so a bad one is refused before connecting.
-    """
-    hub, mirror = operator_token(rig, environ), mirror_token(rig)
-    from_hub = bool(rig.models) and rig.models_endpoint is None
-    for_mirror = rig.models_mirror_port is not None or bool(rig.models and rig.models_endpoint)
-    return (
-        RigToken("HF token", TOKEN_PATH, hub if from_hub else None,
-                 "not used here" if hub and not from_hub else "none supplied this run"),
-        RigToken("mirror token", MIRROR_TOKEN_PATH, mirror if for_mirror else None,
-                 "not used here" if mirror and not for_mirror else "none supplied this run"),
-    )
-
-
-@dataclass(frozen=True)
-class SecretFileState:
-    mode: str
-    owner: str
-    group: str
-    sha256: str
-
-
-class SecretFile(FactBase[SecretFileState | None]):
-    """
-    Mode, owner, group and sha256 of a file (None when absent); never its contents.
-
-    Output::
-
-        600 root root
-        9f2c5d0e...  (sha256, 64 hex)
-    """
-
-    def command(self, path: str) -> StringCommand:
-        quoted = QuoteString(path)
-        return StringCommand(
-            "if [ -f", quoted, "]; then stat -c '%a %U %G'", quoted, "&& sha256sum <", quoted,
-            "| cut -d' ' -f1; fi",
-        )
-
-    def process(self, output: list[str]) -> SecretFileState | None:
-        return parse_secret_file(output)
-
-
-def parse_secret_file(output: list[str]) -> SecretFileState | None:
-    lines = [line.strip() for line in output if line.strip()]
-    if not lines:
-        return None
-    if len(lines) != 2 or len(lines[0].split()) != 3 or len(lines[1]) != 64:
-        raise FactProcessError(f"unexpected secret-file probe output ({len(lines)} lines)")
-    mode, owner, group = lines[0].split()
-    return SecretFileState(mode, owner, group, lines[1])
-
-
-_SUDO_LIKE = ("_sudo", "_doas", "_dzdo", "_su_user")
-
-
-def secret_upload(secret: Secret, path: str) -> Iterator:
-    """Commands that write `secret` to `path` without it ever being readable by anyone else.
-
-    The bytes travel by SFTP (pyinfra's file upload, whose log names only the object) into a
-    file created 0600 beforehand (an SFTP write keeps an existing file's mode), then replace
-    `path` with one rename. Under sudo pyinfra first uploads as the login user to a temporary
-    file: that one is created 0600 by the login user first, for the same reason.
-    """
-    staging = f"{path}.new"
-    yield StringCommand("install", "-m", "600", "-o", "root", "-g", "root", "/dev/null",
-                        QuoteString(staging))
-    given = host.current_op_global_arguments or {}
-    if any(given.get(key) for key in _SUDO_LIKE):
-        temp = host.get_temp_filename(f"rigbook-secret-{path}")
-        yield StringCommand("install", "-m", "600", "/dev/null", QuoteString(temp),
-                            _sudo=False, _doas=False, _dzdo=False, _su_user=None)
-        yield FileUploadCommand(io.BytesIO(secret.data), staging, remote_temp_filename=temp)
-    else:
-        yield FileUploadCommand(io.BytesIO(secret.data), staging)
-    yield StringCommand("mv", "-f", QuoteString(staging), QuoteString(path))
-
-
-@operation()
-def hf_token(token: Secret, path: str = TOKEN_PATH) -> Iterator:
-    """
-    Place a token on the rig as a root-only file (0600 in a 0700 directory).
-
-    + token: the token (a ``Secret``: printed as ``***``)
-    + path: where it goes: ``TOKEN_PATH`` (the HF token) or ``MIRROR_TOKEN_PATH`` (the fleet's
-      mirror token); pull.py is run with ``HF_TOKEN_PATH`` pointing at one of them
-
-    Compared by sha256 (``SecretFile``), never by content, so ``--diff`` has nothing to show;
-    unlike ``files.put``, which prints a file-like source's lines with ``--diff``.
-    """
-    now = host.get_fact(SecretFile, path=path)
-    wanted = SecretFileState("600", "root", "root", token.sha256)
-    if now == wanted:
-        host.noop(f"{path} holds the token (0600 root)")
-        return
-    yield StringCommand("install", "-d", "-m", "700", "-o", "root", "-g", "root",
-                        QuoteString(str(PurePosixPath(path).parent)))
-    if now is None or now.sha256 != wanted.sha256:
-        yield from secret_upload(token, path)
-    else:
-        yield StringCommand("chown", "root:root", QuoteString(path))
-        yield StringCommand("chmod", "600", QuoteString(path))
 
 
 # --- pruning ----------------------------------------------------------------------------------
@@ -700,12 +531,6 @@ def selected(rig: Rig) -> tuple[ModelSpec, ...]:
     if rig.models_only is None:
         return rig.models
     return tuple(spec for spec in rig.models if spec.repo == rig.models_only)
-
-
-@operation()
-def refused(message: str) -> Iterator:
-    """Fail this rig with `message` (bad input found while planning); nothing else runs on it."""
-    yield refuse(message)
 
 
 class SshAddress(FactBase[str | None]):

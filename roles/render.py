@@ -12,10 +12,10 @@ format it lands in, or refused when the format has no way to hold it:
   for free text in a unit (a comment, Description=), with `%` specifiers doubled.
 - `shell`: one word for a POSIX shell (`shlex.quote`), in scripts rigbook generates.
 
-Every template goes through `render(path, **values)`, and every file rigbook writes from one
-through the `template` operation: one jinja environment with these filters, StrictUndefined (a
-missing value is an error, never an empty string) and no autoescape (the filters are the
-escaping).
+Every template goes through `render(path, **values)` (`render_crlf` for the files Windows' own
+tools read), and every file rigbook writes from one through the `template` operation: one jinja
+environment with these filters, StrictUndefined (a missing value is an error, never an empty
+string) and no autoescape (the filters are the escaping).
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def shell(value: object) -> str:
 
 
 @cache
-def _environment() -> Environment:
+def _environment(newline: str = "\n") -> Environment:
     env = Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-                      undefined=StrictUndefined, autoescape=False)
+                      undefined=StrictUndefined, autoescape=False, newline_sequence=newline)
     env.filters.update(systemd=systemd_word, line=one_line, unit=unit_text, q=shell,
                        qjoin=lambda values: " ".join(shell(v) for v in values))
     env.globals["env_line"] = env_line
@@ -82,6 +82,11 @@ def _environment() -> Environment:
 def render(path: Path | str, **values) -> str:
     """The template at `path` with `values` (each escaped by its filter in the template)."""
     return _environment().from_string(Path(path).read_text()).render(**values)
+
+
+def render_crlf(path: Path | str, **values) -> str:
+    """`render` with Windows line ends (CRLF), for the files Windows' own tools read."""
+    return _environment("\r\n").from_string(Path(path).read_text()).render(**values)
 
 
 @operation()

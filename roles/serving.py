@@ -4,10 +4,10 @@ One unit per rig, rigbook-serve.service, so two engines never share a GPU. It ru
 recipe's command line (roles/recipes.py `engine_argv`) from its venv as the unprivileged user
 rigbook-serve, with an env file (HF_HUB_OFFLINE=1 and HF_HUB_CACHE: a missing model is a failed
 boot, not a silent download; the venv's CUDA_HOME; the recipe's NCCL and allocator settings;
-WSL2's expandable_segments:False). The API binds to serving_bind; an API key (required wider
-than loopback) reaches the engine from a root-only env file that systemd reads before it drops
-privileges: never on a command line. Stops are graceful (SIGTERM, vLLM --shutdown-timeout 30,
-TimeoutStopSec=120): vLLM unlinks its /dev/shm buffer only then.
+expandable_segments:False on WSL2 and NVLink rigs). The API binds to serving_bind; an API key
+(required wider than loopback) reaches the engine from a root-only env file that systemd reads
+before it drops privileges: never on a command line. Stops are graceful (SIGTERM, vLLM
+--shutdown-timeout 30, TimeoutStopSec=120): vLLM unlinks its /dev/shm buffer only then.
 
 `serve_recipe` does it all in one operation, deciding when it executes (facts are read then):
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.facts.files import FindInFile
+from pyinfra.facts.files import FileContents, FindInFile
 from pyinfra.operations import files, server
 
 from rigbook import FILES, cap_check, power
@@ -47,30 +47,29 @@ from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
 from rigbook.gpus import GpuProbe
 from rigbook.guards import GpuLostMark, GpuTopology, Topology, gpu_lost_reason, p2p_disable_problem
-from rigbook.messages import refuse, warn_once
-from rigbook.models import (
-    CacheState,
-    ModelCache,
-    Secret,
-    _connector_arguments,
-    refused,
-    secret_upload,
-    snapshot_status,
-)
+from rigbook.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
+from rigbook.models import CacheState, ModelCache, snapshot_status
 from rigbook.recipes import (
+    GDN_CUDA,
+    VRAM_MARGIN_GIB,
+    WEIGHT_INDEX,
     Recipe,
     api_key_variable,
     bind_of,
     engine_argv,
+    gpu_memory_utilization_of,
     is_loopback,
+    model_path,
+    mtp_index_problem,
     port_of,
     recipe_for,
     recipe_pins,
     vram_need_gib,
 )
 from rigbook.render import env_line, render, systemd_word
-from rigbook.secrets import read_secret_file
+from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import ModelSpec, Rig
+from rigbook.tokens import secret_upload
 from rigbook.venvs import (
     VenvBuilds,
     VenvState,
@@ -92,14 +91,16 @@ KEY_PATH = f"{CONF_DIR}/api-key.env"
 SERVING_DIR = "/opt/rigbook/serving"
 HEALTH_PATH = f"{SERVING_DIR}/health.py"
 HEALTH_SOURCE = FILES / "serving" / "health.py"
+#: ServeProbe's program, sent with `python3 -c` (standard library only, read-only).
+PROBE_SOURCE = FILES / "serving" / "probe.py"
 #: The unit's ExecStartPre that refuses a start when the live caps differ from the power unit.
 CAP_CHECK_PATH = f"{SERVING_DIR}/cap_check.py"
 CAP_CHECK_SOURCE = Path(cap_check.__file__)
-#: systemd's TimeoutStopSec: above vLLM's 30 s drain, as the seeds' units carry it.
+#: systemd's TimeoutStopSec: above vLLM's 30 s drain, as the runbook's units carry it
+#: (docs/sources.md, "Shutdown drain and /dev/shm").
 STOP_TIMEOUT_S = 120
 JOURNAL_LINES = 40
-GIB = 1024**3
-MIB = 1024**2
+KIB, MIB = 1024, 1024**2  # bytes
 
 #: Process command lines that are an inference engine (built from parts, so that the probe's
 #: own command line, which carries this list, never matches itself).
@@ -236,89 +237,6 @@ def render_env(plan: ServePlan, launcher: Mapping[str, str] | None) -> str:
 
 # --- the rig's serving state --------------------------------------------------------------------
 
-#: Runs on the rig with python3 (standard library only); argv: a JSON object of arguments.
-#: Prints one JSON object; read-only except for the quick /v1/models request.
-PROBE_SCRIPT = r"""
-import hashlib, json, os, shutil, subprocess, sys
-a = json.loads(sys.argv[1])
-out = {"files": {}, "engines": [], "unit_pids": [], "rss_kib": 0, "smi": None, "apps": None,
-       "answer": None, "entry": os.access(a["entry"], os.X_OK), "user": False}
-for line in open("/proc/meminfo"):
-    key, _, rest = line.partition(":")
-    if key in ("MemTotal", "MemAvailable"):
-        out[key] = int(rest.split()[0])
-for path in a["files"]:
-    try:
-        with open(path, "rb") as handle:
-            out["files"][path] = hashlib.sha256(handle.read()).hexdigest()
-    except OSError:
-        out["files"][path] = None
-show = subprocess.run(["systemctl", "show", a["unit"], "-p",
-                       "ActiveState,SubState,UnitFileState,LoadState"],
-                      capture_output=True, text=True).stdout
-out["unit"] = dict(l.split("=", 1) for l in show.splitlines() if "=" in l)
-try:
-    out["user"] = any(l.split(":")[0] == a["user"] for l in open("/etc/passwd"))
-except OSError:
-    pass
-mine, me = "/" + a["unit"], {os.getpid()}
-pid = os.getppid()
-while pid > 1:
-    me.add(pid)
-    try:
-        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        break
-markers = [x + y for x, y in a["markers"]]
-for name in os.listdir("/proc"):
-    if not name.isdigit() or int(name) in me:
-        continue
-    try:
-        cgroup = open(f"/proc/{name}/cgroup").read()
-        cmd = open(f"/proc/{name}/cmdline", "rb").read().replace(b"\0", b" ").decode(
-            "utf-8", "replace").strip()
-    except OSError:
-        continue
-    if any(line.endswith(mine) for line in cgroup.splitlines()):
-        out["unit_pids"].append(int(name))
-        try:
-            for line in open(f"/proc/{name}/status"):
-                if line.startswith("VmRSS:"):
-                    out["rss_kib"] += int(line.split()[1])
-        except OSError:
-            pass
-    elif cmd and any(m in cmd for m in markers):
-        out["engines"].append([int(name), cmd[:200]])
-if a["gpu"]:
-    found = [shutil.which("nvidia-smi")] + a["smi_paths"]
-    smi = next((p for p in found if p and os.access(p, os.X_OK)), None)
-    if smi:
-        try:
-            run = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
-            out["smi"] = {"path": smi, "rc": run.returncode, "out": run.stdout + run.stderr}
-        except subprocess.TimeoutExpired:
-            out["smi"] = {"path": smi, "rc": 124, "out": "nvidia-smi -L did not answer in 60 s"}
-        if out["smi"]["rc"] == 0:
-            try:
-                run = subprocess.run([smi, "--query-compute-apps=gpu_uuid,pid,used_memory",
-                                      "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=60)
-                if run.returncode == 0:
-                    out["apps"] = [[c.strip() for c in l.split(",")]
-                                   for l in run.stdout.splitlines() if l.count(",") == 2]
-            except subprocess.TimeoutExpired:
-                pass
-if out["unit"].get("ActiveState") == "active" and os.path.exists(a["health"]):
-    cmd = [sys.executable, a["health"], "--once", "--url", a["url"]]
-    if a["key"]:
-        cmd += ["--key-file", a["key"]]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    try:
-        out["answer"] = json.loads(run.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        out["answer"] = {"ok": False, "message": (run.stdout + run.stderr)[-300:]}
-print(json.dumps(out, sort_keys=True))
-"""
 
 
 @dataclass(frozen=True)
@@ -349,7 +267,8 @@ class ServeProbe(FactBase[ServeState]):
     """
     The serving state of a rig: unit, files, memory, other engines, GPUs (nvidia-smi -L).
 
-    Runs ``PROBE_SCRIPT`` with python3; it prints one JSON object like::
+    Runs files/serving/probe.py with the rig's python3 (sent as ``python3 -c``, one round
+    trip); it prints one JSON object like::
 
         {"MemAvailable": 7862000, "MemTotal": 16367000, "answer": null, "apps": null,
          "engines": [], "entry": true, "files": {"/etc/systemd/system/rigbook-serve.service":
@@ -359,7 +278,8 @@ class ServeProbe(FactBase[ServeState]):
     """
 
     def command(self, args: str) -> StringCommand:
-        return StringCommand("python3", "-c", QuoteString(PROBE_SCRIPT), QuoteString(args))
+        source = PROBE_SOURCE.read_text()
+        return StringCommand("python3", "-c", QuoteString(source), QuoteString(args))
 
     def process(self, output: list[str]) -> ServeState:
         return parse_probe("\n".join(output))
@@ -409,10 +329,6 @@ def parse_probe(text: str) -> ServeState:
 # --- preflight ----------------------------------------------------------------------------------
 
 
-def gib(value: float) -> str:
-    return f"{value:.1f} GiB"
-
-
 def gpu_gone(state_: ServeState) -> str | None:
     """Why the GPUs cannot be trusted (nvidia-smi -L absent or failing), None when they can."""
     smi = state_.smi
@@ -438,7 +354,8 @@ class Preflight:
 
 
 def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: CacheState,
-              venv: VenvState, topology: Topology | None = None) -> list[str]:
+              venv: VenvState, topology: Topology | None = None,
+              weight_index: str | None = None) -> list[str]:
     """Reasons not to start the plan's engine now (empty: go ahead). Reads no rig state itself.
 
     `probe`, `gpus` (NvidiaGpus; None for a cpu_only recipe), `cache` (ModelCache), `venv`
@@ -467,6 +384,9 @@ def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: 
                                  "add it to the rig's models and run deploys/models.py")
         elif pin.file and pin.file not in cache.repos[spec.repo].snapshots[spec.revision]:
             checks.fail("model", f"{name} has no {pin.file}")
+    mtp = mtp_index_problem(recipe, weight_index)
+    if mtp is not None:
+        checks.fail("model", mtp)
     _venv(checks, plan, probe, gpus, venv)
     if probe.engines:
         listed = "; ".join(f"pid {pid} `{cmd[:80]}`" for pid, cmd in probe.engines)
@@ -505,50 +425,65 @@ def _venv(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe 
         if why is not None:
             checks.fail("venv", f"{name} is not current for the driver: {why}: run "
                                 "deploys/venvs.py")
+    runtime = venv.manifest.get("cuda_runtime")
+    gdn = any(pin.gdn for pin in plan.recipe.models)
+    if gdn and runtime and str(runtime).split(".")[:2] != GDN_CUDA.split("."):
+        checks.fail("venv", f"{name} carries the CUDA {runtime} runtime; the recipe's GDN model "
+                            f"needs CUDA {GDN_CUDA} exactly (12.8 hangs on load, 13.3 fails to "
+                            "build: the failure log; docs/sources.md, GDN models)")
 
 
 def _host_ram(checks: Preflight, plan: ServePlan, probe: ServeState) -> None:
-    need = plan.recipe.estimate.host_ram_gib
-    freed = probe.rss_kib / MIB if probe.running else 0.0
-    available = probe.mem_available_kib / MIB + freed
+    need = plan.recipe.estimate.host_ram_gib * GIB
+    freed = probe.rss_kib * KIB if probe.running else 0
+    available = probe.mem_available_kib * KIB + freed
     if need > available:
         also = f" + {gib(freed)} the running {UNIT_NAME} frees" if freed else ""
         checks.fail(
             "host RAM",
             f"the recipe needs {gib(need)}, {gib(available)} is available (MemAvailable "
-            f"{gib(probe.mem_available_kib / MIB)}{also}): short by {gib(need - available)}",
+            f"{gib(probe.mem_available_kib * KIB)}{also}): short by {gib(need - available)}",
         )
 
 
 def _vram(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe) -> None:
     recipe = plan.recipe
-    need = vram_need_gib(recipe)
+    need = vram_need_gib(recipe, plan.rig) * GIB
+    share = gpu_memory_utilization_of(recipe, plan.rig)
+    margin = VRAM_MARGIN_GIB * GIB
     ours = set(probe.unit_pids)
     for gpu in sorted(gpus.gpus, key=lambda g: g.index)[: recipe.tensor_parallel_size]:
-        total = (gpu.memory_total_mib or 0) / 1024
-        used = (gpu.memory_used_mib or 0) / 1024
+        total = (gpu.memory_total_mib or 0) * MIB
+        used = (gpu.memory_used_mib or 0) * MIB
         if probe.apps is not None:
             mine = sum(mib or 0 for uuid, pid, mib in probe.apps
-                       if uuid == gpu.uuid and pid in ours) / 1024
+                       if uuid == gpu.uuid and pid in ours) * MIB
         else:  # no per-process numbers (WSL2): what a running rigbook-serve holds is freed
-            mine = used if probe.running else 0.0
-        others = max(used - mine, 0.0)
+            mine = used if probe.running else 0
+        others = max(used - mine, 0)
         label = f"GPU {gpu.index} ({gpu.name})"
-        if recipe.gpu_memory_utilization is not None:
-            claim = recipe.gpu_memory_utilization * total
+        if share is not None:
+            claim = share * total
             if need > claim:
                 checks.fail("VRAM", f"{label}: the recipe needs {gib(need)} per card but claims "
-                                    f"only {recipe.gpu_memory_utilization:g} x {gib(total)} = "
+                                    f"only {share:g} x {gib(total)} = "
                                     f"{gib(claim)}: short by {gib(need - claim)}")
+            elif total - claim < margin:
+                checks.fail("VRAM", f"{label}: the engine would claim {share:g} x {gib(total)} "
+                                    f"= {gib(claim)}, leaving {gib(total - claim)}; "
+                                    f"{gib(margin)} per card is kept for the driver and display "
+                                    "(docs/sources.md, VRAM margins): lower "
+                                    "serving_gpu_memory_utilization")
             elif others > total - claim:
                 checks.fail("VRAM", f"{label}: other processes hold {gib(others)}; the engine "
                                     f"claims {gib(claim)} of {gib(total)}, leaving "
                                     f"{gib(total - claim)}: short by "
                                     f"{gib(others - (total - claim))}")
-        elif need > total - others:
-            checks.fail("VRAM", f"{label}: the recipe needs {gib(need)}, {gib(total - others)} "
-                                f"is free ({gib(others)} held by others): short by "
-                                f"{gib(need - (total - others))}")
+        elif need > total - max(others, margin):
+            free = total - max(others, margin)
+            checks.fail("VRAM", f"{label}: the recipe needs {gib(need)}, {gib(free)} "
+                                f"is free ({gib(others)} held by others, {gib(margin)} kept "
+                                f"per card): short by {gib(need - free)}")
 
 
 # --- health --------------------------------------------------------------------------------------
@@ -643,7 +578,12 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         cache = host.get_fact(ModelCache, cache=plan.rig.models_cache)
         venv = host.get_fact(VenvBuilds, venv_name=plan.recipe.venv)
         topology = host.get_fact(GpuTopology) if plan.gpu else None
-        problems = preflight(plan, probe, gpus, cache, venv, topology)
+        index = None
+        if plan.recipe.speculative is not None and plan.recipe.speculative.method == "mtp":
+            folder = model_path(plan.recipe.model, plan.rig)
+            index = host.get_fact(FileContents, path=f"{folder}/{WEIGHT_INDEX}")
+            index = "\n".join(index) if index else None
+        problems = preflight(plan, probe, gpus, cache, venv, topology, index)
         if problems:
             message = (f"{where}: preflight failed, nothing was changed"
                        + (f" ({UNIT_NAME} keeps running)" if probe.running else "") + ":\n"
@@ -677,7 +617,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         yield StringCommand("systemctl", "enable", UNIT_NAME)
     if restart:
         yield StringCommand("systemctl", "start", UNIT_NAME)
-        yield FunctionCommand(_await_health, (plan, _connector_arguments()), {})
+        yield FunctionCommand(_await_health, (plan, connector_arguments()), {})
         return
     answer = probe.answer or {}
     if answer.get("ok"):

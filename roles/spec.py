@@ -14,7 +14,7 @@ import ipaddress
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rigbook.errors import RigbookError
 from rigbook.secrets import looks_secret
@@ -30,6 +30,7 @@ from rigbook.types import (
     SourceUrl,
     StrictBool,
     StrictInt,
+    StrictModel,
     http_url,
     rig_path,
 )
@@ -42,12 +43,18 @@ PowerProfile = Literal["sweet-spot", "prefill", "stock"]
 #: Driver branches rigbook installs: CUDA 13 needs >= 580; 590 is transitional to 595 on Ubuntu.
 DRIVER_BRANCHES = (580, 595)
 
-#: Per-card sweet spots (watts) measured by the seeds' 10 W sweeps, by workload profile and cooling.
+#: Per-card sweet spots (watts), by workload profile and cooling: only the caps the hardware notes
+#: measured (docs/sources.md, "Power sweet spots", quotes each row). A missing cooling has no
+#: measurement (the 4090 and 5090 sweeps were air-cooled, the 3090 prefill sweep too): rigbook
+#: refuses it rather than guess. The 3090's 330 W "water" anchor ran on an AIO (Alphacool Eiswolf
+#: 2 AIO 360mm), so it stands for both. The 5090's prefill knee is 400 W (0.618 TPS/W); stock
+#: 600 W buys prefill throughput at ~30% efficiency (power_profile stock).
 SWEET_SPOTS: dict[tuple[str, str], dict[str, int]] = {
     ("rtx3090", "sweet-spot"): {"air": 290, "water": 330, "aio": 330},
-    ("rtx3090", "prefill"): {"air": 250, "water": 250, "aio": 250},
-    ("rtx4090", "sweet-spot"): {"air": 260, "water": 260, "aio": 260},
-    ("rtx5090", "sweet-spot"): {"air": 400, "water": 400, "aio": 400},
+    ("rtx3090", "prefill"): {"air": 250},
+    ("rtx4090", "sweet-spot"): {"air": 260},
+    ("rtx5090", "sweet-spot"): {"air": 400},
+    ("rtx5090", "prefill"): {"air": 400},
 }
 
 #: VRAM per card class in GiB, for recipe fit checks.
@@ -73,11 +80,7 @@ _SYSCTL_OWN = {
 }
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class VenvSpec(_Model):
+class VenvSpec(StrictModel):
     """One serving venv (built by the venvs role)."""
 
     name: str = Field(
@@ -109,7 +112,7 @@ class VenvSpec(_Model):
         return units
 
 
-class ModelSpec(_Model):
+class ModelSpec(StrictModel):
     """One model snapshot in the Hugging Face cache (pulled by the models role)."""
 
     repo: RepoId = Field(description="Hub repo id, ORG/NAME.")
@@ -118,7 +121,7 @@ class ModelSpec(_Model):
     ignore_patterns: tuple[Glob, ...] = Field((), description="Skip files matching these globs.")
 
 
-class Rig(_Model):
+class Rig(StrictModel):
     """The host data of one rig. Every key is optional unless marked required."""
 
     # -- hardware -----------------------------------------------------------------------------
@@ -164,6 +167,14 @@ class Rig(_Model):
     driver_modprobe_options: dict[str, str] = Field(
         {}, description="nvidia module options, e.g. {'NVreg_DynamicPowerManagement': '0x00'}."
     )
+    driver_secure_boot: Literal["refuse", "enroll"] = Field(
+        "refuse",
+        description=(
+            "With Secure Boot on and the DKMS signing key not enrolled: refuse the rig and list "
+            "the steps (refuse). enroll is accepted but not automated yet: the rig is refused "
+            "with the same steps (docs/driver.md, Onboarding a real box)."
+        ),
+    )
     allow_reboot: StrictBool = Field(
         False, description="A deploy may reboot the rig when a change needs it."
     )
@@ -171,7 +182,8 @@ class Rig(_Model):
     # -- power --------------------------------------------------------------------------------
     power_profile: PowerProfile = Field(
         "sweet-spot",
-        description="Named cap: sweet-spot (by card and cooling), prefill (3090: 250 W) or stock.",
+        description="Named cap: sweet-spot (by card and cooling), prefill (3090: 250 W, 5090: "
+        "400 W) or stock.",
     )
     power_cap_watts: StrictInt | None = Field(
         None, gt=0, description="One cap for every GPU, in watts; overrides power_profile."
@@ -283,6 +295,19 @@ class Rig(_Model):
     )
     serving_port: StrictInt | None = Field(
         None, ge=1024, le=65535, description="API port; none = the recipe's (8000)."
+    )
+    serving_max_model_len: StrictInt | None = Field(
+        None,
+        ge=256,
+        description="Lower the recipe's context on this rig (a card that also drives a display, "
+        "e.g. a 4090 at ~23.5 GB usable); the KV estimate shrinks with it. None = the recipe's.",
+    )
+    serving_gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=0.98,
+        description="vLLM/SGLang: this rig's share of each card instead of the recipe's (other GPU "
+        "consumers on the card). None = the recipe's.",
     )
     serving_api_key_file: LocalPath | None = Field(
         None,
@@ -518,6 +543,13 @@ class Rig(_Model):
             raise ValueError(
                 f"no documented {self.power_profile} cap for {self.gpu_class}: "
                 "set power_cap_watts or power_profile: stock"
+            )
+        if self.cooling not in table:
+            measured = ", ".join(table)
+            raise ValueError(
+                f"no documented {self.power_profile} cap for {self.gpu_class} cooled by "
+                f"{self.cooling}: the hardware notes measured it {measured}-cooled only "
+                "(docs/sources.md, Power sweet spots); set power_cap_watts or power_profile: stock"
             )
         return table[self.cooling]
 

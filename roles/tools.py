@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+from packaging.utils import canonicalize_name
 from pyinfra import host
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
@@ -32,11 +33,6 @@ UV = f"{TOOLS_VENV}/bin/uv"
 TOOLS_PINS = {"uv": "0.13.9", "huggingface_hub": "2.4.0", "nvidia-ml-py": "13.610.43"}
 
 
-def canonical(name: str) -> str:
-    """A distribution name as PEP 503 compares it: huggingface_hub == Huggingface-Hub."""
-    return "-".join(name.replace("_", "-").replace(".", "-").lower().split("-"))
-
-
 def package_source_args(rig: Rig) -> list[str]:
     """pip/uv options that point an install at the rig's package source."""
     args: list[str] = []
@@ -49,11 +45,11 @@ def package_source_args(rig: Rig) -> list[str]:
 
 def differing_pins(installed: dict[str, str] | None) -> dict[str, str]:
     """The pins whose installed version differs (all of them when there is no venv)."""
-    have = {canonical(name): version for name, version in (installed or {}).items()}
+    have = {canonicalize_name(name): version for name, version in (installed or {}).items()}
     return {
         name: version
         for name, version in TOOLS_PINS.items()
-        if have.get(canonical(name)) != version
+        if have.get(canonicalize_name(name)) != version
     }
 
 

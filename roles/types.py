@@ -19,6 +19,8 @@ refused as one in the middle. The renderers escape for their format on top of th
   release series `cuda-toolkit==13.0.*`; markers allowed), parsed with `packaging`; never an
   option such as `--index-url`, a URL or a range.
 - `StrictBool` / `StrictInt`: `True` is not 1, `"yes"` is not true.
+- `StrictModel`: the base of every model of host data, recipes and status: an unknown key is
+  an error (a typo is never ignored) and a validated object is frozen.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from urllib.parse import urlsplit
 
 from packaging.requirements import InvalidRequirement
 from packaging.requirements import Requirement as Parsed
-from pydantic import AfterValidator, Field, StrictBool, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 __all__ = [
     "Glob", "HttpUrl", "IpAddress", "Line", "LocalPath", "RepoId", "Requirement", "RigPath",
-    "SourceUrl", "StrictBool", "StrictInt", "Word",
+    "SourceUrl", "StrictBool", "StrictInt", "StrictModel", "Word",
 ]
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -141,6 +143,12 @@ IpAddress = Annotated[str, AfterValidator(ip_address)]
 Requirement = Annotated[str, AfterValidator(requirement)]
 #: A Hugging Face repo id, owner/name.
 RepoId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")]
+
+
+class StrictModel(BaseModel):
+    """Unknown keys refused, frozen once validated: the base of rigbook's pydantic models."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 #: What each type allows, in words: docs/host-data.md shows these (roles/docs.py).

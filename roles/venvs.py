@@ -14,7 +14,9 @@ fails must not take the working venv away. So:
   temp name, `mv -T` over the link: rename(2) is atomic), services named in venvs[].services
   are restarted if running, and builds beyond venvs_keep are pruned;
 - a failure at any step removes the half-built directory and fails the rig with the output
-  tail; the symlink, the old build and running services are untouched.
+  tail; the symlink, the old build and running services are untouched;
+- while it runs, its phases and uv's counts show in pyinfra's output (BuildProgress, read from
+  the build log every few seconds by rigbook.progress).
 
 A kept build whose spec matches again (a pin reverted in the inventory) and that is current
 for the driver is swapped back in without building. The converge (deploys/rig.py) builds missing
@@ -26,6 +28,7 @@ docs/venvs.md and docs/runbooks/rebuild-venvs.md say the same for operators.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -33,21 +36,23 @@ import shlex
 import time
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from pyinfra import host
+from packaging.utils import canonicalize_name
+from pyinfra import host, logger
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error
 from rigbook.errors import RigbookError
-from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, _smi_attempts, _smi_script
+from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, smi_attempts, smi_script
 from rigbook.messages import notice, refuse, warn_once
+from rigbook.progress import progress_every, run_watched
 from rigbook.render import render, template
 from rigbook.spec import Rig, VenvSpec
-from rigbook.tools import UV, canonical, package_source_args, tools_venv
+from rigbook.tools import UV, package_source_args, tools_venv
 
 VENVS_DIR = "/opt/rigbook/venvs"
 MANIFEST = "rigbook-manifest.json"
@@ -67,7 +72,8 @@ ENV_TEMPLATE = TEMPLATES / "venv.env.j2"
 
 #: The module an engine's smoke test imports.
 ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "llama-cpp-python": "llama_cpp"}
-#: Least driver per CUDA runtime (CUDA toolkit release notes, table 3; facts.md §3). A cu13 build
+#: Least driver per CUDA runtime (CUDA toolkit release notes, table 3; docs/sources.md, "CUDA
+#: runtime and driver"). A cu13 build
 #: on an older driver fails with CUDA error 804 (forward compatibility is not supported).
 DRIVER_FOR_CUDA = {"13.0": "580.65.06", "13.1": "590.44.01", "13.2": "595.45.04"}
 #: CUDA runtime of torch from each torch_backend.
@@ -79,13 +85,12 @@ _STAMP = re.compile(r"^\d{8}T\d{6}Z$")
 # --- pins ------------------------------------------------------------------------------------
 
 
-def _load_pins() -> dict[str, dict[str, Any]]:
+@functools.cache
+def engine_pins() -> dict[str, dict[str, Any]]:
+    """rigbook's shipped pins (files/venvs/pins.toml), read once, when first needed: engine ->
+    {"venv": name, "packages": [...], "cuda": "13.0" (absent: no CUDA runtime of its own)}."""
     with (TEMPLATES / "pins.toml").open("rb") as f:
         return tomllib.load(f)
-
-
-#: Engine -> {"packages": [...], "cuda": "13.0" (absent: no CUDA runtime of its own)}.
-ENGINE_PINS: dict[str, dict[str, Any]] = _load_pins()
 
 
 def engine_venv(engine: str, name: str | None = None, **fields: Any) -> dict[str, Any]:
@@ -95,9 +100,10 @@ def engine_venv(engine: str, name: str | None = None, **fields: Any) -> dict[str
     {"name": "vllm-0.33", "engine": "vllm", "packages": ["vllm==0.33.0", "torch==2.14.0"], ...}
     (the name the shipped recipes give that engine's venv, unless `name` says another).
     """
-    if engine not in ENGINE_PINS:
-        raise RigbookError(f"no shipped pins for engine {engine!r}; allowed: {sorted(ENGINE_PINS)}")
-    pins = ENGINE_PINS[engine]
+    shipped = engine_pins()
+    if engine not in shipped:
+        raise RigbookError(f"no shipped pins for engine {engine!r}; allowed: {sorted(shipped)}")
+    pins = shipped[engine]
     entry = {"name": name or pins["venv"], "engine": engine, "packages": pins["packages"]}
     entry.update(fields)
     return VenvSpec.model_validate(entry).model_dump(mode="json")
@@ -156,7 +162,7 @@ def spec_cuda(spec: VenvSpec) -> tuple[str, str] | None:
     """
     found: list[tuple[tuple[int, ...], str, str]] = []
     for requirement in spec.packages:
-        text = canonical(requirement_name(requirement)) + requirement.strip()[
+        text = canonicalize_name(requirement_name(requirement)) + requirement.strip()[
             len(requirement_name(requirement)):
         ]
         pin = _CUDA_PIN.match(text)
@@ -170,7 +176,7 @@ def spec_cuda(spec: VenvSpec) -> tuple[str, str] | None:
     if found:
         _, cuda, why = max(found)
         return cuda, why
-    has_torch = any(canonical(requirement_name(r)) == "torch" for r in spec.packages)
+    has_torch = any(canonicalize_name(requirement_name(r)) == "torch" for r in spec.packages)
     if spec.engine != "none" or has_torch:
         return BACKEND_CUDA[spec.torch_backend], f"torch_backend {spec.torch_backend}"
     return None
@@ -315,6 +321,14 @@ class VenvLayout:
     cu13: tuple[str, ...] | None  # entries of site-packages/nvidia/cu13; None: no such dir
     cu13_nvcc: bool  # site-packages/nvidia/cu13/bin/nvcc exists
     path_nvcc: str | None  # nvcc on the launcher's PATH (venv bin + BASE_PATH), if any
+    path_nvcc_release: str | None = None  # its `nvcc --version` release ("13.0"), if it said
+
+    @property
+    def path_nvcc_matches(self) -> bool:
+        """The nvcc on PATH is of the venv's CUDA major (13): an older one next to a cu13 venv
+        is the failure log's dead end (docs/sources.md, "FlashInfer sampler and nvcc")."""
+        release = self.path_nvcc_release or ""
+        return self.path_nvcc is not None and release.split(".")[0] == VENV_CUDA_MAJOR
 
     @property
     def cuda_home(self) -> str | None:
@@ -330,8 +344,10 @@ def venv_environment(layout: VenvLayout, base_path: str = BASE_PATH) -> dict[str
 
     CUDA_HOME points into the venv's own nvidia/cu13 (these hosts have no system toolkit, and
     FlashInfer's JIT looks there); PATH starts with the venv's bin (then CUDA_HOME/bin when it
-    holds nvcc); VLLM_USE_FLASHINFER_SAMPLER=0 when no nvcc exists, neither in CUDA_HOME/bin nor
-    on PATH, so vLLM does not try to JIT-compile the sampler.
+    holds nvcc); VLLM_USE_FLASHINFER_SAMPLER=0 unless an nvcc of the venv's CUDA major (13)
+    exists, in CUDA_HOME/bin or on PATH: an older nvcc on PATH (a system 12.x toolkit) made
+    FlashInfer's JIT fail on a CUDA-13-only flag (docs/sources.md, "FlashInfer sampler and
+    nvcc"), so it counts as no nvcc.
     """
     env: dict[str, str] = {}
     path = [f"{layout.venv}/bin"]
@@ -342,7 +358,7 @@ def venv_environment(layout: VenvLayout, base_path: str = BASE_PATH) -> dict[str
             path.append(f"{cuda_home}/bin")
     env["PATH"] = ":".join([*path, base_path])
     env["VIRTUAL_ENV"] = layout.venv
-    if not layout.cu13_nvcc and not layout.path_nvcc:
+    if not layout.cu13_nvcc and not layout.path_nvcc_matches:
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return env
 
@@ -452,6 +468,9 @@ def parse_venv_builds(output: list[str]) -> VenvState:
 
 
 _SITE, _CU13, _CU13_NVCC, _NVCC = "##SITE", "##CU13", "##CU13_NVCC", "##NVCC"
+_NVCC_RELEASE = "##NVCC_RELEASE"
+#: The CUDA major the venvs are built for (torch cu130): an nvcc of another major does not count.
+VENV_CUDA_MAJOR = "13"
 
 
 class VenvLayoutFact(FactBase[VenvLayout | None]):
@@ -475,14 +494,18 @@ class VenvLayoutFact(FactBase[VenvLayout | None]):
             f'echo "{_SITE} $sp"; c="$sp/nvidia/cu13"; '
             f'if [ -d "$c" ]; then echo "{_CU13} $(ls -1 "$c" | tr "\\n" " ")"; fi; '
             f'if [ -x "$c/bin/nvcc" ]; then echo "{_CU13_NVCC}"; fi; '
-            f'echo "{_NVCC} $(PATH={path} command -v nvcc)"'
+            f'n=$(PATH={path} command -v nvcc); echo "{_NVCC} $n"; '
+            f'if [ -n "$n" ]; then echo "{_NVCC_RELEASE} $("$n" --version 2>/dev/null '
+            f"| sed -n 's/.*release \\([0-9][0-9.]*\\).*/\\1/p' | head -n 1)\"; fi"
         )
 
     def process(self, output: list[str]) -> VenvLayout | None:
-        site = cu13 = nvcc = None
+        site = cu13 = nvcc = release = None
         cu13_nvcc = False
         for line in output:
-            if line.startswith(_CU13_NVCC):
+            if line.startswith(_NVCC_RELEASE):
+                release = line[len(_NVCC_RELEASE):].strip() or None
+            elif line.startswith(_CU13_NVCC):
                 cu13_nvcc = True
             elif line.startswith(_SITE):
                 site = line[len(_SITE):].strip()
@@ -493,7 +516,7 @@ class VenvLayoutFact(FactBase[VenvLayout | None]):
         if not site:
             raise FactProcessError(f"no site-packages in the venv layout output: {output!r}")
         venv = site.split("/lib/python3", 1)[0]
-        return VenvLayout(venv, site, cu13, cu13_nvcc, nvcc)
+        return VenvLayout(venv, site, cu13, cu13_nvcc, nvcc, release)
 
 
 #: The plain table's header: "Driver Version: 580.95.05  CUDA Version: 13.0", and from the 610
@@ -519,10 +542,10 @@ class NvidiaSmiHeader(FactBase[tuple[str, str] | None]):
     """
 
     def command(self) -> str:
-        return _smi_script("")
+        return smi_script("")
 
     def process(self, output: list[str]) -> tuple[str, str] | None:
-        attempts = _smi_attempts(output)
+        attempts = smi_attempts(output)
         if attempts is None:
             return None
         for _, lines, status in attempts:
@@ -709,7 +732,78 @@ def build_script(plan: BuildPlan) -> str:
         swap=swap_commands(plan.root, plan.name, plan.build),
         prune=[f"{plan.root}/{build}" for build in plan.prune],
         services=plan.services, tail=TAIL_LINES, reuse=plan.reuse,
+        packages=len(plan.smoke_input["packages"]),
     )
+
+
+#: Build-log lines shown while a build runs: rigbook's phases, uv's counts and source builds.
+PHASE = "rigbook phase: "
+_UV_SAID = re.compile(r"(?:(?:Resolved|Prepared|Installed|Uninstalled|Audited) \d+ packages? in "
+                      r"|Building |Built )")
+#: uv (progress bars off) names each download over 1 MiB when it starts and when it is done.
+_UV_DOWNLOADING = re.compile(r"Downloading (\S+) \(([^()]+)\)")
+_UV_DOWNLOADED = re.compile(r" Downloaded (\S+)")
+
+
+@dataclass
+class BuildProgress:
+    """What a build shows while it runs, from the new lines of its log: each phase and uv's
+    counts as they come, and uv's download lines folded into one line per read."""
+
+    name: str
+    downloading: dict[str, str] = field(default_factory=dict)  # wheel -> size, not done yet
+    downloaded: int = 0
+
+    def shown(self, lines: list[str]) -> list[str]:
+        out: list[str] = []
+        folded = False  # download lines since the last line shown
+        for line in lines:
+            if started := _UV_DOWNLOADING.fullmatch(line):
+                self.downloading[started[1]] = started[2]
+                folded = True
+            elif done := _UV_DOWNLOADED.fullmatch(line):
+                self.downloading.pop(done[1], None)
+                self.downloaded += 1
+                folded = True
+            elif line.startswith(PHASE) or _UV_SAID.match(line):
+                if folded:
+                    out.append(self.downloads())
+                    folded = False
+                out.append(line.removeprefix(PHASE))
+        if folded:
+            out.append(self.downloads())
+        return [f"venv {self.name}: {text}" for text in out]
+
+    def downloads(self) -> str:
+        text = (f"downloading: {self.downloaded} of {self.downloaded + len(self.downloading)} "
+                "large wheel(s) done")
+        now = [f"{wheel} ({size})" for wheel, size in list(self.downloading.items())[:3]]
+        return f"{text}, now {', '.join(now)}" if now else text
+
+
+class WatchedBuild(StringCommand):
+    """The build script, run so that its phases show while it runs (a plain StringCommand's
+    output comes back only when it ends), then a line with the time it took."""
+
+    def __init__(self, script: str, name: str, log: str, every: float):
+        super().__init__(script)
+        self.name, self.log, self.every = name, log, every
+
+    def execute(self, state, host, connector_arguments):
+        connector_arguments.update(self.connector_arguments)
+        progress, started = BuildProgress(self.name), time.monotonic()
+
+        def show(lines: list[str]) -> None:
+            for text in progress.shown(lines):
+                logger.info(f"{host.print_prefix}{text}")
+
+        ok, output, _ = run_watched(host, self, self.log, show, self.every,
+                                    print_output=state.print_output,
+                                    print_input=state.print_input, **connector_arguments)
+        if ok:
+            logger.info(f"{host.print_prefix}venv {self.name}: built, smoke-tested and swapped "
+                        f"in after {time.monotonic() - started:.1f} s")
+        return ok, output
 
 
 # --- operations ------------------------------------------------------------------------------
@@ -775,7 +869,9 @@ def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
         prune=tuple(prune_selection(others, max(rig.venvs_keep, 1), prefer=state.target_build)),
         services=spec.services, reuse=decision.action == "swap",
     )
-    yield StringCommand(build_script(plan))
+    script = build_script(plan)
+    yield (StringCommand(script) if plan.reuse
+           else WatchedBuild(script, spec.name, plan.log, progress_every()))
     if state.target_build is not None and not spec.services:
         yield notice(
             f"venv {spec.name} now runs from {build} ({decision.reason}); venvs[].services names "
@@ -793,7 +889,7 @@ def venv_env_file(rig: Rig, spec: VenvSpec):
 
     ``KEY=value`` lines (a systemd ``EnvironmentFile=``, or ``set -a; . FILE; set +a``) from
     ``venv_environment``: CUDA_HOME in the venv's nvidia/cu13, PATH with the venv's bin first,
-    VLLM_USE_FLASHINFER_SAMPLER=0 where no nvcc exists. Read from the venv as it is when the
+    VLLM_USE_FLASHINFER_SAMPLER=0 where no CUDA 13 nvcc exists. Read from the venv as it is when the
     operation executes (after the build); nothing when the venv is not built.
     """
     layout = host.get_fact(VenvLayoutFact, venv=venv_link(spec.name))

@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Literal
 
 import requests
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from rigbook.errors import RigbookError
+from rigbook.types import StrictModel
 
-LADDER = ("health", "chat", "prefill", "needle", "bench")
 #: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
 CONTEXT_ERROR = re.compile(
     r"maximum context length|context window|context length|maximum model length", re.I
@@ -114,11 +114,7 @@ def truncate(text: str, limit: int = EVIDENCE_CHARS) -> str:
 # --- results ---------------------------------------------------------------------------------
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Stat(_Model):
+class Stat(StrictModel):
     median: float
     min: float
     max: float
@@ -131,7 +127,7 @@ class Stat(_Model):
         return f"{self.median:.{digits}f} [{self.min:.{digits}f}-{self.max:.{digits}f}]"
 
 
-class Step(_Model):
+class Step(StrictModel):
     name: Literal["health", "chat", "prefill", "needle", "bench"]
     ok: bool
     seconds: float
@@ -140,7 +136,7 @@ class Step(_Model):
     got: str | None = None
 
 
-class BenchFigures(_Model):
+class BenchFigures(StrictModel):
     """One prompt at one concurrency: per stream TTFT and decode tok/s, and all streams' sum."""
 
     prompt: Literal["narrative", "code"]
@@ -152,7 +148,7 @@ class BenchFigures(_Model):
     aggregate_tps: Stat
 
 
-class VerifyRun(_Model):
+class VerifyRun(StrictModel):
     """One verify run of one rig, stored as JSON on the operator's machine."""
 
     schema_version: Literal[1] = 1
@@ -798,7 +794,7 @@ def verify_serving(target: Target, settings: Settings, root: str | None = None):
 @deploy("Verify")
 def verify(rig) -> None:
     """Verify the rig's running recipe (deploy-level: plans one operation for this host)."""
-    from rigbook.models import refused
+    from rigbook.messages import refused
 
     if rig.recipe is None:
         refused(name="Check the serving recipe",

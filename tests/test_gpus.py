@@ -23,17 +23,8 @@ from rigbook.facts import (
     NvidiaDriverVersion,
     NvidiaGpus,
 )
-from rigbook.gpus import (
-    QUERY_FIELDS,
-    Gpu,
-    GpuProbe,
-    ProbeError,
-    cuda_version_from_driver,
-    parse_list,
-    parse_probe_json,
-    parse_query_csv,
-    query_args,
-)
+from rigbook.gpus import QUERY_FIELDS, Gpu, GpuProbe, parse_query_csv, query_args
+from rigbook.health import health_from_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = Path(__file__).parent / "fixtures" / "nvidia-h200"
@@ -150,76 +141,7 @@ def test_query_csv_without_required_fields_is_an_error():
         parse_query_csv("0, GPU-x", fields=("index", "uuid"))
 
 
-# --- nvidia-smi -L -------------------------------------------------------------------------
-
-
-def test_parse_list_h200():
-    assert parse_list(fixture("nvidia-smi-L.txt")) == [(0, "NVIDIA H200", UUID)]
-
-
-def test_parse_list_skips_mig_instances():
-    text = (
-        fixture("nvidia-smi-L.txt")
-        + "  MIG 1g.18gb     Device  0: (UUID: MIG-5c4bd1b1-2a52-5e36-9d64-a1e7f5a8c7e9)\n"
-        + "GPU 1: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-000000000001)\n"
-    )
-    assert [index for index, _, _ in parse_list(text)] == [0, 1]
-
-
-def test_parse_list_rejects_no_devices():
-    with pytest.raises(ValueError, match="No devices were found"):
-        parse_list(NO_DEVICES + "\n")
-
-
 # --- NVML ----------------------------------------------------------------------------------
-
-
-def test_probe_json_h200():
-    driver, cuda, [gpu] = parse_probe_json(fixture("nvml.txt"))
-    assert (driver, cuda) == ("580.159.04", "13.0")
-    assert (gpu.index, gpu.uuid, gpu.name) == (0, UUID, "NVIDIA H200")
-    assert (gpu.power_limit_w, gpu.min_limit_w, gpu.max_limit_w) == (700.0, 200.0, 700.0)
-    assert gpu.power_draw_w == 126.412
-    assert gpu.memory_total_mib == 143771
-    # this capture used NVML's v1 memory call, whose "used" includes the 616 MiB reserved
-    assert gpu.memory_used_mib == 615
-    assert gpu.bus_id == ""  # the capture predates bus_id in the probe
-
-
-def test_probe_and_query_agree_on_the_h200():
-    [from_smi] = parse_query_csv("\n".join(query_lines()))
-    _, _, [from_nvml] = parse_probe_json(fixture("nvml.txt"))
-    same = ("index", "uuid", "name", "driver_version", "power_limit_w", "default_limit_w",
-            "min_limit_w", "max_limit_w", "enforced_limit_w", "memory_total_mib", "persistence",
-            "pcie_gen", "pcie_gen_max", "pcie_width", "temperature_c", "compute_cap")
-    assert {k: getattr(from_nvml, k) for k in same} == {k: getattr(from_smi, k) for k in same}
-
-
-def test_probe_json_error_object_raises_probe_error():
-    with pytest.raises(ProbeError, match="NVML Shared Library Not Found"):
-        parse_probe_json('{"error": "NVML did not initialise: NVML Shared Library Not Found"}')
-
-
-@pytest.mark.parametrize("text", ["Traceback (most recent call last):", "[1, 2]",
-                                  '{"driver": "580.159.04", "gpus": []}'])
-def test_probe_json_garbage_is_a_value_error(text):
-    with pytest.raises(ValueError):
-        parse_probe_json(text)
-
-
-@pytest.mark.parametrize(("number", "version"), [(13000, "13.0"), (12080, "12.8"),
-                                                 (13020, "13.2")])
-def test_cuda_version_from_driver(number, version):
-    assert cuda_version_from_driver(number) == version
-
-
-def test_gpu_json_round_trip_and_unknown_keys():
-    _, _, [gpu] = parse_probe_json(fixture("nvml.txt"))
-    assert Gpu.from_dict(json.loads(json.dumps(gpu.to_dict()))) == gpu
-    with pytest.raises(ValueError, match="unknown Gpu keys: watts"):
-        Gpu.from_dict({**gpu.to_dict(), "watts": 1})
-    with pytest.raises(ValueError, match="bad Gpu data"):
-        Gpu.from_dict({"index": 0})
 
 
 class _FakeNvmlError(Exception):
@@ -227,7 +149,8 @@ class _FakeNvmlError(Exception):
 
 
 def _fake_pynvml(init_error: str | None = None) -> types.SimpleNamespace:
-    """pynvml answering with the H200's values from nvml.txt (one GPU, nothing running)."""
+    """pynvml answering with the H200's values from nvml.txt and nvml-health.json (one GPU);
+    only the calls the probe makes (any other is an AttributeError)."""
     h200 = json.JSONDecoder().raw_decode(fixture("nvml.txt"))[0]["gpus"][0]
 
     def init():
@@ -237,38 +160,16 @@ def _fake_pynvml(init_error: str | None = None) -> types.SimpleNamespace:
     def not_supported(*_):
         raise _FakeNvmlError("Not Supported")
 
-    def memory(_, version=None):
-        if version is None:
-            return types.SimpleNamespace(total=h200["mem"][0], used=h200["mem"][1])
-        return types.SimpleNamespace(total=h200["mem"][0], used=0, reserved=616 * gpus.MIB)
-
     return types.SimpleNamespace(
-        NVMLError=_FakeNvmlError, NVML_TEMPERATURE_GPU=0, nvmlMemory_v2=2,
+        NVMLError=_FakeNvmlError, NVML_TEMPERATURE_GPU=0,
         nvmlInit=init, nvmlShutdown=lambda: None,
-        nvmlSystemGetDriverVersion=lambda: "580.159.04",
-        nvmlSystemGetCudaDriverVersion=lambda: 13000,
-        nvmlSystemGetNVMLVersion=lambda: "13.580.159.04",
         nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetName=lambda _: h200["name"], nvmlDeviceGetUUID=lambda _: h200["uuid"],
-        nvmlDeviceGetSerial=lambda _: h200["serial"],
-        nvmlDeviceGetPciInfo=lambda _: types.SimpleNamespace(busId="00000000:00:06.0"),
-        nvmlDeviceGetPowerManagementLimit=lambda _: h200["power_limit_mw"],
-        nvmlDeviceGetPowerManagementDefaultLimit=lambda _: h200["default_limit_mw"],
-        nvmlDeviceGetPowerManagementLimitConstraints=lambda _: tuple(h200["constraints_mw"]),
-        nvmlDeviceGetEnforcedPowerLimit=lambda _: h200["enforced_mw"],
-        nvmlDeviceGetPowerUsage=lambda _: h200["power_usage_mw"],
-        nvmlDeviceGetPersistenceMode=lambda _: h200["persistence"],
-        nvmlDeviceGetCudaComputeCapability=lambda _: tuple(h200["cc"]),
+        nvmlDeviceGetUUID=lambda _: h200["uuid"],
         nvmlDeviceGetCurrPcieLinkGeneration=lambda _: h200["pcie_gen"],
         nvmlDeviceGetMaxPcieLinkGeneration=lambda _: h200["pcie_gen_max"],
         nvmlDeviceGetCurrPcieLinkWidth=lambda _: h200["pcie_width"],
         nvmlDeviceGetMaxPcieLinkWidth=not_supported,
         nvmlDeviceGetTemperature=lambda _, sensor: h200["temp"],
-        nvmlDeviceGetMemoryInfo=memory,
-        nvmlDeviceGetComputeRunningProcesses=lambda _: [
-            types.SimpleNamespace(pid=4242, usedGpuMemory=2048 * gpus.MIB),
-            types.SimpleNamespace(pid=4243, usedGpuMemory=None),
-        ],
         # GPU health, as NVML answered on an H200 (nvml-health.json)
         NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0, NVML_AGGREGATE_ECC=1,
         nvmlDeviceGetMarginTemperature=lambda _: types.SimpleNamespace(marginTemperature=51),
@@ -280,21 +181,21 @@ def _fake_pynvml(init_error: str | None = None) -> types.SimpleNamespace:
     )
 
 
-def test_probe_main_prints_what_parse_probe_json_reads(monkeypatch, capsys):
+def test_probe_main_prints_the_health_readings(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
     assert gpus.main(["--probe"]) == 0
-    printed = capsys.readouterr().out
-    driver, cuda, [gpu] = parse_probe_json(printed)
+    printed = json.loads(capsys.readouterr().out)
+    [gpu] = printed["gpus"]
     [from_smi] = parse_query_csv("\n".join(query_lines()))
-    # with bus_id and v2 memory the probe matches nvidia-smi field for field
-    assert gpu == Gpu(**{**from_smi.to_dict(), "power_draw_w": 126.412})
-    assert (driver, cuda) == ("580.159.04", "13.0")
-    assert json.loads(printed)["gpus"][0]["procs"] == [
-        {"pid": 4242, "used_mib": 2048}, {"pid": 4243, "used_mib": None}]
+    # the probe reads the card nvidia-smi reads; a value NVML does not support is null
+    assert (gpu["index"], gpu["uuid"], gpu["temp"]) == (0, UUID, from_smi.temperature_c)
+    assert (gpu["pcie_gen"], gpu["pcie_gen_max"], gpu["pcie_width"], gpu["pcie_width_max"]) == (
+        from_smi.pcie_gen, from_smi.pcie_gen_max, from_smi.pcie_width, None)
     health = ("tlimit", "ecc_uncorrected", "retired_pending", "remapped", "events", "util")
     real = json.loads(fixture("nvml-health.json"))["gpus"][0]
-    assert {key: json.loads(printed)["gpus"][0][key] for key in health} == {
-        key: real[key] for key in health}
+    assert {key: gpu[key] for key in health} == {key: real[key] for key in health}
+    [reading] = health_from_probe(printed)  # what roles/health.py makes of it
+    assert (reading.uuid, reading.values["temperature.gpu"]) == (UUID, "38")
 
 
 def test_probe_without_nvml_prints_error_and_exits_3(monkeypatch, capsys):
@@ -310,7 +211,7 @@ def test_probe_command_line_on_this_machine():
                           capture_output=True, text=True, timeout=60)
     data = json.loads(proc.stdout)
     if proc.returncode == 0:
-        assert data["count"] == len(parse_probe_json(proc.stdout)[2])
+        assert len(health_from_probe(data)) == len(data["gpus"])
     else:
         assert proc.returncode == 3 and set(data) == {"error"}, proc.stdout + proc.stderr
 
@@ -457,15 +358,6 @@ def test_full_query_captured_with_rigbook_fields_parses_every_field():
     assert (gpu.min_limit_w, gpu.max_limit_w, gpu.power_limit_w) == (200.0, 700.0, 700.0)
     assert (gpu.pcie_width, gpu.pcie_width_max, gpu.compute_cap) == (16, 16, "9.0")
     assert gpu.persistence is True and gpu.memory_total_mib == 143771
-
-
-def test_probe_captured_on_the_real_host_matches_nvidia_smi():
-    driver, cuda, [gpu] = parse_probe_json(fixture("probe.json"))
-    [smi] = parse_query_csv(fixture("query-full-nounits.csv"))
-    assert (driver, cuda) == ("580.159.04", "13.0")
-    assert (gpu.uuid, gpu.bus_id) == (smi.uuid, smi.bus_id)
-    assert (gpu.min_limit_w, gpu.max_limit_w) == (smi.min_limit_w, smi.max_limit_w)
-    assert gpu.memory_used_mib == smi.memory_used_mib == 0
 
 
 def test_loaded_module_version_from_the_real_proc_file():

@@ -1054,7 +1054,7 @@ def test_constructed_nvlink_status():
 
 
 def smi_block(path: str, lines: list[str], rc: int = 0) -> list[str]:
-    """What rigbook.facts._smi_script prints for one nvidia-smi run."""
+    """What rigbook.facts.smi_script prints for one nvidia-smi run."""
     return [f"##RIGBOOK_SMI## {path}", *lines, "", f"##RIGBOOK_RC## {rc}"]
 
 

@@ -27,10 +27,11 @@ import pytest
 from rigbook.driver import TEMPLATES, AptSource, ModprobeConf
 from rigbook.guards import REAPER, REAPER_UNIT
 from rigbook.guards import SOURCES as GUARD_FILES
-from rigbook.models import MIRROR_SCRIPT, MIRROR_TEMPLATE, MIRROR_TOKEN_PATH
+from rigbook.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
 from rigbook.render import render, systemd_word
 from rigbook.serving import ENV_PATH, SERVE_HOME, SERVE_USER, render_env, render_unit, serve_plan
 from rigbook.spec import Rig
+from rigbook.tokens import MIRROR_TOKEN_PATH
 from tests.conftest import ROOT, rig_ssh
 from tests.test_hostile import ACCEPTED_ARGS
 

@@ -26,35 +26,38 @@ from pyinfra.api.command import FileUploadCommand
 from rigbook import FILES
 from rigbook.errors import RigbookError
 from rigbook.models import (
-    MIRROR_TOKEN_PATH,
-    TOKEN_PATH,
     CacheState,
     ModelCache,
-    Secret,
-    SecretFile,
-    SecretFileState,
-    hf_token,
-    mirror_token,
     model_snapshot,
-    operator_token,
     parse_cache,
     parse_pull_output,
-    parse_secret_file,
     prune_listing,
     prune_models,
     pull_command,
     pull_message,
     redact,
     repo_folder,
-    rig_tokens,
     selected,
     snapshot_path,
     snapshot_status,
     unreferenced,
 )
+from rigbook.secrets import Secret
 from rigbook.spec import ModelSpec, Rig, parse_rig
+from rigbook.tokens import (
+    MIRROR_TOKEN_PATH,
+    TOKEN_PATH,
+    SecretFile,
+    SecretFileState,
+    hf_token,
+    mirror_token,
+    operator_token,
+    parse_secret_file,
+    rig_tokens,
+)
 from tests.hubstub import Hub, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import local_fact, run_op, shell
+from tests.test_progress import FakeRig
 
 COMMIT = "a" * 40
 OTHER = "b" * 40
@@ -255,20 +258,70 @@ def test_pull_step_reports_and_fails_unless_complete():
     class FakeState:
         print_output = print_input = False
 
-    class Output:
-        def __init__(self, stdout, stderr=""):
-            self.stdout, self.stderr = stdout, stderr
-
     for result, ok in (({"status": "complete", "files": 1, "total_bytes": 1}, True),
                        ({"status": "partial", "missing": ["x"]}, False),
                        ({"status": "error", "message": f"401 with {TOKEN}"}, False)):
         commands, fake = run_op(model_snapshot, {"ModelCache": CacheState("/c", False, {})},
                                 spec=model, rig=cfg, token=secret, executing=True)
-        fake.run_shell_command = lambda *a, _r=result, **k: (True, Output(json.dumps(_r)))
+        fake.run_shell_command = FakeRig([], 0, json.dumps(result)).run_shell_command
         step = commands[0]
         assert step.function(FakeState(), fake, *step.args) is ok
         assert all(TOKEN not in line for line in fake.logged)
     assert "pull failed: 401 with ***" in fake.logged[-1]
+
+
+def progress_line(kind: str, **fields) -> str:
+    return json.dumps({"progress": kind, **fields}, sort_keys=True)
+
+
+def counts(done: int, rate: int, active=()) -> str:
+    """pull.py's byte counts: 3 of 4 files done, `active` as (path, bytes, size, rate)."""
+    keys = ("path", "bytes", "size", "rate")
+    return progress_line("bytes", bytes=done, total=32 * 2**20, rate=rate, files_done=3,
+                         files=4, active=[dict(zip(keys, item, strict=True)) for item in active])
+
+
+def test_pull_progress_shows_while_it_runs_redacted_then_the_summary(caplog, monkeypatch):
+    """What the operator sees of a pull: its progress lines as they come (the newest count of
+    each read), with the rig's prefix and the token masked, then one line with the average."""
+    monkeypatch.setenv("RIGBOOK_PROGRESS_EVERY", "0.2")
+    big, size = f"model-{TOKEN}.safetensors", 32 * 2**20
+    log = [progress_line("download", files=4, bytes=size),
+           counts(0, 0, [(big, 0, size, 0)]),
+           counts(10 * 2**20, 2 * 2**20, [(big, 10 * 2**20, size, 2**21)]),
+           "UserWarning: something huggingface_hub said",
+           counts(20 * 2**20, 3 * 2**20, [(big, 20 * 2**20, size, 3 * 2**20)]),
+           progress_line("verify", files=4)]
+    result = {"status": "complete", "files": 4, "total_bytes": size, "seconds": 9.0,
+              "downloaded": ["a", "b", "c", big], "downloaded_bytes": size,
+              "download_seconds": 8.0}
+    commands, fake = run_op(model_snapshot, {"ModelCache": CacheState("/c", False, {})},
+                            spec=spec(), rig=rig(), token=Secret(TOKEN), executing=True)
+    assert commands[0].args[3] == 0.2  # the interval, also given to pull.py
+    assert "--progress-every=0.2 " in commands[0].args[2].get_raw_value()
+    rig_side = FakeRig([log[0] + "\n", log[1] + "\n", "\n".join(log[2:]) + "\n"], 0.3,
+                       json.dumps(result))
+    fake.run_shell_command = rig_side.run_shell_command
+
+    class FakeState:
+        print_output = print_input = False
+
+    with caplog.at_level("INFO", logger="pyinfra"):
+        assert commands[0].function(FakeState(), fake, *commands[0].args) is True
+    where = f"[rig1] org/model@{COMMIT[:12]}: "
+    assert [r.getMessage().removeprefix(where) for r in caplog.records] == [
+        f"[rig1] pulling org/model@{COMMIT[:12]} (not in the cache /c) ...",
+        "downloading 4 file(s), 32.00 MiB",
+        "0.00 MiB of 32.00 MiB (0%) at 0.00 MiB/s, 3 of 4 file(s) done; model-***.safetensors "
+        "0.00 MiB of 32.00 MiB at 0.00 MiB/s",
+        # one read brought two counts: only the newer one shows
+        "20.00 MiB of 32.00 MiB (62%) at 3.00 MiB/s, 3 of 4 file(s) done; model-***.safetensors "
+        "20.00 MiB of 32.00 MiB at 3.00 MiB/s",
+        "checking sizes and hashes of 4 file(s)",
+        "pulled 4 file(s), 32.00 MiB in 8.0 s (4.00 MiB/s); complete: 4 file(s), 32.00 MiB",
+    ]
+    assert all(TOKEN not in r.getMessage() for r in caplog.records)
+    assert rig_side.commands[:2] == ["rm", "env"]  # the pull log of the last pull is gone first
 
 
 # --- the pull command and its result ----------------------------------------------------------
@@ -285,6 +338,8 @@ def test_pull_command_has_no_secret_and_quotes_patterns():
     assert f"--margin-bytes={int(1.5 * 1024**3)}" in text
     assert "'--allow=*.json' '--allow=model-*.safetensors' '--ignore=*.bin'" in text
     assert "/opt/rigbook/tools/bin/python /opt/rigbook/models/pull.py" in text
+    assert " --progress-every=5 " in text
+    assert text.endswith(" 2> /opt/rigbook/models/.models--org--model.pull.log")  # read meanwhile
     plain = pull_command(spec(), rig()).get_raw_value()
     assert "XET" not in plain and "--endpoint" not in plain
     assert "--margin-bytes=10737418240" in plain
@@ -364,8 +419,11 @@ def test_pull_messages():
             "downloaded": ["a", "b"], "downloaded_bytes": 2 * 1024**3, "seconds": 12.34,
             "removed_incomplete": [{"name": "x.incomplete", "size": 1024**2}]}
     assert pull_message(model, done) == (
-        "org/m@aaaaaaaaaaaa: pulled 2 file(s), 2.00 GiB in 12.3 s, removed 1 .incomplete "
-        "leftover(s) (1.00 MiB); complete: 4 file(s), 3.00 GiB")
+        "org/m@aaaaaaaaaaaa: pulled 2 file(s), 2.00 GiB in 12.3 s (165.96 MiB/s), removed 1 "
+        ".incomplete leftover(s) (1.00 MiB); complete: 4 file(s), 3.00 GiB")
+    # the average is over the download itself, not the listing and the hashing around it
+    assert "pulled 2 file(s), 2.00 GiB in 8.0 s (256.00 MiB/s)" in pull_message(
+        model, {**done, "download_seconds": 8.0})
     refused = {"status": "refused", "message": "need 9313.23 GiB + 10.00 GiB margin, have "
                "5.00 GiB free on /var; nothing was downloaded"}
     assert pull_message(model, refused).endswith(
@@ -473,6 +531,47 @@ def test_verify_checks_sizes_and_every_hash_and_removes_bad_files(tmp_path):
     assert bad == [{"path": "config.json", "hash": "git blob id", "actual": git_oid(b"{}"),
                     "expected": git_oid(b"[]")}]
     assert not (snapshot / "config.json").exists()
+
+
+def test_pull_progress_from_the_cache_never_goes_back_and_rates_over_a_window(tmp_path):
+    pull = load_pull()
+    snapshot, blobs = tmp_path / "snapshots" / COMMIT, tmp_path / "blobs"
+    missing = {
+        "config.json": {"size": 3, "sha256": None, "lfs": False, "oid": "c" * 40},
+        "model.safetensors": {"size": 100, "sha256": "a" * 64, "lfs": True, "oid": "d" * 40},
+        "other.safetensors": {"size": 50, "sha256": "b" * 64, "lfs": True, "oid": "e" * 40},
+    }
+    progress = pull.Progress(snapshot, blobs, missing, now=0.0)
+    assert progress.sample(5.0) == {"bytes": 0, "total": 153, "files_done": 0, "files": 3,
+                                    "active": [], "rate": 0}  # no blobs folder yet
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_bytes(b"{}\n")
+    partial = blobs / f"{'a' * 64}.0badc0de.incomplete"
+    partial.write_bytes(b"x" * 40)
+    (blobs / f"{'c' * 40}.incomplete").write_bytes(b"")  # a leftover of a file now done
+    assert progress.sample(10.0) == {
+        "bytes": 43, "total": 153, "files_done": 1, "files": 3, "rate": 4,
+        "active": [{"path": "model.safetensors", "bytes": 40, "size": 100, "rate": 4}]}
+    partial.write_bytes(b"x" * 10)  # huggingface_hub started it again: the count stays
+    assert progress.sample(15.0)["active"] == [
+        {"path": "model.safetensors", "bytes": 40, "size": 100, "rate": 3}]
+    partial.unlink()
+    (snapshot / "model.safetensors").write_bytes(b"x" * 100)
+    # 30 s on, the rate is over the last 30 s only: (103 - 43) / (40 - 10)
+    assert progress.sample(40.0) == {"bytes": 103, "total": 153, "files_done": 2, "files": 3,
+                                     "active": [], "rate": 2}
+
+
+def test_pull_writes_one_progress_line_an_interval_on_stderr(tmp_path, capsys):
+    pull = load_pull()
+    progress = pull.Progress(tmp_path, tmp_path, {}, now=0.0)
+    with pull.reporting(progress, 0.05):
+        threading.Event().wait(0.32)
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert out.out == "" and 2 <= len(lines) <= 6, lines
+    assert all(json.loads(line)["progress"] == "bytes" for line in lines)
 
 
 # --- pruning ----------------------------------------------------------------------------------
@@ -706,6 +805,11 @@ def test_pull_script_against_the_stub(hf_python, hub, tmp_path):
     assert raw["files"]["config.json"] == {"size": config.size, "sha256": config.sha256,
                                            "lfs": False, "oid": config.entry().git_oid}
     assert raw["rigbook_manifest"] == 2 and raw["files"]["model.safetensors"]["lfs"] is True
+    # stdout holds the result alone; stderr its progress: what and how much, then the check
+    assert proc.stdout.count("\n") == 1
+    records = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert records[0] == {"progress": "download", "files": 3, "bytes": result["total_bytes"]}
+    assert records[-1] == {"progress": "verify", "files": 3}
 
     # A second run downloads nothing (one file-list request, no resolve).
     before = len(requests(hub))

@@ -25,7 +25,7 @@ from rigbook.serving import (
     HEALTH_PATH,
     HEALTH_SOURCE,
     KEY_PATH,
-    PROBE_SCRIPT,
+    PROBE_SOURCE,
     UNIT_NAME,
     UNIT_PATH,
     ServeProbe,
@@ -308,6 +308,75 @@ def test_models_venv_and_other_engines_are_checked():
     ]
 
 
+def test_the_per_card_margin_is_never_claimed_and_overrides_reach_the_preflight():
+    """Runbook: margin_mib = 1024 "is never handed to a model" (docs/sources.md, VRAM margins)."""
+    from dataclasses import replace
+
+    plan = serve_plan(dual_rig(), "rig1")
+    with pytest.raises(RigbookError, match="1 GiB per card is kept for the driver and display"):
+        serve_plan(dual_rig(serving_gpu_memory_utilization=0.97), "rig1")  # caught at fit time
+    # A card the fit check cannot size (the rig as the preflight sees it) is caught there.
+    plan = replace(plan, rig=plan.rig.model_copy(update={"serving_gpu_memory_utilization": 0.97}))
+    problems = preflight(plan, state(), GPUS, FULL_CACHE, VENV_OK)
+    assert problems == [
+        f"VRAM: GPU {i} (NVIDIA GeForce RTX 3090): the engine would claim 0.97 x 24.0 GiB = "
+        "23.3 GiB, leaving 0.7 GiB; 1.0 GiB per card is kept for the driver and display "
+        "(docs/sources.md, VRAM margins): lower serving_gpu_memory_utilization"
+        for i in (0, 1)
+    ]
+    lower = serve_plan(dual_rig(serving_gpu_memory_utilization=0.9), "rig1")
+    assert "0.9" in lower.argv
+    assert preflight(lower, state(), GPUS, FULL_CACHE, VENV_OK) == []
+
+
+def test_the_served_checkpoints_index_overrules_an_unquantised_mtp_declaration():
+    """The failure log read the MTP head's storage from model.safetensors.index.json
+    (docs/sources.md, MTP): the preflight reads it from the snapshot and refuses weight_packed."""
+    from dataclasses import replace
+
+    from rigbook.recipes import Speculative
+
+    plan = serve_plan(dual_rig(), "rig1")
+    spec = Speculative(method="mtp", num_speculative_tokens=3, mtp_head="unquantised")
+    mtp = replace(plan, recipe=plan.recipe.model_copy(update={"speculative": spec, "draft": None}),
+                  pins=plan.pins[:1])
+    packed = json.dumps({"weight_map": {"mtp.layers.0.mlp.up_proj.weight_packed": "b"}})
+    plain = json.dumps({"weight_map": {"mtp.layers.0.mlp.up_proj.weight": "b"}})
+    none = json.dumps({"weight_map": {"model.layers.0.mlp.up_proj.weight": "a"}})
+    problems = preflight(mtp, state(), GPUS, FULL_CACHE, VENV_OK, None, packed)
+    assert problems == [
+        "model: model.safetensors.index.json stores the MTP head as weight_packed (quantised), "
+        "though the recipe declares it unquantised: a quantised head accepted only 1.07-1.27 "
+        "tokens in the failure log (docs/sources.md, MTP); use a checkpoint with a BF16 head or "
+        "a draft model"
+    ]
+    assert preflight(mtp, state(), GPUS, FULL_CACHE, VENV_OK, None, plain) == []
+    assert preflight(mtp, state(), GPUS, FULL_CACHE, VENV_OK, None, None) == []  # no index
+    assert "lists no MTP tensors" in preflight(mtp, state(), GPUS, FULL_CACHE, VENV_OK, None,
+                                               none)[0]
+    assert preflight(plan, state(), GPUS, FULL_CACHE, VENV_OK, None, packed) == []  # no MTP
+
+
+def test_a_gdn_model_needs_a_venv_built_on_cuda_13_0_exactly():
+    """The failure log: GDN kernels build only on CUDA 13.0 (docs/sources.md, GDN models)."""
+    from dataclasses import replace
+
+    plan = serve_plan(dual_rig(), "rig1")
+    model = plan.recipe.model.model_copy(update={"gdn": True})
+    gdn = replace(plan, recipe=plan.recipe.model_copy(update={"model": model}))
+    assert preflight(gdn, state(), GPUS, FULL_CACHE, VENV_OK) == []
+    for runtime in ("13.2", "12.8"):
+        newer = VenvState(VENV_OK.target, False, {"vllm-0.33-abc-20261129T000000Z": {
+            "driver": "580.95.05", "cuda_runtime": runtime}})
+        refusal = (
+            f"venv: vllm-0.33 carries the CUDA {runtime} runtime; the recipe's GDN model needs "
+            "CUDA 13.0 exactly (12.8 hangs on load, 13.3 fails to build: the failure log; "
+            "docs/sources.md, GDN models)"
+        )
+        assert refusal in preflight(gdn, state(), GPUS, FULL_CACHE, newer)
+        assert refusal not in preflight(plan, state(), GPUS, FULL_CACHE, newer)  # not GDN
+
+
 def test_cpu_recipes_skip_the_gpu_checks_and_need_the_gguf_file():
     plan = serve_plan(cpu_rig(), "rig1")
     no_gguf = cache_with(("local/tiny", REV, {"other.gguf": 10}))
@@ -334,7 +403,7 @@ def test_the_probe_runs_on_a_real_host_and_parses():
                                 POWER_UNIT}
     assert not probe.running and probe.unit_pids == ()
     assert not any("PROBE" in cmd or "hashlib" in cmd for _, cmd in probe.engines)
-    assert "llama_cpp.server" not in PROBE_SCRIPT  # so the probe never matches itself
+    assert "llama_cpp.server" not in PROBE_SOURCE.read_text()  # it never matches itself
 
 
 def test_parse_probe_reads_compute_apps():

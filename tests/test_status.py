@@ -46,10 +46,10 @@ from rigbook.status import (
     RigStatus,
     build_rig_status,
     fleet_exit_code,
-    render,
     status,
     unreachable_status,
 )
+from rigbook.status_table import render
 from rigbook.tuning import (
     SYSCTL_TEMPLATE,
     PresentPaths,
@@ -661,7 +661,7 @@ def tiny_rig(tmp_path: Path, recipe: str = "tiny-cpu-a", **data) -> Rig:
 
 def probe_output(active: str = "active", sub: str = "running", enabled: str = "enabled",
                  answer: dict | None = None, engines: tuple = ()) -> list[str]:
-    """ServeProbe's output as PROBE_SCRIPT prints it (one JSON line, sorted keys)."""
+    """ServeProbe's output as files/serving/probe.py prints it (one JSON line, sorted keys)."""
     files = {path: "5" * 64 for path in (SERVE_UNIT_PATH, SERVE_ENV_PATH, HEALTH_PATH)}
     return [json.dumps({
         "MemAvailable": 20000000, "MemTotal": 24596720, "answer": answer, "apps": None,

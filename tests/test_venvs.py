@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from pyinfra.api import FunctionCommand
+from pyinfra.api import FunctionCommand, StringCommand
 
 from rigbook.errors import RigbookError
 from rigbook.facts import _RC, _SMI
@@ -31,19 +31,21 @@ from rigbook.spec import Rig, VenvSpec, parse_rig
 from rigbook.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
 from rigbook.venvs import (
     DRIVER_FOR_CUDA,
-    ENGINE_PINS,
     ENV_TEMPLATE,
     BuildPlan,
+    BuildProgress,
     LiveDriver,
     NvidiaSmiHeader,
     VenvBuilds,
     VenvLayout,
     VenvLayoutFact,
     VenvState,
+    WatchedBuild,
     build_name,
     build_script,
     check_driver,
     decide,
+    engine_pins,
     engine_venv,
     incompatibility,
     install_args,
@@ -63,6 +65,7 @@ from rigbook.venvs import (
 )
 from tests.conftest import ROOT
 from tests.opkit import execute, local_fact, run_op, shell
+from tests.test_progress import FakeRig
 
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
 BASE = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2}
@@ -162,6 +165,9 @@ def test_required_driver_refuses_what_it_does_not_know():
          ("13.1", "nvidia-cuda-runtime==13.1.80")),
         (["torch==2.14.0+cu132"], "none", ("13.2", "torch==2.14.0+cu132")),
         (["Cuda_Toolkit[cublas]==13.0.*"], "none", ("13.0", "Cuda_Toolkit[cublas]==13.0.*")),
+        (["Cuda__Toolkit==13.2.*"], "none", ("13.2", "Cuda__Toolkit==13.2.*")),
+        (["NVIDIA.Cuda-Runtime_cu13==13.1.80"], "none",
+         ("13.1", "NVIDIA.Cuda-Runtime_cu13==13.1.80")),
         (["vllm==0.33.0", "torch==2.14.0"], "vllm", ("13.0", "torch_backend cu130")),
         (["torch==2.14.0"], "none", ("13.0", "torch_backend cu130")),
         (["six==1.16.0"], "none", None),
@@ -232,14 +238,16 @@ def test_smi_header_fact_reads_the_driver_and_its_cuda():
 # --- launcher environment ---------------------------------------------------------------------
 
 
-def h200_layout(path_nvcc: str | None = None) -> VenvLayout:
+def h200_layout(path_nvcc: str | None = None, release: str | None = None) -> VenvLayout:
     """The H200's torch venv as VenvLayoutFact would see it, from python-cuda.txt."""
     lines = (H200 / "python-cuda.txt").read_text().splitlines()
     (nvidia,) = ast.literal_eval(lines[2])
     cu13 = next(ast.literal_eval(line.split(None, 1)[1]) for line in lines
                 if line.strip().startswith("cu13 "))
     site = nvidia.removesuffix("/nvidia")
-    return VenvLayout(site.split("/lib/python3")[0], site, tuple(cu13), "bin" in cu13, path_nvcc)
+    return VenvLayout(
+        site.split("/lib/python3")[0], site, tuple(cu13), "bin" in cu13, path_nvcc, release
+    )
 
 
 def test_venv_environment_on_the_h200_torch_venv_without_nvcc():
@@ -254,7 +262,7 @@ def test_venv_environment_on_the_h200_torch_venv_without_nvcc():
 
 
 def test_venv_environment_with_nvcc_on_path_or_in_cuda_home():
-    on_path = venv_environment(h200_layout(path_nvcc="/usr/bin/nvcc"))
+    on_path = venv_environment(h200_layout(path_nvcc="/usr/local/cuda/bin/nvcc", release="13.0"))
     assert "VLLM_USE_FLASHINFER_SAMPLER" not in on_path
     assert on_path["CUDA_HOME"].endswith("/site-packages/nvidia/cu13")
     cu13 = "/opt/rigbook/venvs/vllm/lib/python3.12/site-packages/nvidia/cu13"
@@ -276,6 +284,31 @@ def test_venv_environment_with_nvcc_on_path_or_in_cuda_home():
     }
 
 
+def test_an_older_nvcc_on_path_leaves_the_flashinfer_sampler_off():
+    """The failure log's case (docs/sources.md, "FlashInfer sampler and nvcc"): a system CUDA
+    12.x nvcc next to a cu13 venv is no nvcc for FlashInfer's JIT."""
+    for release in ("12.8", None, "130"):
+        env = venv_environment(h200_layout(path_nvcc="/usr/bin/nvcc", release=release))
+        assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0", release
+    ok = venv_environment(h200_layout(path_nvcc="/usr/bin/nvcc", release="13.2"))
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in ok
+
+
+def test_layout_fact_reads_the_release_of_the_nvcc_on_path(tmp_path):
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    for release in ("12.8", "13.0"):
+        nvcc = venv / "bin" / "nvcc"
+        nvcc.write_text(
+            "#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+            f"echo 'Cuda compilation tools, release {release}, V{release}.88'\n"
+        )
+        nvcc.chmod(0o755)
+        layout = local_fact(VenvLayoutFact, venv=str(venv))
+        assert layout.path_nvcc == str(nvcc) and layout.path_nvcc_release == release
+        assert layout.path_nvcc_matches == (release == "13.0")
+
+
 def render_env(name: str, env: dict[str, str]) -> list[str]:
     """The env file as venv_env_file writes it (rigbook.render, the same template)."""
     return render(ENV_TEMPLATE, name=name, env=env).splitlines()
@@ -291,7 +324,9 @@ def test_env_file_content_with_and_without_nvcc():
         'VLLM_USE_FLASHINFER_SAMPLER="0"',
     ]
     assert any("EnvironmentFile=/opt/rigbook/venvs/vllm.env" in line for line in without)
-    with_nvcc = render_env("vllm", venv_environment(h200_layout(path_nvcc="/usr/bin/nvcc")))
+    with_nvcc = render_env(
+        "vllm", venv_environment(h200_layout(path_nvcc="/usr/local/cuda/bin/nvcc", release="13.0"))
+    )
     assert 'VLLM_USE_FLASHINFER_SAMPLER="0"' not in with_nvcc
     # What systemd and `set -a; .` read back: exactly the dict.
     env_file = "\n".join(without)
@@ -382,6 +417,80 @@ def test_build_script_order_smoke_then_swap_then_prune_then_restart(tmp_path):
     assert "UV_PYTHON_DOWNLOADS" not in online and "systemctl" not in online
 
 
+#: uv 0.13's output with progress bars off, as the build log gets it (a wheel index over HTTP).
+UV_LOG = '''== 2026-11-29T20:27:54Z build /opt/rigbook/venvs/demo-0123456789ab-20261129T202754Z
+rigbook phase: creating the venv with Python 3.11
+Using CPython 3.11.2 interpreter at: /usr/bin/python3.11
+Creating virtual environment at: /opt/rigbook/venvs/demo-0123456789ab-20261129T202754Z
+rigbook phase: installing 1 requirement(s): resolving, downloading, installing
+Using Python 3.11.2 environment at: /opt/rigbook/venvs/demo-0123456789ab-20261129T202754Z
+Resolved 3 packages in 214ms
+Downloading hf-xet (4.1MiB)
+Downloading numpy (16.1MiB)
+ Downloaded hf-xet
+ Downloaded numpy
+Prepared 3 packages in 333ms
+Installed 3 packages in 30ms
+ + hf-xet==1.8.0
+ + numpy==2.4.6
+ + six==1.16.0
+rigbook phase: smoke test: imports, CUDA libraries, the manifest'''.splitlines()
+
+
+def test_build_progress_shows_phases_and_counts_and_folds_downloads():
+    progress = BuildProgress("demo")
+    assert progress.shown(UV_LOG[:8]) == [
+        "venv demo: creating the venv with Python 3.11",
+        "venv demo: installing 1 requirement(s): resolving, downloading, installing",
+        "venv demo: Resolved 3 packages in 214ms",
+        "venv demo: downloading: 0 of 1 large wheel(s) done, now hf-xet (4.1MiB)",
+    ]
+    assert progress.shown(UV_LOG[8:10]) == [
+        "venv demo: downloading: 1 of 2 large wheel(s) done, now numpy (16.1MiB)"]
+    assert progress.shown(UV_LOG[10:]) == [
+        "venv demo: downloading: 2 of 2 large wheel(s) done",  # before what came after it
+        "venv demo: Prepared 3 packages in 333ms",
+        "venv demo: Installed 3 packages in 30ms",
+        "venv demo: smoke test: imports, CUDA libraries, the manifest",
+    ]
+    assert progress.shown([" + six==1.16.0", "Using Python 3.11.2 environment at: /x"]) == []
+
+
+def test_a_build_shows_its_phases_while_it_runs_then_its_time(caplog, monkeypatch):
+    monkeypatch.setenv("RIGBOOK_PROGRESS_EVERY", "0.2")
+    r = rig(venvs=[DEMO], python_find_links="/srv/w", python_no_index=True)
+    commands, fake = run_op(venv_build, facts(VenvState(None, False, {})), r, spec())
+    (build,) = [c for c in commands if isinstance(c, WatchedBuild)]
+    assert build.log == "/opt/rigbook/venvs/.demo.build.log" and build.every == 0.2
+    rig_side = FakeRig(["\n".join(UV_LOG[:8]) + "\n", "\n".join(UV_LOG[8:]) + "\n"], 0.3,
+                       "rigbook: venv demo -> /opt/rigbook/venvs/demo-0123456789ab-...")
+    fake.run_shell_command = rig_side.run_shell_command
+
+    class FakeState:
+        print_output = print_input = False
+
+    with caplog.at_level("INFO", logger="pyinfra"):
+        ok, output = build.execute(FakeState(), fake, {"_sudo": True})
+    assert ok and output.stdout.startswith("rigbook: venv demo -> ")
+    shown = [record.getMessage() for record in caplog.records]
+    assert shown[:4] == [
+        "[rig1] venv demo: creating the venv with Python 3.11",
+        "[rig1] venv demo: installing 1 requirement(s): resolving, downloading, installing",
+        "[rig1] venv demo: Resolved 3 packages in 214ms",
+        "[rig1] venv demo: downloading: 0 of 1 large wheel(s) done, now hf-xet (4.1MiB)",
+    ]
+    assert shown[-2] == "[rig1] venv demo: smoke test: imports, CUDA libraries, the manifest"
+    assert re.fullmatch(r"\[rig1\] venv demo: built, smoke-tested and swapped in after "
+                        r"0\.\d s", shown[-1])
+    assert rig_side.work == {"print_output": False, "_sudo": True}
+    # A kept build swapped back in runs as a plain command: nothing to watch.
+    state = current(r, spec(packages=["six==1.17.0"]))
+    old = build_name("demo", spec_hash(spec(), r), "20261001T000000Z")
+    state.builds[old] = manifest(old, digest=spec_hash(spec(), r))
+    commands, _ = run_op(venv_build, facts(state), r, spec())
+    assert type(commands[0]) is StringCommand
+
+
 # --- the build script, run for real on this machine ------------------------------------------
 
 
@@ -429,6 +538,15 @@ def test_build_script_builds_swaps_keeps_and_refuses_for_real(tmp_path):
     done = run_build(first)
     assert done.returncode == 0, done.stderr
     assert os.readlink(link) == str(venvs / first.build)
+    # What the operator sees of it, from its log as rigbook reads it while it runs
+    assert BuildProgress("demo").shown(Path(first.log).read_text().splitlines()) == [
+        f"venv demo: creating the venv with Python {python}",
+        "venv demo: installing 1 requirement(s): resolving, downloading, installing",
+        *(f"venv demo: {line}" for line in Path(first.log).read_text().splitlines()
+          if line.startswith(("Resolved 1 package in ", "Prepared 1 package in ",
+                              "Installed 1 package in "))),
+        "venv demo: smoke test: imports, CUDA libraries, the manifest",
+    ]
     built = json.loads((venvs / first.build / "rigbook-manifest.json").read_text())
     assert built["spec_hash"] == spec_hash(spec(python=python, packages=["rigdemo==1.0"]), r)
     assert built["packages"] == {"rigdemo": "1.0"} and built["smoke_import"] == "rigdemo"
@@ -695,6 +813,14 @@ def test_tools_venv_installs_only_what_differs():
     assert differing_pins(None) == TOOLS_PINS
 
 
+@pytest.mark.parametrize("spelled", ["huggingface__hub", "HuggingFace.Hub", "huggingface_-.hub"])
+def test_installed_names_compare_as_pep_503_says(spelled):
+    """Runs of - _ . are one -, and case does not count: a__b is a-b, A.B-c_d is a-b-c-d."""
+    installed = {"UV": "0.13.9", spelled: "2.4.0", "Nvidia.ML_py": "13.610.43"}
+    assert differing_pins(installed) == {}
+    assert differing_pins({**installed, spelled: "2.3.0"}) == {"huggingface_hub": "2.4.0"}
+
+
 def test_tools_versions_fact_reads_this_python():
     command = ToolsVersions().command().replace("/opt/rigbook/tools/bin/python", sys.executable)
     out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
@@ -714,7 +840,7 @@ def compile_pins(engine: str, tmp_path: Path) -> dict[str, str]:
     import uv
 
     requirements = tmp_path / f"{engine}.in"
-    requirements.write_text("\n".join(ENGINE_PINS[engine]["packages"]) + "\n")
+    requirements.write_text("\n".join(engine_pins()[engine]["packages"]) + "\n")
     done = subprocess.run(
         [uv.find_uv_bin(), "pip", "compile", str(requirements), "--python-version", "3.12",
          "--python-platform", PLATFORM, "--no-header", "--no-annotate", "--quiet"],
@@ -761,3 +887,67 @@ def test_engine_venv_names_the_venv_as_every_shipped_recipe_does():
     for path in sorted((ROOT / "files" / "recipes").glob("*.toml")):
         recipe = tomllib.loads(path.read_text())
         assert engine_venv(VENV_ENGINE[recipe["engine"]])["name"] == recipe["venv"], path.name
+
+
+# --- the smoke test's CUDA library guard (docs/sources.md, nvrtc placeholder wheel) -------------
+
+
+def smoke_module():
+    import importlib.util
+
+    path = ROOT / "files" / "venvs" / "smoke.py"
+    module_spec = importlib.util.spec_from_file_location("rigbook_smoke_under_test", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_refuses_a_placeholder_nvrtc_and_loads_the_libraries_from_the_venv(tmp_path):
+    smoke = smoke_module()
+    site = tmp_path / "site-packages"
+    lib = site / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    placeholder = smoke.cuda_library_problems({"nvidia-cuda-nvrtc": "0.0.0a0"}, [str(site)])
+    assert len(placeholder) == 1
+    assert "nvidia-cuda-nvrtc 0.0.0a0 is a placeholder wheel, so libnvrtc.so.13 is missing" in (
+        placeholder[0])
+    assert "docs/sources.md, nvrtc placeholder wheel" in placeholder[0]
+    packages = {"nvidia-cuda-nvrtc": "13.0.88", "nvidia_cuda_runtime": "13.0.96"}
+    missing = smoke.cuda_library_problems(packages, [str(site)])
+    assert missing == [
+        "nvidia-cuda-nvrtc 13.0.88 is installed but libnvrtc.so.13 is not in the venv",
+        "nvidia-cuda-runtime 13.0.96 is installed but libcudart.so.13 is not in the venv",
+    ]
+    (lib / "libnvrtc.so.13").write_bytes(b"not an ELF file")
+    (lib / "libcudart.so.13").write_bytes(Path(ctypes_util_libm()).read_bytes())
+    broken = smoke.cuda_library_problems(packages, [str(site)])
+    assert len(broken) == 1 and broken[0].startswith("libnvrtc.so.13 from the venv does not load")
+    (lib / "libnvrtc.so.13").write_bytes(Path(ctypes_util_libm()).read_bytes())
+    assert smoke.cuda_library_problems(packages, [str(site)]) == []
+    # CUDA 12 builds of the plain names and unrelated packages are not checked.
+    assert smoke.cuda_library_problems({"nvidia-cublas": "12.8.4.1", "vllm": "0.0.0"}, []) == []
+
+
+def ctypes_util_libm() -> str:
+    """A real shared library on this machine to stand in for a loadable CUDA library."""
+    for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib"):
+        path = Path(folder) / "libm.so.6"
+        if path.exists():
+            return str(path)
+    pytest.skip("no libm.so.6 here")
+
+
+def test_build_refuses_a_placeholder_cuda_wheel_for_real(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels, "rigdemo", "1.0")
+    make_wheel(wheels, "nvidia_cuda_nvrtc", "0.0.0a0")
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    r = rig(python_find_links=str(wheels), python_no_index=True)
+    plan = plan_for(r, spec(python=python, packages=["rigdemo==1.0", "nvidia-cuda-nvrtc==0.0.0a0"]),
+                    tmp_path, stamp="20261101T000000Z")
+    done = run_build(plan)
+    assert done.returncode == 1
+    assert "smoke test failed" in done.stderr
+    assert "is a placeholder wheel, so libnvrtc.so.13 is missing" in done.stderr
+    assert not (tmp_path / "venvs" / "demo").exists()

@@ -1,0 +1,86 @@
+"""The rig-side programs the facts send with `python3 -c`: files/serving/probe.py (ServeProbe)
+and files/models/cache.py (ModelCache).
+
+They run on a rig where nothing of rigbook is installed, so they may import the standard library
+only; importing one runs nothing; its `main` prints what the fact's parser reads; and the fact
+reads the file when it builds its command, not when rigbook is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from rigbook import FILES, models, serving
+from rigbook.models import ModelCache, parse_cache
+from rigbook.serving import ServeProbe, parse_probe, probe_args, serve_plan
+from tests.opkit import local_fact
+from tests.test_serving import cpu_rig
+
+PROGRAMS = {"probe": FILES / "serving" / "probe.py", "cache": FILES / "models" / "cache.py"}
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"rigbook_{name}", PROGRAMS[name])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_a_rig_program_imports_the_standard_library_only(name):
+    imported = set()
+    for node in ast.walk(ast.parse(PROGRAMS[name].read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported and imported <= sys.stdlib_module_names
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_importing_a_rig_program_runs_nothing(name, capsys):
+    assert callable(load(name).main)
+    assert capsys.readouterr().out == ""
+
+
+def test_cache_main_prints_what_the_fact_reads(tmp_path, capsys):
+    from tests.test_models import COMMIT, FILES_A, make_repo
+
+    make_repo(tmp_path, "org/model", COMMIT, FILES_A, lfs=("model.safetensors",))
+    load("cache").main(["cache.py", str(tmp_path)])
+    state = parse_cache(capsys.readouterr().out)
+    assert state == local_fact(ModelCache, cache=str(tmp_path))
+    assert state.repos["org/model"].snapshots[COMMIT]["model.safetensors"] == 4096
+
+
+def test_probe_main_prints_what_the_fact_reads(capsys):
+    args = probe_args(serve_plan(cpu_rig(), "rig1"))
+    load("probe").main(["probe.py", args])
+    printed = capsys.readouterr().out
+    assert len(printed.splitlines()) == 1
+    state = parse_probe(printed)  # (a sandbox rig's engine on this machine may show in it)
+    assert state.mem_total_kib >= state.mem_available_kib > 0
+    assert set(state.files) == set(json.loads(args)["files"])
+
+
+@pytest.mark.parametrize(("fact", "module", "name", "argument"), [
+    (ServeProbe, serving, "PROBE_SOURCE", {"args": "{}"}),
+    (ModelCache, models, "CACHE_SOURCE", {"cache": "/c"}),
+])
+def test_the_fact_reads_its_program_when_it_builds_the_command(monkeypatch, tmp_path, fact,
+                                                                module, name, argument):
+    def sent() -> list[str]:
+        return shlex.split(fact().command(**argument).get_raw_value())
+
+    assert sent() == ["python3", "-c", getattr(module, name).read_text(), *argument.values()]
+    other = tmp_path / "program.py"
+    other.write_text("print('{}')  # only this copy\n")
+    monkeypatch.setattr(module, name, Path(other))
+    assert sent()[2] == other.read_text()
