@@ -23,14 +23,11 @@ docs/driver.md describes the whole role; docs/runbooks/driver-bump.md the bump.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyinfra import host, logger, state
-from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
-from pyinfra.api.exceptions import FactProcessError
-from pyinfra.connectors.util import clear_askpass_cache, remove_any_sudo_askpass_file
+from pyinfra import host, state
+from pyinfra.api import QuoteString, StringCommand, deploy, operation
 from pyinfra.facts.apt import noninteractive_apt
 from pyinfra.facts.server import Arch, LinuxDistribution
 from pyinfra.operations import apt, files, systemd
@@ -41,7 +38,7 @@ from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream
 from rigbook.checks import Check, Facts, Finding, Read, drift, error
 from rigbook.checks import refusal as refusal_finding
 from rigbook.errors import RigbookError
-from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, LoadedNvidiaModule, NvidiaGpus
+from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, NvidiaGpus
 from rigbook.kernel import (
     blacklist_nouveau,
     kernel_headers,
@@ -50,6 +47,14 @@ from rigbook.kernel import (
     pin_out_sources,
 )
 from rigbook.messages import notice, refuse, refused, warn_once
+from rigbook.reboot import (
+    DRIVER_VERSION,
+    REBOOT_MARKER,
+    LoadedDriverVersion,
+    RebootMarker,
+    reboot_and_wait,
+    reboot_reasons,
+)
 from rigbook.render import template
 from rigbook.spec import Rig
 from rigbook.venvs import VenvBuilds
@@ -121,85 +126,16 @@ BLACKLIST = "/etc/apt/apt.conf.d/51rigbook-nvidia-blacklist"
 PERSISTENCED = "nvidia-persistenced.service"
 PERSISTENCED_DROPIN = "/etc/systemd/system/nvidia-persistenced.service.d/override.conf"
 MODPROBE_CONF = "/etc/modprobe.d/rigbook-nvidia.conf"
-#: Reasons for a pending reboot that the packages cannot show (module options); /run is a
-#: tmpfs, so the file is gone once the rig has rebooted.
-REBOOT_MARKER = "/run/rigbook/driver-reboot-required"
 #: The bump's apt step (files/driver/bump.sh), installed by the bump itself, and where it logs.
 BUMP_SCRIPT = "/opt/rigbook/driver/bump.sh"
 BUMP_LOGS = "/var/log/rigbook/driver-bump-*.log"
 
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
-#: Seconds to wait before looking for the rebooted rig, between looks, and at most.
-REBOOT_WAIT_S = (10, 2, 600)
-
-PROC_VERSION = "/proc/driver/nvidia/version"
-#: Simulation hook, read only when PROC_VERSION is absent: the sandbox's stand-in driver (which
-#: cannot create /proc files) writes the version it "loaded" at boot here. No real rig has it.
-SIM_LOADED_VERSION = "/run/rigbook-sim/loaded-version"
-_SIM_TAG = "##RIGBOOK_SIMULATED_MODULE##"
-_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
 #: A Debian package name as dpkg reports it (Debian policy 5.6.1), with an optional :arch.
 _PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.-]+(:[a-z0-9]+)?")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 # --- facts ---------------------------------------------------------------------------------
-
-
-class LoadedDriverVersion(FactBase[str | None]):
-    """
-    The version of the loaded nvidia kernel module; None when none is loaded.
-
-    Reads /proc/driver/nvidia/version (parsed by rigbook.facts.LoadedNvidiaModule)::
-
-        NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (...)
-
-    Simulation hook: only when that file is absent, the sandbox's stand-in version file
-    (SIM_LOADED_VERSION, one line such as ``580.95.05``) answers instead.
-    """
-
-    def command(self) -> str:
-        return (
-            f"if [ -r {PROC_VERSION} ]; then cat {PROC_VERSION}; "
-            f"elif [ -r {SIM_LOADED_VERSION} ]; then "
-            f'echo "{_SIM_TAG} $(cat {SIM_LOADED_VERSION})"; '
-            "fi"
-        )
-
-    def process(self, output: list[str]) -> str | None:
-        if output and output[0].startswith(_SIM_TAG):
-            version = output[0][len(_SIM_TAG):].strip()
-            if not version:
-                return None
-            if not _VERSION.match(version):
-                raise FactProcessError(f"{SIM_LOADED_VERSION}: not a version: {version!r}")
-            return version
-        return LoadedNvidiaModule().process(output)
-
-
-class BootId(FactBase[str]):
-    """This boot's random id (``cat /proc/sys/kernel/random/boot_id``): new at every boot,
-    including a container's (systemd-nspawn mounts a fresh one)."""
-
-    def command(self) -> str:
-        return f"cat {BOOT_ID}"
-
-    def process(self, output: list[str]) -> str:
-        return output[0].strip()
-
-
-class RebootMarker(FactBase[list[str]]):
-    """Reasons written to REBOOT_MARKER by changes that need a reboot (one per line)."""
-
-    def command(self) -> str:
-        return f"cat {REBOOT_MARKER} 2>/dev/null || true"
-
-    @staticmethod
-    def default() -> list[str]:
-        return []
-
-    def process(self, output: list[str]) -> list[str]:
-        return [line.strip() for line in output if line.strip()]
 
 
 # --- what the packages say -----------------------------------------------------------------
@@ -234,19 +170,6 @@ def version_matches(rig: Rig, upstream: str) -> bool:
     if rig.driver_version:
         return upstream == rig.driver_version
     return upstream.split(".", 1)[0] == str(rig.driver_branch)
-
-
-def reboot_reasons(installed: set[str], loaded: str | None, marker: list[str]) -> list[str]:
-    """Why the rig must reboot before the installed driver runs; empty when it need not."""
-    reasons = list(marker)
-    if not installed:
-        return reasons
-    have = ", ".join(sorted(installed))
-    if loaded is None:
-        reasons.append(f"driver {have} is installed but no nvidia module is loaded")
-    elif installed != {loaded}:
-        reasons.append(f"driver {have} is installed but the loaded module is {loaded}")
-    return reasons
 
 
 def pending_reboot() -> list[str]:
@@ -437,7 +360,7 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
     `setsid -w`: it holds the packages again on any exit, apt failing or a signal included,
     and a dropped SSH connection neither stops it nor reaches apt. It logs to BUMP_LOGS.
     """
-    if not _VERSION.fullmatch(target):
+    if not DRIVER_VERSION.fullmatch(target):
         yield refuse(f"not a driver version: {target!r}")
         return
     installed = host.get_fact(DpkgInstalled)
@@ -562,52 +485,12 @@ def reboot_for_driver(allow_reboot: bool = False):
     if not allow_reboot:
         warn_once(f"reboot needed ({'; '.join(reasons)}); allow_reboot is false: reboot the rig")
         return
-    yield from _reboot_and_wait()
+    yield from reboot_and_wait()
     # The generator resumes only once the reboot commands ran (and pyinfra reconnected).
     if state.is_executing:
         still = pending_reboot()
         if still:
             yield refuse(f"still after the reboot: {'; '.join(still)}")
-
-
-def _reboot_and_wait():
-    """pyinfra's server.reboot, except that it knows the rig is back by a new boot id.
-
-    server.reboot waits for /proc/uptime to drop; a container's uptime is its host's, so on
-    the sandbox rigs it would wait out its timeout. The boot id changes at every boot, on real
-    rigs and containers alike.
-    """
-    before = host.get_fact(BootId)
-    yield FunctionCommand(_forget_askpass, (), {})
-    yield StringCommand("( sleep 1 && reboot ) </dev/null >/dev/null 2>&1 &")
-    yield FunctionCommand(wait_for_boot, (before, *REBOOT_WAIT_S), {})
-
-
-def _forget_askpass(state, host) -> bool:
-    remove_any_sudo_askpass_file(host)  # as server.reboot does: a reboot may lose it
-    return True
-
-
-def wait_for_boot(state, host, before: str, delay: float, interval: float, limit: float) -> bool:
-    """Reconnect until the rig answers with a boot id other than `before`; False after `limit`."""
-    time.sleep(delay)
-    clear_askpass_cache(host)
-    host.disconnect()
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        host.connect(show_errors=False)
-        if host.connected:
-            try:
-                ok, output = host.run_shell_command(StringCommand("cat", BOOT_ID))
-            except Exception:  # the connection died under us: the rig is going down
-                ok, output = False, None
-            if ok and output.stdout_lines and output.stdout_lines[0].strip() != before:
-                return True
-            host.disconnect()
-        time.sleep(interval)
-    host.log_styled(f"did not come back from the reboot within {limit:g} s", fg="red",
-                    log_func=logger.error)
-    return False
 
 
 @operation()

@@ -668,7 +668,7 @@ def blacklist_nouveau(marker: str, marker_fact: type[FactBase]):
     pending reboot while nouveau is still loaded (NouveauFact).
 
     + marker: the driver role's reboot record (/run/rigbook/driver-reboot-required)
-    + marker_fact: the fact that reads it (rigbook.driver.RebootMarker)
+    + marker_fact: the fact that reads it (rigbook.reboot.RebootMarker)
 
     The initramfs is rebuilt with update-initramfs where the rig has it (Debian, Ubuntu);
     the reboot itself is the driver role's reboot gate (allow_reboot).

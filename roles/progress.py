@@ -10,8 +10,10 @@ them into lines of pyinfra's output, with the rig's prefix.
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gevent
 from pyinfra import logger
@@ -89,3 +91,75 @@ def run_watched(
             break
     ok, output = job.get()
     return ok, output, seen
+
+
+# --- what a venv build shows while it runs (rigbook.venvs) ------------------------------------
+
+#: Build-log lines shown while a build runs: rigbook's phases, uv's counts and source builds.
+PHASE = "rigbook phase: "
+_UV_SAID = re.compile(r"(?:(?:Resolved|Prepared|Installed|Uninstalled|Audited) \d+ packages? in "
+                      r"|Building |Built )")
+#: uv (progress bars off) names each download over 1 MiB when it starts and when it is done.
+_UV_DOWNLOADING = re.compile(r"Downloading (\S+) \(([^()]+)\)")
+_UV_DOWNLOADED = re.compile(r" Downloaded (\S+)")
+
+
+@dataclass
+class BuildProgress:
+    """What a build shows while it runs, from the new lines of its log: each phase and uv's
+    counts as they come, and uv's download lines folded into one line per read."""
+
+    name: str
+    downloading: dict[str, str] = field(default_factory=dict)  # wheel -> size, not done yet
+    downloaded: int = 0
+
+    def shown(self, lines: list[str]) -> list[str]:
+        out: list[str] = []
+        folded = False  # download lines since the last line shown
+        for line in lines:
+            if started := _UV_DOWNLOADING.fullmatch(line):
+                self.downloading[started[1]] = started[2]
+                folded = True
+            elif done := _UV_DOWNLOADED.fullmatch(line):
+                self.downloading.pop(done[1], None)
+                self.downloaded += 1
+                folded = True
+            elif line.startswith(PHASE) or _UV_SAID.match(line):
+                if folded:
+                    out.append(self.downloads())
+                    folded = False
+                out.append(line.removeprefix(PHASE))
+        if folded:
+            out.append(self.downloads())
+        return [f"venv {self.name}: {text}" for text in out]
+
+    def downloads(self) -> str:
+        text = (f"downloading: {self.downloaded} of {self.downloaded + len(self.downloading)} "
+                "large wheel(s) done")
+        now = [f"{wheel} ({size})" for wheel, size in list(self.downloading.items())[:3]]
+        return f"{text}, now {', '.join(now)}" if now else text
+
+
+class WatchedBuild(StringCommand):
+    """The build script, run so that its phases show while it runs (a plain StringCommand's
+    output comes back only when it ends), then a line with the time it took."""
+
+    def __init__(self, script: str, name: str, log: str, every: float):
+        super().__init__(script)
+        self.name, self.log, self.every = name, log, every
+
+    def execute(self, state, host, connector_arguments):
+        connector_arguments.update(self.connector_arguments)
+        progress, started = BuildProgress(self.name), time.monotonic()
+
+        def show(lines: list[str]) -> None:
+            for text in progress.shown(lines):
+                logger.info(f"{host.print_prefix}{text}")
+
+        ok, output, _ = run_watched(host, self, self.log, show, self.every,
+                                    print_output=state.print_output,
+                                    print_input=state.print_input, **connector_arguments)
+        if ok:
+            logger.info(f"{host.print_prefix}venv {self.name}: built, smoke-tested and swapped "
+                        f"in after {time.monotonic() - started:.1f} s")
+        return ok, output

@@ -46,13 +46,14 @@ from rich.text import Text
 from rigbook.checks import Facts, every_check, read_facts, reads_of, run_checks
 from rigbook.checks import Finding as CheckFinding
 from rigbook.disks import by_mount
-from rigbook.driver import driver_packages, driver_versions, reboot_reasons, wanted
+from rigbook.driver import driver_packages, driver_versions, wanted
 from rigbook.errors import RigbookError
 from rigbook.gpus import Gpu
 from rigbook.guards import gpu_lost_reason, xid_events
 from rigbook.inventory import load_inventory
 from rigbook.models import model_state, unreferenced, wanted_models
 from rigbook.power import asked_cap, unit_caps
+from rigbook.reboot import reboot_reasons
 from rigbook.serving import health_text, plan_of, running_recipe
 from rigbook.spec import Rig
 from rigbook.status_table import render

@@ -36,20 +36,26 @@ import shlex
 import time
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from packaging.utils import canonicalize_name
-from pyinfra import host, logger
+from pyinfra import host
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error
+from rigbook.cuda import (
+    DRIVER_FOR_CUDA,
+    check_driver,
+    driver_problem,
+    required_driver,
+    version_tuple,
+)
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, smi_attempts, smi_script
 from rigbook.messages import notice, refuse, warn_once
-from rigbook.progress import progress_every, run_watched
+from rigbook.progress import WatchedBuild, progress_every
 from rigbook.render import render, template
 from rigbook.spec import Rig, VenvSpec
 from rigbook.tools import UV, package_source_args, tools_venv
@@ -72,12 +78,6 @@ ENV_TEMPLATE = TEMPLATES / "venv.env.j2"
 
 #: The module an engine's smoke test imports.
 ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "llama-cpp-python": "llama_cpp"}
-#: Least driver per CUDA runtime (CUDA toolkit release notes, table 3; docs/sources.md, "CUDA
-#: runtime and driver"). A cu13 build
-#: on an older driver fails with CUDA error 804 (forward compatibility is not supported).
-DRIVER_FOR_CUDA = {"13.0": "580.65.06", "13.1": "590.44.01", "13.2": "595.45.04"}
-#: CUDA runtime of torch from each torch_backend.
-BACKEND_CUDA = {"cu130": "13.0"}
 
 _STAMP = re.compile(r"^\d{8}T\d{6}Z$")
 
@@ -108,107 +108,6 @@ def engine_venv(engine: str, name: str | None = None, **fields: Any) -> dict[str
     entry.update(fields)
     return VenvSpec.model_validate(entry).model_dump(mode="json")
 
-
-# --- versions and the driver -------------------------------------------------------------------
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """'580.95.05' -> (580, 95, 5): driver versions compare part by part."""
-    if not re.match(r"^\d+(\.\d+)*$", version):
-        raise ValueError(f"not a version: {version!r}")
-    return tuple(int(part) for part in version.split("."))
-
-
-def cuda_minor(version: str) -> str:
-    """'13.0.96' / '13.0' / '13' -> '13.0' (what the driver table is keyed by)."""
-    match = re.match(r"^(\d+)(?:\.(\d+))?", version)
-    if not match:
-        raise ValueError(f"not a CUDA version: {version!r}")
-    return f"{match.group(1)}.{match.group(2) or 0}"
-
-
-def required_driver(cuda_version: str) -> str:
-    """The least driver that runs a CUDA `cuda_version` runtime: '13.2' -> '595.45.04'."""
-    key = cuda_minor(cuda_version)
-    if key not in DRIVER_FOR_CUDA:
-        raise ValueError(
-            f"rigbook does not know the least driver for CUDA {key}; it knows "
-            f"{', '.join(DRIVER_FOR_CUDA)}"
-        )
-    return DRIVER_FOR_CUDA[key]
-
-
-_CUDA_PIN = re.compile(
-    r"^(?P<name>cuda-toolkit|nvidia-cuda-runtime(?:-cu\d+)?)(?:\[[^\]]*\])?\s*"
-    r"(?:===|==|~=|>=)\s*(?P<version>\d+(?:\.\d+)?)"
-)
-_LOCAL_CU = re.compile(r"\+cu(?P<major>\d\d)(?P<minor>\d+)\b")
-
-
-def requirement_name(requirement: str) -> str:
-    """'llama-cpp-python[server]==0.3.36' -> 'llama-cpp-python'."""
-    match = re.match(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
-    if not match:
-        raise ValueError(f"not a requirement: {requirement!r}")
-    return match.group(1)
-
-
-def spec_cuda(spec: VenvSpec) -> tuple[str, str] | None:
-    """(CUDA runtime, what says so) a venv will carry, known before it is built; None: none.
-
-    An explicit pin wins (`cuda-toolkit==13.2.*`, `nvidia-cuda-runtime==13.1.80`, a
-    `torch==2.14.0+cu132` local version); else an engine venv (or any venv with torch) gets
-    torch's CUDA from torch_backend.
-    """
-    found: list[tuple[tuple[int, ...], str, str]] = []
-    for requirement in spec.packages:
-        text = canonicalize_name(requirement_name(requirement)) + requirement.strip()[
-            len(requirement_name(requirement)):
-        ]
-        pin = _CUDA_PIN.match(text)
-        if pin:
-            cuda = cuda_minor(pin.group("version"))
-            found.append((version_tuple(cuda), cuda, requirement))
-        local = _LOCAL_CU.search(requirement)
-        if local:
-            cuda = f"{int(local.group('major'))}.{int(local.group('minor'))}"
-            found.append((version_tuple(cuda), cuda, requirement))
-    if found:
-        _, cuda, why = max(found)
-        return cuda, why
-    has_torch = any(canonicalize_name(requirement_name(r)) == "torch" for r in spec.packages)
-    if spec.engine != "none" or has_torch:
-        return BACKEND_CUDA[spec.torch_backend], f"torch_backend {spec.torch_backend}"
-    return None
-
-
-def driver_problem(spec: VenvSpec, driver: str | None) -> str | None:
-    """Why the venv's CUDA runtime cannot run on `driver` (what it needs, what the rig runs),
-    or None. No driver (a rig without a GPU layer) is not checked.
-
-    Checked before anything is built: a cu13 build on too old a driver crash-loops with CUDA
-    error 804.
-    """
-    cuda = spec_cuda(spec)
-    if cuda is None or driver is None:
-        return None
-    version, why = cuda
-    try:
-        needed = required_driver(version)
-    except ValueError as e:
-        return f"{why}: {e}"
-    if version_tuple(driver) < version_tuple(needed):
-        return (f"{why} means CUDA {version}, which needs driver >= {needed}; this rig runs "
-                f"{driver}: the venv would fail with CUDA error 804. Bump the driver "
-                "(deploys/driver.py) or pin an older CUDA")
-    return None
-
-
-def check_driver(rig_name: str, spec: VenvSpec, driver: str | None) -> None:
-    """RigbookError when `driver_problem` finds one."""
-    problem = driver_problem(spec, driver)
-    if problem:
-        raise RigbookError(f"{rig_name}: venvs[{spec.name}]: {problem}; nothing was built")
 
 
 # --- spec hash, builds, pruning --------------------------------------------------------------
@@ -734,76 +633,6 @@ def build_script(plan: BuildPlan) -> str:
         services=plan.services, tail=TAIL_LINES, reuse=plan.reuse,
         packages=len(plan.smoke_input["packages"]),
     )
-
-
-#: Build-log lines shown while a build runs: rigbook's phases, uv's counts and source builds.
-PHASE = "rigbook phase: "
-_UV_SAID = re.compile(r"(?:(?:Resolved|Prepared|Installed|Uninstalled|Audited) \d+ packages? in "
-                      r"|Building |Built )")
-#: uv (progress bars off) names each download over 1 MiB when it starts and when it is done.
-_UV_DOWNLOADING = re.compile(r"Downloading (\S+) \(([^()]+)\)")
-_UV_DOWNLOADED = re.compile(r" Downloaded (\S+)")
-
-
-@dataclass
-class BuildProgress:
-    """What a build shows while it runs, from the new lines of its log: each phase and uv's
-    counts as they come, and uv's download lines folded into one line per read."""
-
-    name: str
-    downloading: dict[str, str] = field(default_factory=dict)  # wheel -> size, not done yet
-    downloaded: int = 0
-
-    def shown(self, lines: list[str]) -> list[str]:
-        out: list[str] = []
-        folded = False  # download lines since the last line shown
-        for line in lines:
-            if started := _UV_DOWNLOADING.fullmatch(line):
-                self.downloading[started[1]] = started[2]
-                folded = True
-            elif done := _UV_DOWNLOADED.fullmatch(line):
-                self.downloading.pop(done[1], None)
-                self.downloaded += 1
-                folded = True
-            elif line.startswith(PHASE) or _UV_SAID.match(line):
-                if folded:
-                    out.append(self.downloads())
-                    folded = False
-                out.append(line.removeprefix(PHASE))
-        if folded:
-            out.append(self.downloads())
-        return [f"venv {self.name}: {text}" for text in out]
-
-    def downloads(self) -> str:
-        text = (f"downloading: {self.downloaded} of {self.downloaded + len(self.downloading)} "
-                "large wheel(s) done")
-        now = [f"{wheel} ({size})" for wheel, size in list(self.downloading.items())[:3]]
-        return f"{text}, now {', '.join(now)}" if now else text
-
-
-class WatchedBuild(StringCommand):
-    """The build script, run so that its phases show while it runs (a plain StringCommand's
-    output comes back only when it ends), then a line with the time it took."""
-
-    def __init__(self, script: str, name: str, log: str, every: float):
-        super().__init__(script)
-        self.name, self.log, self.every = name, log, every
-
-    def execute(self, state, host, connector_arguments):
-        connector_arguments.update(self.connector_arguments)
-        progress, started = BuildProgress(self.name), time.monotonic()
-
-        def show(lines: list[str]) -> None:
-            for text in progress.shown(lines):
-                logger.info(f"{host.print_prefix}{text}")
-
-        ok, output, _ = run_watched(host, self, self.log, show, self.every,
-                                    print_output=state.print_output,
-                                    print_input=state.print_input, **connector_arguments)
-        if ok:
-            logger.info(f"{host.print_prefix}venv {self.name}: built, smoke-tested and swapped "
-                        f"in after {time.monotonic() - started:.1f} s")
-        return ok, output
 
 
 # --- operations ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.server import LinuxDistribution
 
 from rigbook import driver as drv
+from rigbook import reboot
 from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
 from rigbook.errors import RigbookError
 from rigbook.gpus import GpuProbe, parse_query_csv
@@ -212,21 +213,21 @@ def test_apt_versions_parses_madison():
 
 def test_loaded_driver_version_real_module_and_simulation_hook():
     proc = (FIXTURES / "proc-driver-version.txt").read_text().splitlines()
-    assert drv.LoadedDriverVersion().process(proc) == "580.159.04"
-    tag = drv._SIM_TAG
-    assert drv.LoadedDriverVersion().process([f"{tag} 580.95.05"]) == "580.95.05"
-    assert drv.LoadedDriverVersion().process([f"{tag} "]) is None
+    assert reboot.LoadedDriverVersion().process(proc) == "580.159.04"
+    tag = reboot._SIM_TAG
+    assert reboot.LoadedDriverVersion().process([f"{tag} 580.95.05"]) == "580.95.05"
+    assert reboot.LoadedDriverVersion().process([f"{tag} "]) is None
     with pytest.raises(Exception, match="not a version"):
-        drv.LoadedDriverVersion().process([f"{tag} garbage"])
+        reboot.LoadedDriverVersion().process([f"{tag} garbage"])
     # The real file always wins: the simulation file is read only when it is absent.
-    command = drv.LoadedDriverVersion().command()
-    assert command.index(drv.PROC_VERSION) < command.index(drv.SIM_LOADED_VERSION)
+    command = reboot.LoadedDriverVersion().command()
+    assert command.index(reboot.PROC_VERSION) < command.index(reboot.SIM_LOADED_VERSION)
 
 
 def test_loaded_driver_version_command_on_a_machine_without_a_module():
-    if os.path.exists(drv.PROC_VERSION) or os.path.exists(drv.SIM_LOADED_VERSION):
+    if os.path.exists(reboot.PROC_VERSION) or os.path.exists(reboot.SIM_LOADED_VERSION):
         pytest.skip("this machine has a (simulated) nvidia module")
-    out = subprocess.run(["sh", "-c", drv.LoadedDriverVersion().command()],
+    out = subprocess.run(["sh", "-c", reboot.LoadedDriverVersion().command()],
                          capture_output=True, text=True, check=True)
     assert out.stdout == ""  # pyinfra returns the default, None: no module loaded
 
@@ -422,7 +423,7 @@ def test_modprobe_options_content_and_reboot_marker():
     assert text.splitlines()[-1] == "options nvidia NVreg_A=0x00 NVreg_b=1"
     commands, _ = run_op(drv.modprobe_options, {"File": None, "Directory": None},
                          options={"NVreg_DynamicPowerManagement": "0x00"})
-    assert any("echo 'nvidia module options changed" in c and drv.REBOOT_MARKER in c
+    assert any("echo 'nvidia module options changed" in c and reboot.REBOOT_MARKER in c
                for c in shell(commands))
     # No options and no file: nothing to do, no reboot.
     commands, _ = run_op(drv.modprobe_options, {"File": None, "Link": None, "Directory": None},
@@ -432,7 +433,7 @@ def test_modprobe_options_content_and_reboot_marker():
     present = {"mode": 644, "size": 10, "user": "root", "group": "root"}
     commands, _ = run_op(drv.modprobe_options, {"File": present, "Link": None}, options={})
     assert shell(commands)[0] == f"rm -f {drv.MODPROBE_CONF}"
-    assert drv.REBOOT_MARKER in shell(commands)[1]
+    assert reboot.REBOOT_MARKER in shell(commands)[1]
 
 
 # --- apt sources and the version pin --------------------------------------------------------
@@ -815,12 +816,12 @@ def test_cuda_keyring_installs_only_a_download_that_matches(tmp_path, pinned):
 
 
 def test_reboot_reasons():
-    assert drv.reboot_reasons(set(), None, []) == []
-    assert drv.reboot_reasons({"580.95.05"}, "580.95.05", []) == []
-    assert drv.reboot_reasons({"580.159.04"}, "580.95.05", []) == [
+    assert reboot.reboot_reasons(set(), None, []) == []
+    assert reboot.reboot_reasons({"580.95.05"}, "580.95.05", []) == []
+    assert reboot.reboot_reasons({"580.159.04"}, "580.95.05", []) == [
         "driver 580.159.04 is installed but the loaded module is 580.95.05"
     ]
-    assert drv.reboot_reasons({"580.95.05"}, None, ["nvidia module options changed (x)"]) == [
+    assert reboot.reboot_reasons({"580.95.05"}, None, ["nvidia module options changed (x)"]) == [
         "nvidia module options changed (x)",
         "driver 580.95.05 is installed but no nvidia module is loaded",
     ]
@@ -849,7 +850,7 @@ def test_reboot_only_when_pending_and_allowed(caplog):
                          allow_reboot=True)
     assert shell(commands) == ["( sleep 1 && reboot ) </dev/null >/dev/null 2>&1 &"]
     wait = commands[-1]
-    assert wait.function is drv.wait_for_boot and wait.args == (BOOT, *drv.REBOOT_WAIT_S)
+    assert wait.function is reboot.wait_for_boot and wait.args == (BOOT, *reboot.REBOOT_WAIT_S)
 
 
 class Rebooting:
@@ -870,7 +871,7 @@ class Rebooting:
         self.connected = False
 
     def run_shell_command(self, command):
-        assert command.get_raw_value() == f"cat {drv.BOOT_ID}"
+        assert command.get_raw_value() == f"cat {reboot.BOOT_ID}"
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
@@ -882,10 +883,10 @@ class Rebooting:
 
 def test_wait_for_boot_waits_for_a_new_boot_id():
     rig1 = Rebooting([BOOT, OSError("connection reset"), None, None, "a-new-boot-id"])
-    assert drv.wait_for_boot(None, rig1, BOOT, 0, 0, 5) is True
+    assert reboot.wait_for_boot(None, rig1, BOOT, 0, 0, 5) is True
     assert rig1.answers == [] and rig1.connected
     stuck = Rebooting([BOOT] * 1000)
-    assert drv.wait_for_boot(None, stuck, BOOT, 0, 0.01, 0.05) is False
+    assert reboot.wait_for_boot(None, stuck, BOOT, 0, 0.01, 0.05) is False
     assert stuck.logged == ["did not come back from the reboot within 0.05 s"]
 
 

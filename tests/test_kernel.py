@@ -14,6 +14,7 @@ import pytest
 
 from rigbook import driver as drv
 from rigbook import kernel as kern
+from rigbook import reboot
 from rigbook.checks import Facts, batch_command, process_output
 from rigbook.render import render
 from rigbook.spec import Rig
@@ -266,15 +267,15 @@ def test_blacklist_nouveau():
     text = (kern.TEMPLATES / "blacklist-nouveau.conf").read_text()
     assert "blacklist nouveau" in text.splitlines()
     loaded = {"NouveauFact": kern.Nouveau(loaded=True), "RebootMarker": []}
-    commands, _ = run_op(kern.blacklist_nouveau, {**ABSENT, **loaded}, marker=drv.REBOOT_MARKER,
-                         marker_fact=drv.RebootMarker)
+    commands, _ = run_op(kern.blacklist_nouveau, {**ABSENT, **loaded}, marker=reboot.REBOOT_MARKER,
+                         marker_fact=reboot.RebootMarker)
     steps = [describe(c) for c in commands]
     assert steps[1:] == [
         f"upload {kern.NOUVEAU_CONF}",
         f"chmod 644 {kern.NOUVEAU_CONF}",
         "if command -v update-initramfs >/dev/null 2>&1; then update-initramfs -u; fi",
         "mkdir -p /run/rigbook && echo 'nouveau is loaded (blacklisted, the initramfs rebuilt)'"
-        f" >> {drv.REBOOT_MARKER}",
+        f" >> {reboot.REBOOT_MARKER}",
     ]
     present = {"mode": 644, "size": 1, "user": "root", "group": "root"}
     # already written and the reboot recorded: nothing to do
@@ -283,11 +284,11 @@ def test_blacklist_nouveau():
             else None}
     reason = "nouveau is loaded (blacklisted, the initramfs rebuilt)"
     commands, fake = run_op(kern.blacklist_nouveau, {**same, **loaded, "RebootMarker": [reason]},
-                            marker=drv.REBOOT_MARKER, marker_fact=drv.RebootMarker)
+                            marker=reboot.REBOOT_MARKER, marker_fact=reboot.RebootMarker)
     assert commands == []
     commands, fake = run_op(kern.blacklist_nouveau,
                             {**same, "NouveauFact": kern.Nouveau(), "RebootMarker": []},
-                            marker=drv.REBOOT_MARKER, marker_fact=drv.RebootMarker)
+                            marker=reboot.REBOOT_MARKER, marker_fact=reboot.RebootMarker)
     assert commands == [] and fake.noops[-1] == "nouveau is blacklisted and not loaded"
 
 

@@ -19,8 +19,8 @@ import base64
 
 import pytest
 
-from rigbook.driver import REBOOT_MARKER
 from rigbook.kernel import NOUVEAU_CONF, OTHER_SOURCES_PREF, SIM_MODULES
+from rigbook.reboot import REBOOT_MARKER
 from rigbook.sandbox import SIM_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 from tests.test_driver_e2e import forget_driver

@@ -9,6 +9,7 @@ found by accident: everything rigbook reads must be package data.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,9 +24,16 @@ from tests.conftest import ROOT, SANDBOX_INVENTORY
 def installed(tmp_path_factory) -> Path:
     """The fresh venv's bin folder, with rigbook installed from its wheel."""
     base = tmp_path_factory.mktemp("package")
+    # Built from a copy of the tracked files (what a fresh clone has): a build in the checkout
+    # leaves build/ there, whose stale modules would slip into the next wheel.
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    for name in filter(None, tracked):
+        (base / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, base / "src" / name)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "--no-index", "-w", str(base / "dist"), str(ROOT)],
+         "--no-index", "-w", str(base / "dist"), str(base / "src")],
         capture_output=True, text=True, timeout=300,
     )
     assert built.returncode == 0, built.stdout + built.stderr

@@ -28,7 +28,6 @@ from rigbook import venvs as venvs_role
 from rigbook.apt import AptHolds, DpkgInstalled
 from rigbook.checks import Facts, every_check, reads_of
 from rigbook.disks import FreeDisk
-from rigbook.driver import LoadedDriverVersion
 from rigbook.errors import RigbookError
 from rigbook.facts import NvidiaGpus
 from rigbook.gpus import Gpu, GpuProbe
@@ -36,6 +35,7 @@ from rigbook.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_ke
 from rigbook.inventory import select_hosts as limit_hosts
 from rigbook.models import ModelCache
 from rigbook.power import PowerUnitFile, desired_caps, render_unit, unit_caps
+from rigbook.reboot import LoadedDriverVersion
 from rigbook.render import render as render_template
 from rigbook.serving import ENV_PATH as SERVE_ENV_PATH
 from rigbook.serving import HEALTH_PATH, KEY_PATH, ServeProbe, probe_args, render_env, serve_plan

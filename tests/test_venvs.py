@@ -22,28 +22,26 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FunctionCommand, StringCommand
 
+from rigbook.cuda import DRIVER_FOR_CUDA, check_driver, required_driver, spec_cuda
 from rigbook.errors import RigbookError
 from rigbook.facts import _RC, _SMI
 from rigbook.gpus import Gpu, GpuProbe
+from rigbook.progress import BuildProgress, WatchedBuild
 from rigbook.recipes import VENV_ENGINE
 from rigbook.render import render
 from rigbook.spec import Rig, VenvSpec, parse_rig
 from rigbook.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
 from rigbook.venvs import (
-    DRIVER_FOR_CUDA,
     ENV_TEMPLATE,
     BuildPlan,
-    BuildProgress,
     LiveDriver,
     NvidiaSmiHeader,
     VenvBuilds,
     VenvLayout,
     VenvLayoutFact,
     VenvState,
-    WatchedBuild,
     build_name,
     build_script,
-    check_driver,
     decide,
     engine_pins,
     engine_venv,
@@ -53,9 +51,7 @@ from rigbook.venvs import (
     parse_smi_header,
     parse_venv_builds,
     prune_selection,
-    required_driver,
     smoke_input,
-    spec_cuda,
     spec_hash,
     staleness,
     swap_commands,
