@@ -398,6 +398,10 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
     )
 
 
+#: The download where a rig has neither curl nor wget (a minimal Debian): its python3.
+_FETCH = "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])"
+
+
 def keyring_command(url: str, sha256: str) -> StringCommand:
     """Download `url` to a temp file and install it with dpkg only when its sha256 is `sha256`
     (64 hex digits, checked by the caller). The temp file goes on every exit; a mismatch fails
@@ -406,7 +410,8 @@ def keyring_command(url: str, sha256: str) -> StringCommand:
     return StringCommand(
         "deb=$(mktemp) && trap 'rm -f \"$deb\"' EXIT &&",
         '{ if command -v curl >/dev/null; then curl -fsSL -o "$deb"', src,
-        '; else wget -q -O "$deb"', src, "; fi; } &&",
+        '; elif command -v wget >/dev/null; then wget -q -O "$deb"', src,
+        "; else python3 -c", QuoteString(_FETCH), src, '"$deb"; fi; } &&',
         f'if echo "{sha256}  $deb" | sha256sum -c --status; then',
         'dpkg --force-confdef --force-confold -i "$deb"; else',
         "printf '%s: sha256 mismatch: expected %s, actual %s; not installed\\n'", src, sha256,

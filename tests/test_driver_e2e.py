@@ -272,3 +272,52 @@ def test_bump_keeps_the_hold_when_apt_fails_or_the_connection_drops(sandbox):
         assert again.returncode == 0 and again.changed() == {}, again.explain()
     finally:
         rig_ssh(rig1, f"rm -f {DKMS_FAILS} {DKMS_SECONDS}", check=False)
+
+
+KEYRING_DIR = "/run/rigbook-test-keyring"
+KEYRING_PORT = 18181
+
+
+def test_the_keyring_is_installed_only_when_its_sha256_matches(sandbox, tmp_path):
+    """cuda_keyring against a stand-in .deb served on the rig's loopback (the rigs have no
+    route out, and neither curl nor wget: the python3 download): a wrong pin installs nothing
+    and says both hashes, the right one installs it, the next run changes nothing."""
+    rig = sandbox["rig2"]
+    rig_ssh(rig, f"mkdir -p {KEYRING_DIR}/pkg/DEBIAN {KEYRING_DIR}/pkg/usr/share/rigbook-test && "
+                 f"printf 'Package: cuda-keyring\\nVersion: 1.1-1\\nArchitecture: all\\n"
+                 "Maintainer: rigbook tests <tests@localhost>\\nDescription: stand-in\\n' "
+                 f"> {KEYRING_DIR}/pkg/DEBIAN/control && echo key > "
+                 f"{KEYRING_DIR}/pkg/usr/share/rigbook-test/keyring && dpkg-deb -b "
+                 f"{KEYRING_DIR}/pkg {KEYRING_DIR}/cuda-keyring_1.1-1_all.deb >/dev/null && "
+                 f"systemd-run --unit rigbook-test-keyring --collect python3 -m http.server "
+                 f"{KEYRING_PORT} --bind 127.0.0.1 --directory {KEYRING_DIR}")
+    right = rig_ssh(rig, f"sha256sum {KEYRING_DIR}/cuda-keyring_1.1-1_all.deb").stdout.split()[0]
+    url = f"http://127.0.0.1:{KEYRING_PORT}/cuda-keyring_1.1-1_all.deb"
+
+    def deploy(sha256: str):
+        path = tmp_path / f"keyring-{sha256[:8]}.py"
+        path.write_text("from rigbook.driver import cuda_keyring\n"
+                        f"cuda_keyring(name='NVIDIA repository key', url={url!r}, "
+                        f"sha256={sha256!r})\n")
+        return run_pyinfra(SANDBOX_INVENTORY, str(path), "--limit", "rig2")
+
+    try:
+        rig_ssh(rig, "python3 - <<'RIGBOOK_EOF'\nimport time, urllib.request\n"
+                     "for _ in range(150):\n    try:\n"
+                     f"        urllib.request.urlopen({url!r}); break\n"
+                     "    except OSError:\n        time.sleep(0.2)\nRIGBOOK_EOF")
+        wrong = deploy("0" * 64)
+        assert wrong.returncode != 0, wrong.explain()
+        assert (f"{url}: sha256 mismatch: expected {'0' * 64}, actual {right}; not installed"
+                in wrong.stderr), wrong.explain()
+        assert rig_ssh(rig, "dpkg-query -W cuda-keyring", check=False).returncode != 0
+        installed = deploy(right)
+        assert installed.returncode == 0, installed.explain()
+        assert installed.changed() == {"NVIDIA repository key": ["rig2"]}, installed.explain()
+        assert rig_ssh(rig, "dpkg-query -W -f '${Version}' cuda-keyring").stdout == "1.1-1"
+        again = deploy(right)
+        assert again.returncode == 0 and again.changed() == {}, again.explain()
+        assert "cuda-keyring is installed" in again.stderr
+    finally:
+        rig_ssh(rig, f"systemctl stop rigbook-test-keyring; dpkg -r cuda-keyring >/dev/null; "
+                     f"rm -rf {KEYRING_DIR}", check=False)
