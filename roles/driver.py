@@ -41,6 +41,7 @@ from rigbook.errors import RigbookError
 from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, NvidiaGpus
 from rigbook.kernel import (
     blacklist_nouveau,
+    enroll_dkms_key,
     kernel_headers,
     onboard_findings,
     onboard_reads,
@@ -816,6 +817,7 @@ def _onboard(rig: Rig):
     """Before the driver goes in: other sources pinned out, nouveau blacklisted (a reboot
     recorded while it is loaded), the running kernel's headers installed. Each reads its facts
     when it runs. The Secure Boot refusal came earlier, in the preflight (ONBOARD)."""
+    enroll_dkms_key(name="Queue the DKMS signing key for enrolment", rig=rig)
     pin_out_sources(name="Pin out other sources of the driver", rig=rig,
                     packages=(main_package(rig),), default_repo=CUDA_REPO,
                     globs=DRIVER_PACKAGE_GLOBS)

@@ -47,6 +47,18 @@ MODPROBE_DIRS = ("/etc/modprobe.d", "/lib/modprobe.d", "/usr/lib/modprobe.d", "/
 #: The DKMS signing keys, public halves in DER: dkms 3's own (`dkms generate_mok`, the default
 #: mok_certificate) and Ubuntu's shim-signed one (`update-secureboot-policy --new-key`).
 DKMS_KEYS = ("/var/lib/dkms/mok.pub", "/var/lib/shim-signed/mok/MOK.der")
+#: The key pair `driver_secure_boot: enroll` makes when there is none, where each platform's DKMS
+#: signs with it: (private key, DER certificate). Ubuntu's update-secureboot-policy --new-key and
+#: Debian's dkms generate_mok make the same pair there.
+SIGNING_KEYS = {
+    "ubuntu": ("/var/lib/shim-signed/mok/MOK.priv", "/var/lib/shim-signed/mok/MOK.der"),
+    "debian": ("/var/lib/dkms/mok.key", "/var/lib/dkms/mok.pub"),
+}
+#: The one-time password a person types at the console to confirm the enrolment: root-only,
+#: in no command line and no log.
+MOK_PASSWORD = "/root/rigbook-mok-password"
+CONSOLE_STEP = ("at the next boot, at the console: MOK Manager > Enroll MOK > Continue > Yes > "
+                f"the password in {MOK_PASSWORD} > Reboot")
 #: Other sources of the driver are pinned out here (apt_preferences(5), priority -1).
 OTHER_SOURCES_PREF = "/etc/apt/preferences.d/rigbook-nvidia-other-sources.pref"
 #: Simulation hook, as roles/driver.py's SIM_LOADED_VERSION: the sandbox's stand-in "loaded
@@ -586,10 +598,13 @@ def onboard_findings(rig: Rig, facts: Facts, rig_name: str, default_repo: str) -
                 "unreadable": f"the DKMS signing key {key} could not be read (openssl x509)",
             }.get(state, f"the DKMS signing key {key} is not enrolled")
             steps = secure_boot_steps(rig, key)
-            if rig.driver_secure_boot == "enroll":
-                steps += ("; driver_secure_boot: enroll is not automated yet, so these steps "
-                          "are still yours")
-            if facts.loaded:  # the kernel took the loaded module: signed by a key it trusts
+            if rig.driver_secure_boot == "enroll" and state != "unreadable":
+                found.append(drift(
+                    "driver", f"Secure Boot is on and {what}; driver_secure_boot: enroll: the "
+                    "converge makes the key when there is none and queues its enrolment "
+                    f"(mokutil --import); one step is left, {CONSOLE_STEP}",
+                    key="driver_secure_boot"))
+            elif facts.loaded:  # the kernel took the loaded module: signed by a key it trusts
                 found.append(warn(
                     "driver",
                     f"Secure Boot is on and {what}; the loaded nvidia module {facts.loaded} was "
@@ -659,6 +674,42 @@ def onboard_reads(packages: tuple[str, ...]) -> list[Read]:
 
 
 # --- operations -------------------------------------------------------------------------------
+
+
+@operation()
+def enroll_dkms_key(rig: Rig):
+    """
+    With Secure Boot on and `driver_secure_boot: enroll`: make DKMS's signing key when there is
+    none (SIGNING_KEYS) and queue its enrolment with mokutil --import, so that one step is left,
+    at the console at the next boot (CONSOLE_STEP). Nothing when Secure Boot is off or unknown,
+    or the key is enrolled or queued already.
+
+    + rig: the rig's validated host data (driver_secure_boot, platform)
+
+    The one-time password is drawn on the rig, written to MOK_PASSWORD (0600) and handed to
+    mokutil on its standard input: it is in no command line, no log and no output.
+    """
+    boot = host.get_fact(SecureBootFact)
+    key, state = boot.key_state()
+    if not boot.enabled or rig.driver_secure_boot != "enroll" or state in ("enrolled", "queued"):
+        host.noop("no DKMS key to enrol" + (f": {key} is {state}" if key else ""))
+        return
+    if state == "unreadable":
+        yield refuse(f"the DKMS signing key {key} could not be read (openssl x509)")
+        return
+    if state == "no key":
+        private, key = SIGNING_KEYS[rig.platform]
+        yield StringCommand(
+            f"mkdir -p {Path(key).parent} && (umask 077 && openssl req -new -x509 -newkey "
+            "rsa:2048 -nodes -days 36500 -subj '/CN=rigbook DKMS module signing key/' "
+            f"-outform DER -keyout {private} -out {key}) && chmod 644 {key}"
+        )
+    yield StringCommand(
+        "umask 077 && pw=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \\n') && "
+        f"printf '%s\\n' \"$pw\" > {MOK_PASSWORD} && "
+        "printf '%s\\n%s\\n' \"$pw\" \"$pw\" | mokutil --import", QuoteString(key),
+    )
+    yield notice(f"the DKMS signing key {key} is queued for enrolment; {CONSOLE_STEP}")
 
 
 @operation()

@@ -171,8 +171,8 @@ class Rig(StrictModel):
         "refuse",
         description=(
             "With Secure Boot on and the DKMS signing key not enrolled: refuse the rig and list "
-            "the steps (refuse). enroll is accepted but not automated yet: the rig is refused "
-            "with the same steps (docs/driver.md, Onboarding a real box)."
+            "the steps (refuse), or make the key when there is none and queue its enrolment, "
+            "leaving one step at the console (enroll; docs/driver.md, Onboarding a real box)."
         ),
     )
     allow_reboot: StrictBool = Field(

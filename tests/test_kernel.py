@@ -8,7 +8,11 @@ facts the tests give, as tests/test_driver.py does.
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -205,7 +209,11 @@ def test_secure_boot_on_without_an_enrolled_key_is_refused_with_the_steps():
     assert "no DKMS signing key exists yet" in fresh.reason and "dkms generate_mok" in \
         fresh.reason
     (opted,) = findings(rig(driver_secure_boot="enroll"), secure_boot=sb)
-    assert opted.level == "error" and "not automated yet" in opted.reason
+    assert opted.level == "drift" and "queues its enrolment" in opted.reason
+    assert kern.CONSOLE_STEP in opted.reason
+    unreadable = kern.SecureBoot(enabled=True, mokutil=True, keys={kern.DKMS_KEYS[1]: ""})
+    (cannot,) = findings(rig(driver_secure_boot="enroll"), secure_boot=unreadable)
+    assert cannot.level == "error" and "could not be read" in cannot.reason
     # a loaded module was accepted by the kernel: a warning for the next build, not a refusal
     (running,) = findings(secure_boot=sb, loaded="580.95.05")
     assert running.level == "warn" and "a module DKMS builds next" in running.reason
@@ -261,6 +269,69 @@ def test_unread_facts_refuse():
 # --- the operations ---------------------------------------------------------------------------
 
 ABSENT = {"File": None, "Link": None, "Directory": None}
+
+
+def enroll_commands(secure_boot: kern.SecureBoot, **data) -> tuple[list, object]:
+    return run_op(kern.enroll_dkms_key, {"SecureBootFact": secure_boot},
+                  rig=rig(driver_secure_boot="enroll", **data))
+
+
+def test_enroll_makes_the_key_and_queues_it_with_no_password_in_any_command(tmp_path):
+    """The commands run here for real: openssl makes the pair, the sandbox's stand-in mokutil
+    (RIGBOOK_SIM_ROOT) queues it, and the SecureBootFact reads the key as queued."""
+    commands, fake = enroll_commands(kern.SecureBoot(enabled=True, mokutil=True),
+                                     platform="debian")
+    private, cert = kern.SIGNING_KEYS["debian"]
+    texts = [c.get_raw_value() for c in commands if hasattr(c, "get_raw_value")]
+    assert f"-keyout {private} -out {cert}" in texts[0] and "mokutil --import" in texts[1]
+    here = {path: str(tmp_path / path.lstrip("/"))
+            for path in (private, cert, kern.MOK_PASSWORD, str(Path(cert).parent))}
+    pattern = "|".join(map(re.escape, sorted(here, key=len, reverse=True)))  # files first
+    script = re.sub(pattern, lambda match: here[match.group(0)], "\n".join(texts))
+    assert "/var/lib" not in script.replace(f"{tmp_path}/var/lib", "")  # nothing outside tmp
+    (tmp_path / "root").mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mokutil").symlink_to(kern_sim_mokutil())
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "RIGBOOK_SIM_ROOT": str(tmp_path)}
+    done = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    password = Path(here[kern.MOK_PASSWORD])
+    assert oct(password.stat().st_mode & 0o777) == "0o600"
+    assert oct(Path(here[private]).stat().st_mode & 0o777) == "0o600"
+    secret = password.read_text().strip()
+    assert len(secret) == 16 and all(secret not in text for text in texts)
+    assert secret not in done.stdout + done.stderr
+    fingerprint = subprocess.run(["openssl", "x509", "-inform", "der", "-in", here[cert],
+                                  "-noout", "-fingerprint", "-sha1"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    listing = subprocess.run([str(bin_dir / "mokutil"), "--list-new"], env=env,
+                             capture_output=True, text=True).stdout.splitlines()
+    fact = kern.SecureBootFact().process(["##mokutil", "##sb-state", "SecureBoot enabled",
+                                          f"##key {cert}", fingerprint, "##enrolled",
+                                          "MokListRT is empty", "##new", *listing])
+    assert fact.key_state() == (cert, "queued")
+    # queued (or enrolled) already, Secure Boot off, or not opted in: nothing to do
+    assert enroll_commands(fact)[0] == []
+    assert enroll_commands(kern.SecureBoot(enabled=False, mokutil=True))[0] == []
+    assert run_op(kern.enroll_dkms_key, {"SecureBootFact": kern.SecureBoot(enabled=True)},
+                  rig=rig())[0] == []
+
+
+def test_enroll_uses_an_existing_key_and_refuses_an_unreadable_one():
+    key = kern.DKMS_KEYS[1]
+    commands, _ = enroll_commands(kern.SecureBoot(enabled=True, mokutil=True, keys={key: "aa"}))
+    (only,) = [c.get_raw_value() for c in commands if hasattr(c, "get_raw_value")]
+    assert only.endswith(f"mokutil --import {key}") and "openssl req" not in only
+    commands, _ = enroll_commands(kern.SecureBoot(enabled=True, mokutil=True, keys={key: ""}))
+    assert [describe(c) for c in commands] == ["call _log_refusal"]
+
+
+def kern_sim_mokutil() -> Path:
+    from rigbook.sandbox import SIM_DIR
+
+    return SIM_DIR / "mokutil"
 
 
 def test_blacklist_nouveau():

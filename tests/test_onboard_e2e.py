@@ -4,7 +4,8 @@ Each test puts a documented stand-in on the rig (sandbox/simulated/README.md, "O
 real box"), converges with deploys/rig.py, and sees the rig refused before any change or fixed;
 a second converge then changes nothing:
 
-- Secure Boot on (the stand-in mokutil) and no DKMS key: refused, nothing changed; with Secure
+- Secure Boot on (the stand-in mokutil) and no DKMS key: refused, nothing changed; opted in
+  (driver_secure_boot: enroll), the key is made and queued for the console step; with Secure
   Boot off the converge goes on;
 - nouveau loaded (the stand-in module list, the published `lsmod | grep nouv` lines): blacklisted
   and rebooted away (the sandbox inventory allows reboots);
@@ -19,7 +20,14 @@ import base64
 
 import pytest
 
-from rigbook.kernel import NOUVEAU_CONF, OTHER_SOURCES_PREF, SIM_MODULES
+from rigbook.kernel import (
+    CONSOLE_STEP,
+    MOK_PASSWORD,
+    NOUVEAU_CONF,
+    OTHER_SOURCES_PREF,
+    SIGNING_KEYS,
+    SIM_MODULES,
+)
 from rigbook.reboot import REBOOT_MARKER
 from rigbook.sandbox import SIM_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
@@ -28,6 +36,7 @@ from tests.test_driver_e2e import forget_driver
 pytestmark = pytest.mark.sandbox
 
 CONVERGE = "deploys/rig.py"
+ENROLL_OP = "NVIDIA driver | Queue the DKMS signing key for enrolment"
 MOKUTIL = "/usr/local/sbin/mokutil"
 SIM = "/etc/rigbook-sim"
 OTHER_REPO = "/var/lib/rigbook-sim/other-repo"
@@ -43,8 +52,8 @@ def put(rig: dict, path: str, data: bytes, mode: str = "644") -> None:
                  f"chmod {mode} {path}")
 
 
-def converge() -> object:
-    return run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1")
+def converge(*data: str) -> object:
+    return run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1", *data)
 
 
 def test_secure_boot_on_without_a_key_is_refused_before_any_change(sandbox):
@@ -60,6 +69,22 @@ def test_secure_boot_on_without_a_key_is_refused_before_any_change(sandbox):
         assert "refused before any change, nothing was changed" in said, refused.explain()
         assert "driver_secure_boot: Secure Boot is on and no DKMS signing key exists yet" in said
         assert "sudo dkms generate_mok" in said and "MOK Manager" in said
+        # Opted in (driver_secure_boot: enroll): the key is made and queued, the converge goes
+        # on, the one-time password stays in its root-only file; the next converge: nothing.
+        private, cert = SIGNING_KEYS["debian"]
+        enrolled = converge("--data", "driver_secure_boot=enroll")
+        assert enrolled.returncode == 0, enrolled.explain()
+        assert "rig1" in enrolled.changed()[ENROLL_OP], enrolled.explain()
+        assert CONSOLE_STEP in enrolled.stderr, enrolled.explain()
+        password = rig_ssh(rig1, f"cat {MOK_PASSWORD}").stdout.strip()
+        assert password and password not in enrolled.stdout + enrolled.stderr
+        assert rig_ssh(rig1, f"stat -c '%a %U' {MOK_PASSWORD} {private}").stdout.split() == [
+            "600", "root", "600", "root"]
+        fingerprint = rig_ssh(rig1, f"openssl x509 -inform der -in {cert} -noout -fingerprint "
+                                    "-sha1").stdout.strip().split("=", 1)[1].lower()
+        assert f"SHA1 Fingerprint: {fingerprint}" in rig_ssh(rig1, "mokutil --list-new").stdout
+        again = converge("--data", "driver_secure_boot=enroll")
+        assert again.returncode == 0 and again.changed() == {}, again.explain()
         # Secure Boot off: the same rig converges, and a second converge changes nothing.
         put(rig1, f"{SIM}/secure-boot", b"disabled\n")
         first = converge()
@@ -67,7 +92,8 @@ def test_secure_boot_on_without_a_key_is_refused_before_any_change(sandbox):
         again = converge()
         assert again.returncode == 0 and again.changed() == {}, again.explain()
     finally:
-        rig_ssh(rig1, f"rm -f {MOKUTIL} {SIM}/secure-boot", check=False)
+        rig_ssh(rig1, f"rm -f {MOKUTIL} {SIM}/secure-boot {SIM}/mok-new {MOK_PASSWORD} "
+                      f"{' '.join(SIGNING_KEYS['debian'])}", check=False)
 
 
 def test_a_loaded_nouveau_is_blacklisted_and_rebooted_away(sandbox):
