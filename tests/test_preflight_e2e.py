@@ -59,7 +59,8 @@ DEFECTS = {
     "sysctl key": ("rig2", {"sysctl_extra": {"vm.no_such_key": 1}}, False,
                    "sysctl_extra: this kernel has no vm.no_such_key"),
     "VRAM": ("rig1", FAT_RECIPE, True, "recipe: recipe tiny-gpu-fat: VRAM: GPU 0 (NVIDIA GeForce "
-             "RTX 3090): the recipe needs 23.0 GiB, 16.0 GiB is free (8.0 GiB held by others)"),
+             "RTX 3090): the recipe needs 23.0 GiB, 16.0 GiB is free (8.0 GiB held by others, "
+             "1.0 GiB kept per card)"),
     "platform": ("rig3", {"platform": "debian"}, False,
                  "platform: declared debian but this host is WSL2"),
 }
