@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from pyinfra import host, state
 from pyinfra.api import QuoteString, StringCommand, deploy, operation
@@ -50,11 +49,11 @@ from rigbook.kernel import (
 from rigbook.messages import notice, refuse, refused, warn_once
 from rigbook.reboot import (
     DRIVER_VERSION,
-    REBOOT_MARKER,
     LoadedDriverVersion,
     RebootMarker,
     reboot_and_wait,
     reboot_reasons,
+    record_reboot,
 )
 from rigbook.render import template
 from rigbook.spec import Rig
@@ -458,11 +457,7 @@ def modprobe_options(options: dict[str, str]):
         changed = True
         yield command
     if changed:
-        reason = f"nvidia module options changed ({MODPROBE_CONF})"
-        yield StringCommand(
-            f"mkdir -p {Path(REBOOT_MARKER).parent} && echo", QuoteString(reason),
-            ">>", REBOOT_MARKER,
-        )
+        yield record_reboot(f"nvidia module options changed ({MODPROBE_CONF})")
 
 
 @dataclass(frozen=True)
@@ -821,7 +816,7 @@ def _onboard(rig: Rig):
     pin_out_sources(name="Pin out other sources of the driver", rig=rig,
                     packages=(main_package(rig),), default_repo=CUDA_REPO,
                     globs=DRIVER_PACKAGE_GLOBS)
-    blacklist_nouveau(name="Blacklist nouveau", marker=REBOOT_MARKER, marker_fact=RebootMarker)
+    blacklist_nouveau(name="Blacklist nouveau")
     kernel_headers(name="Headers for the running kernel")
 
 

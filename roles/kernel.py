@@ -35,6 +35,7 @@ from pyinfra.operations import files
 from rigbook import FILES
 from rigbook.checks import Facts, Finding, Read, drift, error, warn
 from rigbook.messages import notice, refuse
+from rigbook.reboot import RebootMarker, record_reboot
 from rigbook.render import template
 from rigbook.spec import Rig
 
@@ -713,13 +714,10 @@ def enroll_dkms_key(rig: Rig):
 
 
 @operation()
-def blacklist_nouveau(marker: str, marker_fact: type[FactBase]):
+def blacklist_nouveau():
     """
     Blacklist nouveau (NOUVEAU_CONF), rebuild the initramfs when the file changed, and record a
-    pending reboot while nouveau is still loaded (NouveauFact).
-
-    + marker: the driver role's reboot record (/run/rigbook/driver-reboot-required)
-    + marker_fact: the fact that reads it (rigbook.reboot.RebootMarker)
+    pending reboot (rigbook.reboot's REBOOT_MARKER) while nouveau is still loaded (NouveauFact).
 
     The initramfs is rebuilt with update-initramfs where the rig has it (Debian, Ubuntu);
     the reboot itself is the driver role's reboot gate (allow_reboot).
@@ -735,9 +733,8 @@ def blacklist_nouveau(marker: str, marker_fact: type[FactBase]):
             "if command -v update-initramfs >/dev/null 2>&1; then update-initramfs -u; fi"
         )
     reason = "nouveau is loaded (blacklisted, the initramfs rebuilt)"
-    if loaded and reason not in host.get_fact(marker_fact):
-        yield StringCommand(f"mkdir -p {Path(marker).parent} && echo", QuoteString(reason),
-                            ">>", marker)
+    if loaded and reason not in host.get_fact(RebootMarker):
+        yield record_reboot(reason)
     elif not changed:
         host.noop("nouveau is blacklisted" + ("" if loaded else " and not loaded"))
 

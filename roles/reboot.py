@@ -12,7 +12,7 @@ import re
 import time
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, FunctionCommand, StringCommand
+from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.connectors.util import clear_askpass_cache, remove_any_sudo_askpass_file
 
@@ -21,6 +21,12 @@ from rigbook.facts import LoadedNvidiaModule
 #: Reasons for a pending reboot that the packages cannot show (module options); /run is a
 #: tmpfs, so the file is gone once the rig has rebooted.
 REBOOT_MARKER = "/run/rigbook/driver-reboot-required"
+
+
+def record_reboot(reason: str) -> StringCommand:
+    """The command that adds `reason` to REBOOT_MARKER, for the reboot gate to act on."""
+    folder = REBOOT_MARKER.rsplit("/", 1)[0]
+    return StringCommand(f"mkdir -p {folder} && echo", QuoteString(reason), ">>", REBOOT_MARKER)
 
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"

@@ -338,8 +338,7 @@ def test_blacklist_nouveau():
     text = (kern.TEMPLATES / "blacklist-nouveau.conf").read_text()
     assert "blacklist nouveau" in text.splitlines()
     loaded = {"NouveauFact": kern.Nouveau(loaded=True), "RebootMarker": []}
-    commands, _ = run_op(kern.blacklist_nouveau, {**ABSENT, **loaded}, marker=reboot.REBOOT_MARKER,
-                         marker_fact=reboot.RebootMarker)
+    commands, _ = run_op(kern.blacklist_nouveau, {**ABSENT, **loaded})
     steps = [describe(c) for c in commands]
     assert steps[1:] == [
         f"upload {kern.NOUVEAU_CONF}",
@@ -354,12 +353,10 @@ def test_blacklist_nouveau():
             "Md5File": None, "Directory": lambda path, **_: present if path == "/etc/modprobe.d"
             else None}
     reason = "nouveau is loaded (blacklisted, the initramfs rebuilt)"
-    commands, fake = run_op(kern.blacklist_nouveau, {**same, **loaded, "RebootMarker": [reason]},
-                            marker=reboot.REBOOT_MARKER, marker_fact=reboot.RebootMarker)
+    commands, fake = run_op(kern.blacklist_nouveau, {**same, **loaded, "RebootMarker": [reason]})
     assert commands == []
     commands, fake = run_op(kern.blacklist_nouveau,
-                            {**same, "NouveauFact": kern.Nouveau(), "RebootMarker": []},
-                            marker=reboot.REBOOT_MARKER, marker_fact=reboot.RebootMarker)
+                            {**same, "NouveauFact": kern.Nouveau(), "RebootMarker": []})
     assert commands == [] and fake.noops[-1] == "nouveau is blacklisted and not loaded"
 
 
