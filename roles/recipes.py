@@ -179,6 +179,12 @@ class Recipe(StrictModel):
         description="The source documents and sections its settings follow (docs/sources.md); "
         "empty = rigbook's own configuration, following no source.",
     )
+    measured: bool = Field(
+        False,
+        description="It is a configuration a source measured (its model, flags and context): "
+        "only such a recipe may quote figures, and only that configuration's; the catalogue "
+        "lists these first.",
+    )
     engine: Engine = Field(description="vllm, sglang or llama.cpp (llama-cpp-python's server).")
     venv: str = Field(
         pattern=r"^[a-z0-9][a-z0-9_.-]*$",
@@ -219,7 +225,7 @@ class Recipe(StrictModel):
     def _consistent(self) -> Recipe:
         problems = (
             _engine_problems(self) + _model_problems(self) + _env_problems(self)
-            + _gdn_problems(self)
+            + _gdn_problems(self) + _figure_problems(self)
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -272,6 +278,21 @@ def _engine_problems(r: Recipe) -> list[str]:
         if flag in OWN_FLAGS:
             problems.append(f"extra_args: {flag} is set by rigbook from the recipe's own keys")
     return problems
+
+
+#: A throughput or efficiency figure in a description: "82.4 TPS", "56 tok/s", "0.111 TPS/W".
+FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:TPS|tok/s|tokens/s)", re.I)
+
+
+def _figure_problems(r: Recipe) -> list[str]:
+    """A figure belongs to the configuration it was measured on (docs/sources.md)."""
+    if r.measured and not r.sources:
+        return ["measured: a measured configuration names the source that measured it (sources)"]
+    figures = FIGURE.findall(r.description)
+    if figures and not r.measured:
+        return [f"description quotes {', '.join(figures)}, but the recipe is not a configuration "
+                "a source measured (measured = true): quote no borrowed figure"]
+    return []
 
 
 def _model_problems(r: Recipe) -> list[str]:
@@ -693,6 +714,11 @@ rig the recipe fits, with the default bind and port; the unit runs exactly this.
 Revisions shown as `{placeholder}` are placeholders: no real commit is pinned in the catalogue,
 so a rig must pin the repo in its `models` host data (`{{repo: ..., revision: <40 hex>}}`); the
 rig's pin always wins over the recipe's, and the models role pulls exactly that commit.
+
+The recipes a source measured come first: their model, flags, context, KV type and memory
+share are that source's configuration, and the figures they quote were measured on it
+(docs/sources.md). The generic recipes that follow serve other models with the settings the
+sources give for the hardware, and quote no figure.
 """
 
 
@@ -785,12 +811,14 @@ def _schema_table(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def recipes_markdown() -> str:
     """The whole docs/recipes.md text."""
-    recipes = catalogue()
+    recipes = sorted(catalogue().values(), key=lambda r: not r.measured)  # stable: by name
     parts = [_DOC_INTRO.format(placeholder=PLACEHOLDER_REVISION[:8] + "..."), "## Catalogue\n"]
-    parts += ["| recipe | engine | fits |", "| --- | --- | --- |"]
-    parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} |" for r in recipes.values()]
+    parts += ["| recipe | engine | fits | configuration |", "| --- | --- | --- | --- |"]
+    parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} | "
+              f"{'measured by its source' if r.measured else 'generic: quotes no figure'} |"
+              for r in recipes]
     parts.append("")
-    for recipe in recipes.values():
+    for recipe in recipes:
         parts += _recipe_section(recipe)
     parts += ["## Recipe file keys\n", "| key | meaning |", "| --- | --- |"]
     parts += _schema_table(Recipe)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,20 @@ EXPECTED = {
         "--max-model-len", "32768", "--gpu-memory-utilization", "0.95", "--max-num-seqs", "8",
         "--shutdown-timeout", "30",
     ],
+    "qwen36-27b-dual-20g": [
+        VLLM, "serve", f"{CACHE}/models--Lorbus--Qwen3.6-27B-int4-AutoRound/snapshots/{MAIN}",
+        "--served-model-name", "Lorbus/Qwen3.6-27B-int4-AutoRound",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "2",
+        "--max-model-len", "262144", "--gpu-memory-utilization", "0.82",
+        "--kv-cache-dtype", "fp8_e5m2", "--shutdown-timeout", "30",
+    ],
+    "qwen36-27b-llamacpp": [
+        "/opt/rigbook/venvs/llamacpp/bin/python", "-m", "llama_cpp.server",
+        "--model", f"{CACHE}/models--unsloth--Qwen3.6-27B-GGUF/snapshots/{MAIN}/"
+        "Qwen3.6-27B-UD-Q3_K_XL.gguf",
+        "--model_alias", "unsloth/Qwen3.6-27B-GGUF", "--host", "127.0.0.1", "--port", "8000",
+        "--n_ctx", "65536", "--n_gpu_layers", "-1",
+    ],
 }
 
 
@@ -128,6 +143,43 @@ def test_recipes_quote_no_figures_from_configurations_they_do_not_ship():
     assert long.max_model_len > 60_000
     assert not set(long.fits.gpu_class) & {"rtx3090", "rtx3090ti", "a6000"}
     assert "recommend past ~60K" not in recipes["llamacpp-single"].description
+
+
+def test_the_measured_configurations_are_the_notes_own_and_come_first():
+    """Issue 20 (1): the notes' own configurations ship, first, with their figures only."""
+    recipes = catalogue()
+    twenty = recipes["qwen36-27b-dual-20g"]
+    assert twenty.measured and twenty.model.gdn and twenty.tensor_parallel_size == 2
+    assert (twenty.max_model_len, twenty.gpu_memory_utilization, twenty.kv_cache_dtype) == (
+        262144, 0.82, "fp8_e5m2")
+    assert twenty.env["NCCL_P2P_DISABLE"] == "1" and twenty.fits.gpu_class == ("other",)
+    llama = recipes["qwen36-27b-llamacpp"]
+    assert llama.measured and llama.model.gdn and llama.engine == "llama.cpp"
+    assert llama.max_model_len > 60_000 and "rtx3090" in llama.fits.gpu_class
+    assert {r.name for r in recipes.values() if r.measured} == {twenty.name, llama.name}
+    sources = (ROOT / "docs" / "sources.md").read_text()
+    for recipe in (twenty, llama):  # every figure it quotes is quoted by docs/sources.md
+        for number in re.findall(r"\d+\.\d+", recipe.description):
+            assert number in sources, (recipe.name, number)
+    catalogue_rows = recipes_markdown().split("## Catalogue")[1].split("\n## ")[0]
+    names = re.findall(r"^\| `([a-z0-9-]+)`", catalogue_rows, re.M)
+    assert names[:2] == sorted([twenty.name, llama.name]) and len(names) == len(recipes)
+
+
+@pytest.mark.parametrize("description", [
+    "bench 82.4 TPS on two cards", "reached 170-210 tok/s", "0.111 TPS/W at 290 W",
+    "56 tokens/s with speculation",
+])
+def test_a_generic_recipe_quoting_a_figure_is_refused(description):
+    source = {"document": "Hardware notes", "section": "Power", "topic": "Power sweet spots"}
+    data = recipe_data(description=description, sources=[source])
+    with pytest.raises(Exception, match="quote no borrowed figure"):
+        Recipe.model_validate(data)
+    data["measured"] = True
+    assert Recipe.model_validate(data).measured
+    data["sources"] = []
+    with pytest.raises(Exception, match="names the source that measured it"):
+        Recipe.model_validate(data)
 
 
 def test_the_catalogue_ships_the_recipes_the_sources_describe():
