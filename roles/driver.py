@@ -29,7 +29,7 @@ from pyinfra import host, state
 from pyinfra.api import QuoteString, StringCommand, deploy, operation
 from pyinfra.facts.apt import noninteractive_apt
 from pyinfra.facts.server import Arch, LinuxDistribution
-from pyinfra.operations import apt, files, systemd
+from pyinfra.operations import apt, systemd
 from pyinfra.operations.util import any_changed
 
 from rigbook import FILES
@@ -39,6 +39,8 @@ from rigbook.checks import refusal as refusal_finding
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, NvidiaGpus
 from rigbook.kernel import (
+    NOUVEAU_CONF,
+    OTHER_SOURCES_PREF,
     blacklist_nouveau,
     enroll_dkms_key,
     kernel_headers,
@@ -46,6 +48,7 @@ from rigbook.kernel import (
     onboard_reads,
     pin_out_sources,
 )
+from rigbook.managed import absent, absent_commands, expect, put, put_commands
 from rigbook.messages import notice, refuse, refused, warn_once
 from rigbook.reboot import (
     DRIVER_VERSION,
@@ -55,7 +58,7 @@ from rigbook.reboot import (
     reboot_reasons,
     record_reboot,
 )
-from rigbook.render import template
+from rigbook.render import template, template_commands
 from rigbook.spec import Rig
 from rigbook.venvs import VenvBuilds
 from rigbook.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
@@ -392,7 +395,7 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
     if odd:
         yield refuse(f"not Debian package names: {', '.join(map(repr, odd))}")
         return
-    yield from files.put._inner(src=str(TEMPLATES / "bump.sh"), dest=BUMP_SCRIPT, mode="755")
+    yield from put_commands(src=str(TEMPLATES / "bump.sh"), dest=BUMP_SCRIPT, mode="755")
     yield StringCommand(
         "setsid -w", BUMP_SCRIPT, *(QuoteString(f"{name}={target}-*") for name in wanted_names)
     )
@@ -446,12 +449,12 @@ def modprobe_options(options: dict[str, str]):
     A change takes effect when the module loads again, so it also records a pending reboot.
     """
     if options:
-        commands = template._inner(
+        commands = template_commands(
             src=str(TEMPLATES / "modprobe.conf.j2"), dest=MODPROBE_CONF, mode="644",
             cfg=ModprobeConf(dict(options)),
         )
     else:
-        commands = files.file._inner(path=MODPROBE_CONF, present=False)
+        commands = absent_commands(path=MODPROBE_CONF)
     changed = False
     for command in commands:
         changed = True
@@ -556,8 +559,8 @@ def _apt_source(plan: DriverPlan):
     changes = []
     if not plan.source.trusted:
         changes.append(cuda_keyring(name="NVIDIA repository key (cuda-keyring)"))
-        changes.append(files.file(
-            name="No second copy of the NVIDIA source", path=CUDA_KEYRING_LIST, present=False,
+        changes.append(absent(
+            name="No second copy of the NVIDIA source", path=CUDA_KEYRING_LIST,
         ))
     changes.append(template(
         name="NVIDIA driver apt source", src=str(TEMPLATES / "nvidia.sources.j2"), dest=SOURCES,
@@ -602,14 +605,14 @@ def _hold():
 def _persistence(rig: Rig):
     """Persistence mode through the daemon (Ubuntu ships it off); started unless a reboot waits."""
     if rig.driver_persistence:
-        dropin = files.put(
+        dropin = put(
             name="Persistence mode on (nvidia-persistenced drop-in)",
             src=str(TEMPLATES / "persistenced-override.conf"), dest=PERSISTENCED_DROPIN, mode="644",
         )
     else:
-        dropin = files.file(
+        dropin = absent(
             name="Persistence mode as the package ships it (no drop-in)",
-            path=PERSISTENCED_DROPIN, present=False,
+            path=PERSISTENCED_DROPIN,
         )
     systemd.daemon_reload(name="systemctl daemon-reload (drop-in changed)", _if=dropin.did_change)
     # Restart decided at execution (_if), not with dropin.will_change: that would read the
@@ -652,6 +655,7 @@ def driver(rig: Rig):
         packages=plan.packages, version=plan.version,
     )
     _hold()
+    expect(MODPROBE_CONF)
     modprobe_options(
         name="nvidia module options", options=dict(rig.driver_modprobe_options),
     )
@@ -816,6 +820,7 @@ def _onboard(rig: Rig):
     pin_out_sources(name="Pin out other sources of the driver", rig=rig,
                     packages=(main_package(rig),), default_repo=CUDA_REPO,
                     globs=DRIVER_PACKAGE_GLOBS)
+    expect(OTHER_SOURCES_PREF, NOUVEAU_CONF)
     blacklist_nouveau(name="Blacklist nouveau")
     kernel_headers(name="Headers for the running kernel")
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from pyinfra import host, state
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.operations import files, systemd
+from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
 
 from rigbook import FILES
@@ -46,6 +46,7 @@ from rigbook.checks import Check, Facts, Finding, Read, warn
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS_READ, NvidiaGpus, smi_answer, smi_attempts, smi_script
 from rigbook.gpus import Gpu
+from rigbook.managed import absent, directory, put
 from rigbook.messages import notice, refuse, warn_once
 from rigbook.render import template
 from rigbook.spec import Rig
@@ -752,11 +753,11 @@ def no_systemd() -> Iterator:
 def _install_reaper(rig: Rig):
     """The reaper script, its pattern rule beside it, and its oneshot unit (no [Install]:
     started by serving's drop-in)."""
-    files.directory(name=f"Guards folder {GUARDS_DIR}", path=GUARDS_DIR, mode="755")
-    files.put(name="Install the reaper's pattern rule (roles/shmglob.py)",
-              src=str(SHMGLOB_SOURCE), dest=SHMGLOB_COPY, mode="644")
-    script = files.put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
-                       dest=REAPER, mode="755")
+    directory(name=f"Guards folder {GUARDS_DIR}", path=GUARDS_DIR, mode="755")
+    put(name="Install the reaper's pattern rule (roles/shmglob.py)",
+        src=str(SHMGLOB_SOURCE), dest=SHMGLOB_COPY, mode="644")
+    script = put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
+                 dest=REAPER, mode="755")
     unit = template(
         name=f"Write {REAPER_UNIT}", src=str(SOURCES / f"{REAPER_UNIT}.j2"),
         dest=f"{UNITS_DIR}/{REAPER_UNIT}", mode="644", patterns=rig.guards_shm_patterns,
@@ -772,22 +773,21 @@ def guards(rig: Rig) -> None:
         topology_report(name="GPU topology", rig=rig)
         return
     _script, reaper_unit = _install_reaper(rig)
-    xid_copy = files.put(name="Install the Xid classifier (roles/xid.py)", src=str(XID_SOURCE),
-                         dest=XID_COPY, mode="644")
-    watch = files.put(name="Install the Xid watch", src=str(SOURCES / "rigbook-xid-watch"),
-                      dest=WATCH, mode="755")
-    dropin = files.put(
+    xid_copy = put(name="Install the Xid classifier (roles/xid.py)", src=str(XID_SOURCE),
+                   dest=XID_COPY, mode="644")
+    watch = put(name="Install the Xid watch", src=str(SOURCES / "rigbook-xid-watch"),
+                dest=WATCH, mode="755")
+    dropin = put(
         name=f"Guard {SERVE_UNIT} (GPU-lost check, reaper after stop)",
         src=str(SOURCES / "rigbook-serve-guards.conf"), dest=SERVE_DROPIN, mode="644",
     )
     if rig.guards_xid_watch:
-        watch_unit = files.put(name=f"Write {WATCH_UNIT}", src=str(SOURCES / WATCH_UNIT),
-                               dest=f"{UNITS_DIR}/{WATCH_UNIT}", mode="644")
+        watch_unit = put(name=f"Write {WATCH_UNIT}", src=str(SOURCES / WATCH_UNIT),
+                         dest=f"{UNITS_DIR}/{WATCH_UNIT}", mode="644")
     else:
         systemd.service(name=f"{WATCH_UNIT} stopped and disabled (guards_xid_watch: false)",
                         service=WATCH_UNIT, running=False, enabled=False)
-        watch_unit = files.file(name=f"Remove {WATCH_UNIT}", path=f"{UNITS_DIR}/{WATCH_UNIT}",
-                                present=False)
+        watch_unit = absent(name=f"Remove {WATCH_UNIT}", path=f"{UNITS_DIR}/{WATCH_UNIT}")
     systemd.daemon_reload(name="systemctl daemon-reload (guard units changed)",
                           _if=any_changed(reaper_unit, dropin, watch_unit))
     if rig.guards_xid_watch:

@@ -30,13 +30,13 @@ from urllib.parse import urlsplit
 from pyinfra import host
 from pyinfra.api import FactBase, QuoteString, StringCommand, operation
 from pyinfra.facts.apt import noninteractive_apt
-from pyinfra.operations import files
 
 from rigbook import FILES
 from rigbook.checks import Facts, Finding, Read, drift, error, warn
+from rigbook.managed import absent_commands, put_commands
 from rigbook.messages import notice, refuse
 from rigbook.reboot import RebootMarker, record_reboot
-from rigbook.render import template
+from rigbook.render import template_commands
 from rigbook.spec import Rig
 
 TEMPLATES = FILES / "driver"
@@ -724,8 +724,8 @@ def blacklist_nouveau():
     """
     loaded = host.get_fact(NouveauFact).loaded
     changed = False
-    for command in files.put._inner(src=str(TEMPLATES / "blacklist-nouveau.conf"),
-                                    dest=NOUVEAU_CONF, mode="644"):
+    for command in put_commands(src=str(TEMPLATES / "blacklist-nouveau.conf"),
+                                dest=NOUVEAU_CONF, mode="644"):
         changed = True
         yield command
     if changed:
@@ -794,12 +794,12 @@ def pin_out_sources(rig: Rig, packages: tuple[str, ...], default_repo: str,
     uris = pin_targets(policies, rig, default_repo)
     origins = tuple(sorted({urlsplit(uri).hostname or "" for uri in uris}))
     if not origins:
-        yield from files.file._inner(path=OTHER_SOURCES_PREF, present=False)
+        yield from absent_commands(path=OTHER_SOURCES_PREF)
         return
     changed = False
-    for command in template._inner(src=str(TEMPLATES / "other-sources.pref.j2"),
-                                   dest=OTHER_SOURCES_PREF, mode="644",
-                                   cfg=OtherSourcesConf(origins, tuple(globs))):
+    for command in template_commands(src=str(TEMPLATES / "other-sources.pref.j2"),
+                                     dest=OTHER_SOURCES_PREF, mode="644",
+                                     cfg=OtherSourcesConf(origins, tuple(globs))):
         changed = True
         yield command
     if changed:

@@ -44,11 +44,12 @@ from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import File
-from pyinfra.operations import files, systemd
+from pyinfra.operations import systemd
 
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
+from rigbook.managed import absent, directory, put
 from rigbook.messages import GIB, notice, refused, warn_once
 from rigbook.messages import connector_arguments as _connector_arguments  # model_snapshot's
 from rigbook.progress import EVERY_DEFAULT, progress_every, run_watched
@@ -589,7 +590,7 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
         if host.get_fact(File, path=MIRROR_UNIT_PATH):
             systemd.service(name=f"Stop {MIRROR_UNIT} (models_mirror_port is unset)",
                             service=MIRROR_UNIT, running=False, enabled=False)
-            files.file(name=f"Remove {MIRROR_UNIT_PATH}", path=MIRROR_UNIT_PATH, present=False)
+            absent(name=f"Remove {MIRROR_UNIT_PATH}", path=MIRROR_UNIT_PATH)
             systemd.daemon_reload(name="Reload systemd")
         return
     bind = rig.models_mirror_bind or host.get_fact(SshAddress)
@@ -597,9 +598,9 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
         refused(name=f"Find the address of {MIRROR_UNIT}", message=f"{host.name}: "
                 f"models_mirror_bind: {NO_MIRROR_ADDRESS}")
         return
-    files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
-    script = files.put(name=f"Install {MIRROR_SCRIPT}", src=str(MIRROR_SOURCE),
-                       dest=MIRROR_SCRIPT, mode="644")
+    directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
+    script = put(name=f"Install {MIRROR_SCRIPT}", src=str(MIRROR_SOURCE),
+                 dest=MIRROR_SCRIPT, mode="644")
     unit = template(
         name=f"Write {MIRROR_UNIT_PATH}", src=str(MIRROR_TEMPLATE), dest=MIRROR_UNIT_PATH,
         mode="644", cache=rig.models_cache, bind=bind, port=rig.models_mirror_port,
@@ -630,16 +631,16 @@ def models(rig: Rig) -> None:
     hub, fleet = tokens
     for what, path, token, why_not in tokens:
         if token is None:
-            files.file(name=f"No {what} on the rig ({path}): {why_not}", path=path, present=False)
+            absent(name=f"No {what} on the rig ({path}): {why_not}", path=path)
         else:
             hf_token(name=f"Place the {what} in {path} (root only)", token=token, path=path)
     if specs:
         tools_venv(rig)
-        files.directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
-        files.put(name=f"Install {PULL_SCRIPT}", src=str(PULL_SOURCE), dest=PULL_SCRIPT,
-                  mode="644")
-        files.directory(name=f"Create the HF cache {rig.models_cache}", path=rig.models_cache,
-                        mode="755")
+        directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
+        put(name=f"Install {PULL_SCRIPT}", src=str(PULL_SOURCE), dest=PULL_SCRIPT,
+            mode="644")
+        directory(name=f"Create the HF cache {rig.models_cache}", path=rig.models_cache,
+                  mode="755")
         sent = (fleet if rig.models_endpoint else hub).token
         for spec in specs:
             model_snapshot(name=f"Pull {label(spec)}", spec=spec, rig=rig, token=sent)

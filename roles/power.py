@@ -44,8 +44,9 @@ from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
 from rigbook.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
+from rigbook.managed import expect
 from rigbook.messages import warn_once
-from rigbook.render import render, template
+from rigbook.render import render, template_commands
 from rigbook.spec import Rig
 
 UNIT_NAME = "nvidia-power-limit.service"
@@ -319,10 +320,14 @@ def windows_command(cap: GpuCap) -> str:
     return f"nvidia-smi -i {cap.uuid} -pl {cap.watts_arg}"
 
 
+#: The unit as installed, for the checks of the roles that read it (power, the sweep).
+UNIT_READ = Read("unit", PowerUnitFile, "power-limit unit")
+
+
 def _power_reads(rig: Rig, rig_name: str) -> list[Read]:
     if rig.platform == "wsl2":
         return [GPUS_READ]
-    return [GPUS_READ, Read("unit", PowerUnitFile, "power-limit unit")]
+    return [GPUS_READ, UNIT_READ]
 
 
 CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True))
@@ -513,8 +518,8 @@ def power_unit(rig: Rig):
         yield _refusal(error, probe.gpus)
         return
 
-    unit = list(template._inner(src=UNIT_TEMPLATE, dest=UNIT_PATH, mode="644", smi=probe.smi,
-                                caps=caps))
+    unit = list(template_commands(src=UNIT_TEMPLATE, dest=UNIT_PATH, mode="644", smi=probe.smi,
+                                  caps=caps))
     yield from unit
     if unit:
         yield from systemd.daemon_reload._inner()
@@ -602,5 +607,6 @@ def _wsl2_report(rig: Rig, probe: GpuProbe | None, why: str | None) -> str:
 @deploy("Power limits")
 def power_limit(rig: Rig) -> None:
     """Cap every GPU of the rig: the boot unit (the truth), then the live caps to match it."""
+    expect(UNIT_PATH)
     power_unit(rig, name=f"Power-limit unit ({UNIT_NAME})")
     live_power_caps(rig, name="Live GPU power caps")

@@ -20,15 +20,16 @@ string) and no autoescape (the filters are the escaping).
 
 from __future__ import annotations
 
-import io
 import re
 import shlex
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 from jinja2 import Environment, StrictUndefined
 from pyinfra.api import operation
-from pyinfra.operations import files
+
+from rigbook.managed import expect, text_commands
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Characters systemd reads back unchanged in an unquoted word (no shell: globs are plain).
@@ -89,8 +90,14 @@ def render_crlf(path: Path | str, **values) -> str:
     return _environment("\r\n").from_string(Path(path).read_text()).render(**values)
 
 
+def template_commands(src: Path | str, dest: str, mode: str = "644", **values) -> Iterator:
+    """The commands that write a rendered rigbook template to `dest` when its content or mode
+    differs (rigbook.managed: one read for all of a rig's files)."""
+    yield from text_commands(render(src, **values), dest, mode)
+
+
 @operation()
-def template(src: Path | str, dest: str, mode: str = "644", **values):
+def _template(src: Path | str, dest: str, mode: str = "644", **values):
     """
     Write a file rendered from a rigbook template, when its content differs.
 
@@ -99,4 +106,10 @@ def template(src: Path | str, dest: str, mode: str = "644", **values):
     + mode: its permissions
     + values: what the template is rendered with (`render`)
     """
-    yield from files.put._inner(src=io.StringIO(render(src, **values)), dest=dest, mode=mode)
+    yield from template_commands(src, dest, mode, **values)
+
+
+def template(src: Path | str, dest: str, mode: str = "644", **values):
+    """The `_template` operation, its path named while the deploy is planned (one read)."""
+    expect(dest)
+    return _template(src=src, dest=dest, mode=mode, **values)

@@ -39,7 +39,7 @@ from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import FileContents, FindInFile
-from pyinfra.operations import files, server
+from pyinfra.operations import server
 
 from rigbook import FILES, cap_check, power
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal
@@ -47,6 +47,7 @@ from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
 from rigbook.gpus import GpuProbe
 from rigbook.guards import GpuLostMark, GpuTopology, Topology, gpu_lost_reason, p2p_disable_problem
+from rigbook.managed import put_commands
 from rigbook.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
 from rigbook.models import CacheState, ModelCache, snapshot_status
 from rigbook.recipes import (
@@ -538,7 +539,7 @@ def _await_health(state, host, plan: ServePlan, arguments: dict) -> bool:
 
 
 def _put(text: str, dest: str, mode: str = "644") -> Iterator:
-    yield from files.put._inner(src=io.StringIO(text), dest=dest, mode=mode)
+    yield from put_commands(src=io.StringIO(text), dest=dest, mode=mode)
 
 
 @operation()
@@ -603,7 +604,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         )
     for path, source in ((HEALTH_PATH, HEALTH_SOURCE), (CAP_CHECK_PATH, CAP_CHECK_SOURCE)):
         if path in differs:
-            yield from files.put._inner(src=str(source), dest=path, mode="644")
+            yield from put_commands(src=str(source), dest=path, mode="644")
     if ENV_PATH in differs:
         yield from _put(env_text, ENV_PATH)
     if plan.key is not None and KEY_PATH in differs:

@@ -34,6 +34,7 @@ from pyinfra.operations import files
 
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.managed import absent
 from rigbook.messages import gib, refuse, warn_once
 from rigbook.render import template
 from rigbook.spec import Rig
@@ -521,7 +522,7 @@ CHECKS = (Check("host tuning", _tuning_reads, tuning_findings),)
 def host_tuning(rig: Rig) -> None:
     """Converge inotify limits, /dev/shm and leftovers (see the module docstring)."""
     for path in rig.stale_files:
-        files.file(name=f"Remove leftover {path}", path=path, present=False)
+        absent(name=f"Remove leftover {path}", path=path)
 
     values = sysctl_values(rig)
     template(

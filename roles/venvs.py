@@ -54,9 +54,10 @@ from rigbook.cuda import (
 )
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, smi_attempts, smi_script
+from rigbook.managed import expect
 from rigbook.messages import notice, refuse, warn_once
 from rigbook.progress import WatchedBuild, progress_every
-from rigbook.render import render, template
+from rigbook.render import render, template_commands
 from rigbook.spec import Rig, VenvSpec
 from rigbook.tools import UV, package_source_args, tools_venv
 
@@ -725,7 +726,7 @@ def venv_env_file(rig: Rig, spec: VenvSpec):
     if layout is None:
         host.noop(f"venv {spec.name} is not built: no {env_file(spec.name)}")
         return
-    yield from template._inner(
+    yield from template_commands(
         src=ENV_TEMPLATE, dest=env_file(spec.name), mode="644", name=spec.name,
         env=venv_environment(layout),
     )
@@ -755,6 +756,7 @@ def venvs(rig: Rig, rebuild_stale: bool = False) -> None:
     tools_venv(rig)
     for spec in rig.venvs:
         venv_build(rig, spec, rebuild_stale=rebuild_stale, name=f"Venv {spec.name}")
+        expect(env_file(spec.name))
         venv_env_file(rig, spec, name=f"Launcher environment {env_file(spec.name)}")
 
 

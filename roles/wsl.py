@@ -30,11 +30,11 @@ from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 from pyinfra.api.command import QuoteString
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.operations import files
 
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
+from rigbook.managed import put_commands
 from rigbook.messages import gib, notice, refuse, warn_once
 from rigbook.render import render_crlf, template
 from rigbook.spec import Rig
@@ -448,8 +448,8 @@ def tdr_registry(values: dict[str, int], key: str = GRAPHICS_DRIVERS) -> Iterato
     directory = tdr_file_dir(host.get_fact(WindowsProfiles))
     reg = f"{directory}/{TDR_BASENAME}.reg"
     ps1 = f"{directory}/{TDR_BASENAME}.ps1"
-    yield from files.put._inner(src=StringIO(tdr_reg_file(host.name, values)), dest=reg)
-    yield from files.put._inner(
+    yield from put_commands(src=StringIO(tdr_reg_file(host.name, values)), dest=reg)
+    yield from put_commands(
         src=StringIO(tdr_ps1_file(host.name, values, windows_path(ps1))), dest=ps1
     )
     yield refuse(no_admin_message(host.name, still, reg, ps1))

@@ -6,11 +6,14 @@ this is the same idea for rigbook's custom operations, without pyinfra's test ha
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 
 from pyinfra.api import Config, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.api.command import FileUploadCommand
 from pyinfra.context import ctx_host, ctx_state
+
+from rigbook.managed import FileState
 
 
 class Calls(list):
@@ -31,6 +34,7 @@ class FakeHost:
         self.noops: list[str] = []
         self.logged: list[str] = []
         self.current_op_global_arguments: dict = {}
+        self.current_op_hash = None
 
     def get_fact(self, cls, *args, **kwargs):
         self.asked.append((cls.__name__, kwargs))
@@ -47,6 +51,24 @@ class FakeHost:
 
     def log_styled(self, message: str, **_) -> None:
         self.logged.append(message)
+
+
+def file_states(files: dict | None = None, mode: int = 0o644, dirs: dict | None = None):
+    """A fake rigbook.managed.FileStates: each file's content (str or bytes) and each folder's
+    mode by path; any other path is absent."""
+    files, dirs = files or {}, dirs or {}
+
+    def fact(paths):
+        states = {}
+        for path in paths:
+            if files.get(path) is not None:
+                data = files[path].encode() if isinstance(files[path], str) else files[path]
+                states[path] = FileState("file", mode, hashlib.sha256(data).hexdigest())
+            else:
+                states[path] = FileState("directory", dirs[path]) if path in dirs else None
+        return states
+
+    return fact
 
 
 def run_op(op, facts: dict, *args, name: str = "rig1", executing: bool = False, **kwargs):

@@ -32,7 +32,7 @@ from rigbook.gpus import GpuProbe, parse_query_csv
 from rigbook.render import render as render_template
 from rigbook.spec import Rig
 from rigbook.wsl import WslSignals
-from tests.opkit import Calls, FakeHost, describe, shell
+from tests.opkit import Calls, FakeHost, describe, file_states, shell
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-h200"
 TEMPLATES = drv.TEMPLATES
@@ -421,17 +421,17 @@ def test_persistenced_dropin_keeps_the_command_without_no_persistence_mode():
 def test_modprobe_options_content_and_reboot_marker():
     text = render("modprobe.conf.j2", drv.ModprobeConf({"NVreg_b": "1", "NVreg_A": "0x00"}))
     assert text.splitlines()[-1] == "options nvidia NVreg_A=0x00 NVreg_b=1"
-    commands, _ = run_op(drv.modprobe_options, {"File": None, "Directory": None},
+    commands, _ = run_op(drv.modprobe_options, {"FileStates": file_states()},
                          options={"NVreg_DynamicPowerManagement": "0x00"})
     assert any("echo 'nvidia module options changed" in c and reboot.REBOOT_MARKER in c
                for c in shell(commands))
     # No options and no file: nothing to do, no reboot.
-    commands, _ = run_op(drv.modprobe_options, {"File": None, "Link": None, "Directory": None},
+    commands, _ = run_op(drv.modprobe_options, {"FileStates": file_states()},
                          options={})
     assert commands == []
     # No options but the file is there: removed, and the module must load again.
-    present = {"mode": 644, "size": 10, "user": "root", "group": "root"}
-    commands, _ = run_op(drv.modprobe_options, {"File": present, "Link": None}, options={})
+    there = file_states({drv.MODPROBE_CONF: "options nvidia NVreg_A=0x00\n"})
+    commands, _ = run_op(drv.modprobe_options, {"FileStates": there}, options={})
     assert shell(commands)[0] == f"rm -f {drv.MODPROBE_CONF}"
     assert reboot.REBOOT_MARKER in shell(commands)[1]
 
@@ -559,7 +559,7 @@ def move(installed: dict, madison: list[str] = MADISON, target: str = "580.159.0
         return {name: offered[name] for name in packages if name in offered}
 
     facts = {"DpkgInstalled": installed, "AptVersions": versions,
-             "File": lambda path: None, "Directory": lambda path: None}
+             "FileStates": file_states()}
     return run_op(drv.move_driver, facts, packages=("nvidia-open", "nvidia-persistenced"),
                   target=target)
 
@@ -590,7 +590,7 @@ def test_move_driver_keeps_packages_named_after_the_old_version():
                for version in ("580.159.04-0ubuntu0.24.04.1", "580.95.05-0ubuntu0.24.04.1")]
     facts = {"DpkgInstalled": installed,
              "AptVersions": lambda packages: AptVersions().process(madison),
-             "File": lambda path: None, "Directory": lambda path: None}
+             "FileStates": file_states()}
     commands, _ = run_op(drv.move_driver, facts,
                          packages=("nvidia-driver-580-open", "nvidia-utils-580"),
                          target="580.159.04")

@@ -23,7 +23,7 @@ from rigbook.checks import Facts, batch_command, process_output
 from rigbook.render import render
 from rigbook.spec import Rig
 from rigbook.wsl import WslSignals
-from tests.opkit import describe, run_op, shell
+from tests.opkit import describe, file_states, run_op, shell
 from tests.test_real_fixtures import REAL, readings
 
 
@@ -268,7 +268,7 @@ def test_unread_facts_refuse():
 
 # --- the operations ---------------------------------------------------------------------------
 
-ABSENT = {"File": None, "Link": None, "Directory": None}
+ABSENT = {"FileStates": file_states()}
 
 
 def enroll_commands(secure_boot: kern.SecureBoot, **data) -> tuple[list, object]:
@@ -347,23 +347,14 @@ def test_blacklist_nouveau():
         "mkdir -p /run/rigbook && echo 'nouveau is loaded (blacklisted, the initramfs rebuilt)'"
         f" >> {reboot.REBOOT_MARKER}",
     ]
-    present = {"mode": 644, "size": 1, "user": "root", "group": "root"}
     # already written and the reboot recorded: nothing to do
-    same = {**ABSENT, "File": present, "Sha1File": _sha1(text), "Sha256File": None,
-            "Md5File": None, "Directory": lambda path, **_: present if path == "/etc/modprobe.d"
-            else None}
+    same = {"FileStates": file_states({kern.NOUVEAU_CONF: text})}
     reason = "nouveau is loaded (blacklisted, the initramfs rebuilt)"
     commands, fake = run_op(kern.blacklist_nouveau, {**same, **loaded, "RebootMarker": [reason]})
     assert commands == []
     commands, fake = run_op(kern.blacklist_nouveau,
                             {**same, "NouveauFact": kern.Nouveau(), "RebootMarker": []})
     assert commands == [] and fake.noops[-1] == "nouveau is blacklisted and not loaded"
-
-
-def _sha1(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha1(text.encode()).hexdigest()
 
 
 def test_kernel_headers():

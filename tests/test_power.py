@@ -8,7 +8,6 @@ the limits an RTX 3090 reports (min 100 W, max 400 W, default 350 W).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from rigbook.power import (
     render_unit,
 )
 from rigbook.spec import Rig
-from tests.opkit import FakeHost, describe, run_op
+from tests.opkit import FakeHost, describe, file_states, run_op
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
@@ -232,19 +231,9 @@ def power_op(op, rig: Rig, facts: dict, executing: bool = False) -> tuple[list, 
 def unit_facts(probe, unit_text: str | None = None, enabled: bool = False) -> dict:
     """Facts of a rig whose unit file holds unit_text (None: no unit file)."""
 
-    def sha1(path):
-        assert path == UNIT_PATH
-        return hashlib.sha1(unit_text.encode()).hexdigest() if unit_text else None
-
-    present = {"mode": 644, "user": "root", "group": "root", "size": 1}
     return {
         "NvidiaGpus": probe,
-        "File": lambda path: present if unit_text is not None else None,
-        "Directory": lambda path: (
-            {"mode": 755, "user": "root", "group": "root"}
-            if path == "/etc/systemd/system" else None
-        ),
-        "Sha1File": sha1, "Md5File": None, "Sha256File": None,
+        "FileStates": file_states({UNIT_PATH: unit_text}, dirs={"/etc/systemd/system": 0o755}),
         "SystemdStatus": {UNIT_NAME: False},
         "SystemdEnabled": {UNIT_NAME: enabled},
     }

@@ -42,7 +42,7 @@ from rigbook.serving import (
 from rigbook.spec import Rig
 from rigbook.venvs import VenvLayout, VenvState
 from tests.conftest import ROOT
-from tests.opkit import FakeHost, describe, execute, local_fact, run_op
+from tests.opkit import FakeHost, describe, execute, file_states, local_fact, run_op
 from tests.tinymodel import N_LAYER, cache_layout, revision_of, vocabulary, write_tiny_gguf
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")
@@ -438,16 +438,12 @@ DIRS = ("/etc/rigbook/serving", "/opt/rigbook/serving", "/etc/systemd/system")
 
 def op_facts(probe: ServeState, gpus=GPUS, cache=FULL_CACHE, venv=VENV_OK, dirs=DIRS,
              lost=None) -> dict:
-    present = {"mode": 644, "user": "root", "group": "root", "size": 1}
-    folder = {"mode": 755, "user": "root", "group": "root"}
     return {
         "ServeProbe": probe, "NvidiaGpus": gpus, "ModelCache": cache, "VenvBuilds": venv,
         "GpuLostMark": lost, "GpuTopology": Topology(error="not read"),
         "VenvLayoutFact": VenvLayout(LAUNCHER["VIRTUAL_ENV"], "x", None, False, None),
-        "File": lambda path: present if probe.files.get(path) else None,
-        "Directory": lambda path: folder if path in dirs else None,
-        "Sha1File": lambda path: None, "Md5File": lambda path: None,
-        "Sha256File": lambda path: None,
+        "FileStates": file_states({path: "old" for path, there in probe.files.items() if there},
+                                  dirs={folder: 0o755 for folder in dirs}),
     }
 
 

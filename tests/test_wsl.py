@@ -11,12 +11,10 @@ import json
 import logging
 import os
 import subprocess
-from io import StringIO
 from pathlib import Path
 
 import pytest
 from pyinfra.api import FunctionCommand
-from pyinfra.api.util import get_file_sha1
 
 from rigbook import wsl
 from rigbook.checks import Facts
@@ -47,7 +45,7 @@ from rigbook.wsl import (
     wsl_memory,
     wslconfig_memory,
 )
-from tests.opkit import Calls, execute, local_fact, run_op, shell
+from tests.opkit import Calls, execute, file_states, local_fact, run_op, shell
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM_REG = ROOT / "sandbox" / "simulated" / "reg.exe"
@@ -276,8 +274,8 @@ def test_tdr_without_admin_writes_reg_and_ps1_and_fails(caplog):
     facts = {
         "RegistryValues": Calls([before, before]),
         "WindowsProfiles": [WindowsProfile("/mnt/c/Users/rig", "[wsl2]\nmemory=32GB\n")],
-        "File": lambda path: None,  # neither file is there yet
-        "Directory": lambda path: {"mode": 755} if path == "/mnt/c/Users/rig" else None,
+        # neither file is there yet
+        "FileStates": file_states(dirs={"/mnt/c/Users/rig": 0o755}),
     }
     commands, fake = run_op(tdr_registry, facts, values=WANTED, name="rig3")
     uploads = [c for c in commands if type(c).__name__ == "FileUploadCommand"]
@@ -298,16 +296,13 @@ def test_tdr_without_admin_second_run_writes_nothing_new():
     before = RegProbe({"TdrDelay": 2, "TdrDdiDelay": None})
     reg_text = tdr_reg_file("rig3", WANTED)
     ps1_text = tdr_ps1_file("rig3", WANTED, r"C:\Users\rig\rigbook-tdr.ps1")
-    sums = {
-        "/mnt/c/Users/rig/rigbook-tdr.reg": get_file_sha1(StringIO(reg_text)),
-        "/mnt/c/Users/rig/rigbook-tdr.ps1": get_file_sha1(StringIO(ps1_text)),
+    written = {
+        "/mnt/c/Users/rig/rigbook-tdr.reg": reg_text, "/mnt/c/Users/rig/rigbook-tdr.ps1": ps1_text,
     }
     facts = {
         "RegistryValues": Calls([before, before]),
         "WindowsProfiles": [WindowsProfile("/mnt/c/Users/rig", "[wsl2]\nmemory=32GB\n")],
-        "File": lambda path: {"mode": 644},
-        "Directory": lambda path: {"mode": 755} if path == "/mnt/c/Users/rig" else None,
-        "Sha1File": lambda path: sums[path],
+        "FileStates": file_states(written, mode=0o777, dirs={"/mnt/c/Users/rig": 0o777}),
     }
     commands, fake = run_op(tdr_registry, facts, values=WANTED, name="rig3")
     assert [type(c).__name__ for c in commands] == ["StringCommand", "FunctionCommand"]

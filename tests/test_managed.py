@@ -1,0 +1,109 @@
+"""rigbook.managed: one read of every managed file, run against real files in a shell."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from io import StringIO
+
+import pytest
+from pyinfra.api import Config, Inventory, OperationError, State
+from pyinfra.context import ctx_host, ctx_state
+
+from rigbook import managed
+from tests.opkit import FakeHost, describe, file_states
+
+
+def read(paths: tuple[str, ...]) -> dict:
+    """FileStates as the rig would answer it: its command run by a real shell."""
+    fact = managed.FileStates()
+    command = fact.command(paths).get_raw_value()
+    out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
+    return fact.process(out.stdout.splitlines())
+
+
+def test_one_command_reads_files_folders_links_and_absent_paths(tmp_path):
+    odd = tmp_path / "a file; $(touch pwned) 'quoted'"
+    odd.write_text("x\n")
+    os.chmod(odd, 0o640)
+    (tmp_path / "dir").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(odd)
+    paths = tuple(str(tmp_path / name) for name in (odd.name, "dir", "link", "missing"))
+    states = read(paths)
+    assert states[paths[0]] == managed.FileState(
+        "file", 0o640, hashlib.sha256(b"x\n").hexdigest())
+    assert states[paths[1]] == managed.FileState("directory", 0o700)
+    assert states[paths[2]].kind == "link"
+    assert states[paths[3]] is None
+    assert not (tmp_path / "pwned").exists() and not os.path.exists("pwned")
+
+
+def run(body, facts: dict, planned: tuple[str, ...] = ()):
+    """Run generator `body` as an operation would on a fake rig with `planned` paths."""
+    fake = FakeHost(facts)
+    state = State(Inventory((["rig1"], {})), Config())
+    state.is_executing = True
+    with ctx_state.use(state), ctx_host.use(fake):
+        managed.expect(*planned)
+        commands = list(body())
+    return commands, fake
+
+
+def test_every_planned_path_is_read_in_one_command_and_only_once():
+    text = "unit\n"
+    facts = {"FileStates": file_states({"/etc/a.conf": text, "/etc/b.conf": "old"},
+                                       dirs={"/etc": 0o755})}
+
+    def body():
+        yield from managed.text_commands(text, "/etc/a.conf")
+        yield from managed.text_commands("new\n", "/etc/b.conf")
+        yield from managed.absent_commands("/etc/c.conf")
+        yield from managed.directory_commands("/etc", "755")
+
+    commands, fake = run(body, facts, ("/etc/a.conf", "/etc/b.conf", "/etc/c.conf"))
+    assert [name for name, _ in fake.asked] == ["FileStates"]
+    assert set(fake.asked[0][1]["paths"]) >= {"/etc", "/etc/a.conf", "/etc/b.conf", "/etc/c.conf"}
+    assert [describe(c) for c in commands] == ["upload /etc/b.conf", "chmod 644 /etc/b.conf"]
+    assert fake.noops == ["file /etc/a.conf is already uploaded", "file /etc/c.conf does not exist",
+                          "directory /etc already exists"]
+
+
+def test_a_mode_that_differs_is_set_without_an_upload_and_none_leaves_it():
+    facts = {"FileStates": file_states({"/x/f": "same"}, mode=0o600)}
+    commands, _ = run(lambda: managed.put_commands(StringIO("same"), "/x/f", "644"), facts)
+    assert [describe(c) for c in commands] == ["chmod 644 /x/f"]
+    commands, fake = run(lambda: managed.put_commands(StringIO("same"), "/x/f"), facts)
+    assert commands == [] and fake.noops == ["file /x/f is already uploaded"]
+
+
+def test_a_missing_folder_is_made_before_the_upload():
+    commands, _ = run(lambda: managed.text_commands("t", "/new/dir/f", "600"),
+                      {"FileStates": file_states()})
+    assert [describe(c) for c in commands] == [
+        "mkdir -p /new/dir", "upload /new/dir/f", "chmod 600 /new/dir/f"]
+
+
+@pytest.mark.parametrize("kind", ["directory", "link", "other"])
+def test_something_else_at_a_file_path_is_refused_not_replaced(kind):
+    def states(paths):
+        return {path: managed.FileState(kind, 0o755) for path in paths}
+
+    with pytest.raises(OperationError, match=f"is a {kind}, not a file"):
+        run(lambda: managed.text_commands("t", "/etc/x"), {"FileStates": states})
+
+
+def test_another_operation_that_changed_the_rig_makes_the_next_comparison_read_again(
+        monkeypatch):
+    answers = [{"/etc/x": None, "/etc": managed.FileState("directory", 0o755)},
+               {"/etc/x": managed.FileState("file", 0o644, "0" * 64)}]
+    changes = iter([0, 1])
+    monkeypatch.setattr(managed, "_changes_by_others", lambda: next(changes))
+
+    def body():
+        yield from managed.absent_commands("/etc/x")  # absent when first read
+        yield from managed.absent_commands("/etc/x")  # an apt install put it there since
+
+    commands, fake = run(body, {"FileStates": lambda paths: answers.pop(0)}, ("/etc/x",))
+    assert len(fake.asked) == 2
+    assert [describe(c) for c in commands] == ["rm -f /etc/x"]
