@@ -26,6 +26,7 @@ from pyinfra.api import FactBase, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.api.facts import get_fact
 
+from rigbook.runfacts import seed
 from rigbook.spec import Rig
 
 Level = Literal["error", "gone", "drift", "warn"]
@@ -288,4 +289,10 @@ def read_facts(state, host, reads: Iterable[Read], timeout: int = 300) -> Facts:
         return Facts()
     lines = get_fact(state, host, FactBatch, kwargs={"reads": reads, "_timeout": timeout},
                      apply_failed_hosts=False)
-    return process_output(reads, lines)
+    facts = process_output(reads, lines)
+    for read in reads:  # an operation reading the same fact in this run gets it from here
+        kind, _, item = read.name.partition(":")
+        if read.name not in facts.unread:
+            value = facts.values[kind][item] if item else facts.values[read.name]
+            seed(state, host, read.fact, dict(read.kwargs), value)
+    return facts

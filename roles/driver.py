@@ -59,6 +59,7 @@ from rigbook.reboot import (
     record_reboot,
 )
 from rigbook.render import template, template_commands
+from rigbook.runfacts import once
 from rigbook.spec import Rig
 from rigbook.venvs import VenvBuilds
 from rigbook.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
@@ -175,12 +176,11 @@ def version_matches(rig: Rig, upstream: str) -> bool:
     return upstream.split(".", 1)[0] == str(rig.driver_branch)
 
 
-def pending_reboot() -> list[str]:
-    """reboot_reasons() for the current host, from its facts at this moment of the run."""
+def pending_reboot(read=once) -> list[str]:
+    """reboot_reasons() for the current host, from its facts at this moment of the run (`read`:
+    `host.get_fact` after the operation's own reboot, which `once` would not see)."""
     return reboot_reasons(
-        driver_versions(host.get_fact(DpkgInstalled)),
-        host.get_fact(LoadedDriverVersion),
-        host.get_fact(RebootMarker),
+        driver_versions(read(DpkgInstalled)), read(LoadedDriverVersion), read(RebootMarker),
     )
 
 
@@ -322,7 +322,7 @@ def install_driver(packages: list[str] | tuple[str, ...], version: str):
 
     Installed packages are left as they are: the converge never moves a driver.
     """
-    installed = host.get_fact(DpkgInstalled)
+    installed = once(DpkgInstalled)
     missing = [name for name in packages if name not in installed]
     if not missing:
         have = ", ".join(f"{name} {installed[name]}" for name in packages)
@@ -340,7 +340,7 @@ def hold_driver(held: bool = True):
 
     + held: True to hold, False to release
     """
-    names = driver_packages(host.get_fact(DpkgInstalled))
+    names = driver_packages(once(DpkgInstalled))
     if not names:
         host.noop("no driver packages are installed")
         return
@@ -366,7 +366,7 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
     if not DRIVER_VERSION.fullmatch(target):
         yield refuse(f"not a driver version: {target!r}")
         return
-    installed = host.get_fact(DpkgInstalled)
+    installed = once(DpkgInstalled)
     old = driver_versions(installed) - {target}
     candidates = [
         name
@@ -430,7 +430,7 @@ def cuda_keyring(url: str = CUDA_KEYRING_DEB, sha256: str = CUDA_KEYRING_SHA256)
     + url: where the .deb is
     + sha256: its pinned sha256; the package is installed only when the download matches
     """
-    if "cuda-keyring" in host.get_fact(DpkgInstalled):
+    if "cuda-keyring" in once(DpkgInstalled):
         host.noop("cuda-keyring is installed")
         return
     if not _SHA256.fullmatch(sha256):
@@ -492,7 +492,7 @@ def reboot_for_driver(allow_reboot: bool = False):
     yield from reboot_and_wait()
     # The generator resumes only once the reboot commands ran (and pyinfra reconnected).
     if state.is_executing:
-        still = pending_reboot()
+        still = pending_reboot(host.get_fact)
         if still:
             yield refuse(f"still after the reboot: {'; '.join(still)}")
 
@@ -504,7 +504,7 @@ def verify_driver(version: str):
 
     + version: upstream driver version, e.g. 580.159.04
     """
-    probe = host.get_fact(NvidiaGpus)
+    probe = once(NvidiaGpus)
     if probe is not None and probe.ok and probe.driver_version == version:
         host.noop(f"nvidia-smi ({probe.smi}) reports driver {version} on {len(probe.gpus)} GPU(s)")
         return
@@ -525,7 +525,7 @@ def check_wsl():
     WSL2: the Windows driver serves the GPUs; check its nvidia-smi and that no Linux driver
     shadows it. Installs nothing (NVIDIA: never install a Linux driver inside WSL2).
     """
-    linux = sorted(name for name in host.get_fact(DpkgInstalled) if _LINUX_DRIVER.match(name))
+    linux = sorted(name for name in once(DpkgInstalled) if _LINUX_DRIVER.match(name))
     if linux:
         yield refuse(
             f"Linux NVIDIA driver packages are installed in WSL2 ({', '.join(linux)}); they "
@@ -533,7 +533,7 @@ def check_wsl():
             f"apt-get purge {' '.join(linux)}"
         )
         return
-    probe = host.get_fact(NvidiaGpus)
+    probe = once(NvidiaGpus)
     if probe is None or probe.smi != WSL_NVIDIA_SMI:
         found = "no nvidia-smi" if probe is None else f"only {probe.smi}"
         yield refuse(
@@ -643,7 +643,7 @@ def driver(rig: Rig):
     if plan.platform == "wsl2":
         check_wsl(name="WSL2: the Windows driver serves the GPUs")
         return
-    why = refusal(rig, driver_versions(host.get_fact(DpkgInstalled)))
+    why = refusal(rig, driver_versions(once(DpkgInstalled)))
     if why:
         refused(name="Keep the installed driver", message=why)
         return
@@ -683,11 +683,11 @@ def driver_bump(rig: Rig):
             message="WSL2 runs the Windows driver: update it on Windows, then rebuild the venvs",
         )
         return
-    probe = host.get_fact(NvidiaGpus)
+    probe = once(NvidiaGpus)
     running = (probe.driver_version if probe is not None and probe.ok else None) or host.get_fact(
         LoadedDriverVersion
     )
-    why = bump_refusal(target, running, driver_versions(host.get_fact(DpkgInstalled)))
+    why = bump_refusal(target, running, driver_versions(once(DpkgInstalled)))
     if why:
         report(name="Bump done: the target is running", message=why)
         return

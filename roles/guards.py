@@ -49,6 +49,7 @@ from rigbook.gpus import Gpu
 from rigbook.managed import absent, directory, put
 from rigbook.messages import notice, refuse, warn_once
 from rigbook.render import template
+from rigbook.runfacts import once
 from rigbook.spec import Rig
 from rigbook.xid import Xid, parse_xid_lines, same_device
 
@@ -603,7 +604,7 @@ def topology_report(rig: Rig) -> Iterator:
     reverse), partly inactive NVLinks, a recipe over two or more cards without NVLink on a x4
     (or narrower) link, and a recipe that sets NCCL_P2P_DISABLE=1 on a rig with NVLink.
     """
-    probe = host.get_fact(NvidiaGpus)
+    probe = once(NvidiaGpus)
     if probe is None or not probe.ok or not probe.gpus:
         why = "no nvidia-smi" if probe is None else probe.error or "no GPUs listed"
         host.noop(f"GPU topology not read: {why}")

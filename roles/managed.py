@@ -19,18 +19,18 @@ import io
 import posixpath
 import shlex
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
-from weakref import WeakKeyDictionary
 
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FileUploadCommand, OperationError, StringCommand, operation
 from pyinfra.api.output import format_text
 from pyinfra.api.util import get_file_io
-from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.files import FileContents
 from pyinfra.operations.util.files import chmod, generate_color_diff
+
+from rigbook.runfacts import mark_ours, record
 
 
 @dataclass(frozen=True)
@@ -69,34 +69,6 @@ class FileStates(FactBase[dict]):
         return states
 
 
-@dataclass
-class _Rig:
-    """One rig's paths in this run: those named at plan time, and what is known of them."""
-
-    expected: list[str] = field(default_factory=list)
-    known: dict[str, FileState | None] = field(default_factory=dict)
-    changes_seen: int = 0
-
-
-@dataclass
-class _Run:
-    """One pyinfra run's rigs, and the operations of this module (their writes are in `known`)."""
-
-    rigs: dict[str, _Rig] = field(default_factory=dict)
-    ours: set[str] = field(default_factory=set)
-
-
-_RUNS: WeakKeyDictionary = WeakKeyDictionary()
-
-
-def _run() -> _Run:
-    return _RUNS.setdefault(ctx_state.get(), _Run())
-
-
-def _rig() -> _Rig:
-    return _run().rigs.setdefault(host.name, _Rig())
-
-
 def _with_folders(paths) -> list[str]:
     """The paths and their folders: an upload creates a missing folder first."""
     return list(dict.fromkeys(p for path in paths for p in (path, posixpath.dirname(path))))
@@ -104,36 +76,17 @@ def _with_folders(paths) -> list[str]:
 
 def expect(*paths: str) -> None:
     """Name paths this rig's run will compare, while it is planned: one read covers them."""
-    rig = _rig()
+    rig = record()
     rig.expected += [path for path in _with_folders(paths) if path not in rig.expected]
-
-
-def _changes_by_others() -> int:
-    """Completed operations on this rig that changed it, other than this module's writes."""
-    count = 0
-    ops = state.ops.get(ctx_host.get(), {})  # the Host itself: `host` is a context proxy
-    ours = _run().ours
-    for op_hash in state.get_op_order():
-        data = ops.get(op_hash)
-        if data is None or op_hash in ours:
-            continue
-        meta = data.operation_meta
-        if meta.is_complete() and meta.did_change():
-            count += 1
-    return count
 
 
 def state_of(path: str) -> FileState | None:
     """What is at `path` now: from this run's one read, read again only when needed."""
-    rig = _rig()
-    changes = _changes_by_others()
-    if changes != rig.changes_seen:
-        rig.known.clear()
-        rig.changes_seen = changes
-    if path not in rig.known:
-        unread = tuple(p for p in _with_folders([*rig.expected, path]) if p not in rig.known)
-        rig.known.update(host.get_fact(FileStates, paths=unread))
-    return rig.known[path]
+    rig = record()
+    if path not in rig.files:
+        unread = tuple(p for p in _with_folders([*rig.expected, path]) if p not in rig.files)
+        rig.files.update(host.get_fact(FileStates, paths=unread))
+    return rig.files[path]
 
 
 def _sha256(src: str | Path | IO) -> str:
@@ -180,11 +133,11 @@ def put_commands(src: str | Path | IO, dest: str, mode: str | None = None) -> It
         folder = posixpath.dirname(dest)
         if now is None and state_of(folder) is None:
             yield StringCommand("mkdir", "-p", folder)
-            _rig().known[folder] = FileState("directory", 0o755)
+            record().files[folder] = FileState("directory", 0o755)
         yield FileUploadCommand(src, dest, remote_temp_filename=host.get_temp_filename(dest))
         if mode is not None:
             yield chmod(dest, mode)
-    _rig().known[dest] = FileState("file", wanted, digest)
+    record().files[dest] = FileState("file", wanted, digest)
 
 
 def text_commands(text: str, dest: str, mode: str | None = "644") -> Iterator:
@@ -201,7 +154,7 @@ def absent_commands(path: str) -> Iterator:
     if now.kind == "directory":
         raise OperationError(f"{path} is a directory, not a file: rigbook will not remove it")
     yield StringCommand("rm", "-f", path)
-    _rig().known[path] = None
+    record().files[path] = None
 
 
 def directory_commands(path: str, mode: str = "755") -> Iterator:
@@ -216,12 +169,7 @@ def directory_commands(path: str, mode: str = "755") -> Iterator:
     if now is None:
         yield StringCommand("mkdir", "-p", path)
     yield chmod(path, mode)
-    _rig().known[path] = FileState("directory", wanted)
-
-
-def _ours() -> None:
-    if host.current_op_hash:
-        _run().ours.add(host.current_op_hash)
+    record().files[path] = FileState("directory", wanted)
 
 
 @operation()
@@ -233,7 +181,7 @@ def _put(src: str | Path | IO, dest: str, mode: str | None = None):
     + dest: where it goes on the rig
     + mode: its permissions; none = left as they are
     """
-    _ours()
+    mark_ours()
     yield from put_commands(src, dest, mode)
 
 
@@ -244,7 +192,7 @@ def _absent(path: str):
 
     + path: the file
     """
-    _ours()
+    mark_ours()
     yield from absent_commands(path)
 
 
@@ -256,7 +204,7 @@ def _directory(path: str, mode: str = "755"):
     + path: the folder
     + mode: its permissions
     """
-    _ours()
+    mark_ours()
     yield from directory_commands(path, mode)
 
 

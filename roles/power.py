@@ -47,6 +47,7 @@ from rigbook.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
 from rigbook.managed import expect
 from rigbook.messages import warn_once
 from rigbook.render import render, template_commands
+from rigbook.runfacts import once
 from rigbook.spec import Rig
 
 UNIT_NAME = "nvidia-power-limit.service"
@@ -338,7 +339,7 @@ CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True))
 
 def _visible_gpus() -> tuple[GpuProbe | None, str | None]:
     """(probe, None) when nvidia-smi lists GPUs, else (probe, why there are none to cap)."""
-    probe = host.get_fact(NvidiaGpus)
+    probe = once(NvidiaGpus)
     if probe is None:
         return None, "driver not installed: no nvidia-smi"
     if not probe.ok:

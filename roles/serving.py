@@ -68,6 +68,7 @@ from rigbook.recipes import (
     vram_need_gib,
 )
 from rigbook.render import env_line, render, systemd_word
+from rigbook.runfacts import once
 from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import secret_upload
@@ -557,7 +558,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
     converged too, without a restart.
     """
     probe = host.get_fact(ServeProbe, args=probe_args(plan))
-    gpus = host.get_fact(NvidiaGpus) if plan.gpu else None
+    gpus = once(NvidiaGpus) if plan.gpu else None
     gone = (gpu_gone(probe) or gpu_lost_reason(host.get_fact(GpuLostMark))) if plan.gpu else None
     smi = str(probe.smi["path"]) if probe.smi else (gpus.smi if gpus else "nvidia-smi")
     unit_text = render_unit(plan, smi)

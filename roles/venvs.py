@@ -58,6 +58,7 @@ from rigbook.managed import expect
 from rigbook.messages import notice, refuse, warn_once
 from rigbook.progress import WatchedBuild, progress_every
 from rigbook.render import render, template_commands
+from rigbook.runfacts import once
 from rigbook.spec import Rig, VenvSpec
 from rigbook.tools import UV, package_source_args, tools_venv
 
@@ -466,7 +467,7 @@ class LiveDriver:
 
 def live_driver() -> LiveDriver:
     """Read inside an operation: the rig's driver as it is at that moment of the run."""
-    probe = host.get_fact(NvidiaGpus)
+    probe = once(NvidiaGpus)
     if probe is None:
         return LiveDriver(None, None, None)
     if not probe.ok or not probe.gpus:

@@ -11,7 +11,7 @@ import pytest
 from pyinfra.api import Config, Inventory, OperationError, State
 from pyinfra.context import ctx_host, ctx_state
 
-from rigbook import managed
+from rigbook import managed, runfacts
 from tests.opkit import FakeHost, describe, file_states
 
 
@@ -97,13 +97,33 @@ def test_another_operation_that_changed_the_rig_makes_the_next_comparison_read_a
         monkeypatch):
     answers = [{"/etc/x": None, "/etc": managed.FileState("directory", 0o755)},
                {"/etc/x": managed.FileState("file", 0o644, "0" * 64)}]
-    changes = iter([0, 1])
-    monkeypatch.setattr(managed, "_changes_by_others", lambda: next(changes))
+    changes = [0]
+    monkeypatch.setattr(runfacts, "_changes_by_others", lambda *_: changes[0])
 
     def body():
         yield from managed.absent_commands("/etc/x")  # absent when first read
-        yield from managed.absent_commands("/etc/x")  # an apt install put it there since
+        changes[0] = 1  # an apt install completed, and put it there
+        yield from managed.absent_commands("/etc/x")
 
     commands, fake = run(body, {"FileStates": lambda paths: answers.pop(0)}, ("/etc/x",))
     assert len(fake.asked) == 2
     assert [describe(c) for c in commands] == ["rm -f /etc/x"]
+
+
+def test_a_fact_the_preflight_read_is_not_read_again_until_the_rig_changed(monkeypatch):
+    """rigbook.runfacts: the preflight's batch seeds the run; a change by another operation
+    sends the next read to the rig."""
+    changes = [0]
+    monkeypatch.setattr(runfacts, "_changes_by_others", lambda *_: changes[0])
+    fact = managed.FileStates
+
+    def body():
+        runfacts.seed(ctx_state.get(), ctx_host.get(), fact, {"paths": ("/a",)}, {"/a": None})
+        yield runfacts.once(fact, paths=("/a",))  # seeded: no read
+        yield runfacts.once(fact, paths=("/a",))
+        changes[0] = 1  # another operation changed the rig: read again
+        yield runfacts.once(fact, paths=("/a",))
+
+    answers, fake = run(body, {"FileStates": lambda paths: {"/a": "read"}})
+    assert answers == [{"/a": None}, {"/a": None}, {"/a": "read"}]
+    assert [name for name, _ in fake.asked] == ["FileStates"]

@@ -1,0 +1,98 @@
+"""Facts read once a run: an operation that reads a fact the preflight (or an earlier operation)
+already read, with the same arguments, gets that value instead of another round trip.
+
+A value stays true while nothing changed the rig: once any operation that changed it has
+completed, the next read goes to the rig again. Only this run's own writes that keep their
+record up to date (rigbook.managed) are exempt. Use it for a read made before the operation's
+own first command: a read after that must see the operation's own changes (`host.get_fact`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from pyinfra import host
+from pyinfra.api import FactBase, Host, State
+from pyinfra.context import ContextObject, ctx_host, ctx_state
+
+
+@dataclass
+class RigRecord:
+    """What this run knows of one rig: facts by (fact, arguments), and rigbook.managed's files."""
+
+    facts: dict[tuple, Any] = field(default_factory=dict)
+    expected: list[str] = field(default_factory=list)  # paths planned (rigbook.managed)
+    files: dict[str, Any] = field(default_factory=dict)  # path -> FileState | None
+    changes_seen: int = 0
+
+
+@dataclass
+class _Run:
+    rigs: dict[str, RigRecord] = field(default_factory=dict)
+    ours: set[str] = field(default_factory=set)  # operations whose writes keep the record true
+
+
+_RUNS: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def _itself(obj):
+    """The object behind pyinfra's `state`/`host` context proxies (a key must be the object)."""
+    return obj._get_module() if isinstance(obj, ContextObject) else obj
+
+
+def _run(run_state: State) -> _Run:
+    return _RUNS.setdefault(run_state, _Run())
+
+
+def _changes_by_others(run_state: State, rig: Host) -> int:
+    """Completed operations on this rig that changed it, other than those marked `ours`."""
+    ops = run_state.ops.get(rig, {})
+    ours = _run(run_state).ours
+    count = 0
+    for op_hash in run_state.get_op_order():
+        data = ops.get(op_hash)
+        if data is not None and op_hash not in ours:
+            meta = data.operation_meta
+            count += meta.is_complete() and meta.did_change()
+    return count
+
+
+def record(run_state: State | None = None, rig_host: Host | None = None) -> RigRecord:
+    """A rig's record (the current one by default), emptied when another operation has changed
+    the rig since."""
+    run_state = _itself(run_state) or ctx_state.get()
+    rig_host = _itself(rig_host) or ctx_host.get()
+    rig = _run(run_state).rigs.setdefault(rig_host.name, RigRecord())
+    changes = _changes_by_others(run_state, rig_host)
+    if changes != rig.changes_seen:
+        rig.facts.clear()
+        rig.files.clear()
+        rig.changes_seen = changes
+    return rig
+
+
+def mark_ours() -> None:
+    """The running operation keeps the record true itself: its writes do not empty it."""
+    if host.current_op_hash:
+        _run(ctx_state.get()).ours.add(host.current_op_hash)
+
+
+def _key(fact: type[FactBase], kwargs: dict) -> tuple:
+    return (fact.__module__, fact.__name__, repr(sorted(kwargs.items())))
+
+
+def seed(run_state: State, rig_host: Host, fact: type[FactBase], kwargs: dict,
+         value: Any) -> None:
+    """Keep a value read in a batch (the preflight's one round trip)."""
+    record(run_state, rig_host).facts[_key(fact, kwargs)] = value
+
+
+def once(fact: type[FactBase], **kwargs) -> Any:
+    """`host.get_fact`, read at most once a run while nothing changed the rig."""
+    facts = record().facts
+    key = _key(fact, kwargs)
+    if key not in facts:
+        facts[key] = host.get_fact(fact, **kwargs)
+    return facts[key]
