@@ -12,6 +12,8 @@ from pyinfra import host
 from pyinfra.api import FactBase, QuoteString, StringCommand, operation
 from pyinfra.api.exceptions import FactProcessError
 
+from rigbook.runfacts import once
+
 
 class AptHolds(FactBase[set[str]]):
     """
@@ -158,7 +160,7 @@ def apt_hold(packages: list[str] | tuple[str, ...], held: bool = True):
 
         apt_hold(name="Hold the driver", packages=["nvidia-open", "nvidia-smi"])
     """
-    current = host.get_fact(AptHolds)
+    current = once(AptHolds)
     todo = sorted({name for name in packages if (name in current) != held})
     verb = "hold" if held else "unhold"
     if todo:

@@ -282,9 +282,9 @@ def _plan(rig: Rig) -> DriverPlan:
     return plan_driver(
         rig,
         host.name,
-        host.get_fact(LinuxDistribution),
-        host.get_fact(Wsl),
-        host.get_fact(Arch),
+        once(LinuxDistribution),
+        once(Wsl),
+        once(Arch),
     )
 
 

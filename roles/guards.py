@@ -609,7 +609,7 @@ def topology_report(rig: Rig) -> Iterator:
         why = "no nvidia-smi" if probe is None else probe.error or "no GPUs listed"
         host.noop(f"GPU topology not read: {why}")
         return
-    topology = host.get_fact(GpuTopology)
+    topology = once(GpuTopology)
     recipe = _recipe(rig)
     findings = topology_findings(
         rig, topology, probe.gpus,
@@ -703,7 +703,7 @@ def reap_shm(patterns: tuple[str, ...]) -> Iterator:
     read) fails the rig with the reaper's reason and deletes nothing; otherwise the reaper runs
     for real and decides again (a holder that appeared meanwhile keeps its file).
     """
-    plan = host.get_fact(ShmReapPlan, patterns=tuple(patterns))
+    plan = once(ShmReapPlan, patterns=tuple(patterns))
     run = StringCommand("python3", REAPER, *reaper_args(patterns))
     if not plan.installed:
         if state.is_executing:
@@ -769,7 +769,7 @@ def _install_reaper(rig: Rig):
 @deploy("Rig guards")
 def guards(rig: Rig) -> None:
     """Install the /dev/shm reaper and the Xid watch, guard the serving unit, report topology."""
-    if not host.get_fact(SystemdBooted):
+    if not once(SystemdBooted):
         no_systemd(name="Guards need systemd")
         topology_report(name="GPU topology", rig=rig)
         return

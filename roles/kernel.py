@@ -37,6 +37,7 @@ from rigbook.managed import absent_commands, put_commands
 from rigbook.messages import notice, refuse
 from rigbook.reboot import RebootMarker, record_reboot
 from rigbook.render import template_commands
+from rigbook.runfacts import once
 from rigbook.spec import Rig
 
 TEMPLATES = FILES / "driver"
@@ -690,7 +691,7 @@ def enroll_dkms_key(rig: Rig):
     The one-time password is drawn on the rig, written to MOK_PASSWORD (0600) and handed to
     mokutil on its standard input: it is in no command line, no log and no output.
     """
-    boot = host.get_fact(SecureBootFact)
+    boot = once(SecureBootFact)
     key, state = boot.key_state()
     if not boot.enabled or rig.driver_secure_boot != "enroll" or state in ("enrolled", "queued"):
         host.noop("no DKMS key to enrol" + (f": {key} is {state}" if key else ""))
@@ -722,7 +723,7 @@ def blacklist_nouveau():
     The initramfs is rebuilt with update-initramfs where the rig has it (Debian, Ubuntu);
     the reboot itself is the driver role's reboot gate (allow_reboot).
     """
-    loaded = host.get_fact(NouveauFact).loaded
+    loaded = once(NouveauFact).loaded
     changed = False
     for command in put_commands(src=str(TEMPLATES / "blacklist-nouveau.conf"),
                                 dest=NOUVEAU_CONF, mode="644"):
@@ -746,7 +747,7 @@ def kernel_headers():
     missing (KernelsFact). A kernel that is not this system's (a container runs its host's
     kernel: no /lib/modules/RELEASE here) needs none.
     """
-    kernels = host.get_fact(KernelsFact)
+    kernels = once(KernelsFact)
     running = kernels.running
     if not kernels.own:
         host.noop(f"kernel {running or '?'} is not this system's (no /lib/modules/{running}): "
@@ -790,7 +791,7 @@ def pin_out_sources(rig: Rig, packages: tuple[str, ...], default_repo: str,
     driver itself, and only http(s) sources: a local (file:) one has no origin host to pin, and
     the check says to remove it.
     """
-    policies = host.get_fact(AptPolicyFact, packages=tuple(packages))
+    policies = once(AptPolicyFact, packages=tuple(packages))
     uris = pin_targets(policies, rig, default_repo)
     origins = tuple(sorted({urlsplit(uri).hostname or "" for uri in uris}))
     if not origins:

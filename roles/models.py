@@ -55,6 +55,7 @@ from rigbook.messages import connector_arguments as _connector_arguments  # mode
 from rigbook.progress import EVERY_DEFAULT, progress_every, run_watched
 from rigbook.recipes import recipe_for, recipe_pins
 from rigbook.render import template
+from rigbook.runfacts import once
 from rigbook.secrets import Secret
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH, SecretFile, hf_token, rig_tokens
@@ -458,7 +459,7 @@ def model_snapshot(spec: ModelSpec, rig: Rig, token: Secret | None = None) -> It
     fails the rig unless the pull ends complete: a refusal says how many GiB are needed and free
     on which filesystem, a partial pull lists the files missing or wrong.
     """
-    cache = host.get_fact(ModelCache, cache=rig.models_cache)
+    cache = once(ModelCache, cache=rig.models_cache)
     status = snapshot_status(cache, spec)
     reason = status.reason
     if status.complete and rig.models_mirror_port is not None and unhashed(cache, spec):
@@ -507,7 +508,7 @@ def prune_models(cache: str, keep: tuple[str, ...], prune: bool = False) -> Iter
     Only ``models--*`` folders are considered (datasets and spaces are left alone); a repo's
     per-file locks under ``.locks`` go with it.
     """
-    extra = unreferenced(host.get_fact(ModelCache, cache=cache), keep)
+    extra = unreferenced(once(ModelCache, cache=cache), keep)
     if not extra:
         host.noop(f"no cached repo outside models in {cache}")
         return
@@ -587,13 +588,13 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
     read while planning: nothing earlier in a run creates it.
     """
     if rig.models_mirror_port is None:
-        if host.get_fact(File, path=MIRROR_UNIT_PATH):
+        if once(File, path=MIRROR_UNIT_PATH):
             systemd.service(name=f"Stop {MIRROR_UNIT} (models_mirror_port is unset)",
                             service=MIRROR_UNIT, running=False, enabled=False)
             absent(name=f"Remove {MIRROR_UNIT_PATH}", path=MIRROR_UNIT_PATH)
             systemd.daemon_reload(name="Reload systemd")
         return
-    bind = rig.models_mirror_bind or host.get_fact(SshAddress)
+    bind = rig.models_mirror_bind or once(SshAddress)
     if bind is None:
         refused(name=f"Find the address of {MIRROR_UNIT}", message=f"{host.name}: "
                 f"models_mirror_bind: {NO_MIRROR_ADDRESS}")
@@ -606,7 +607,7 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
         mode="644", cache=rig.models_cache, bind=bind, port=rig.models_mirror_port,
         script=MIRROR_SCRIPT, token_path=MIRROR_TOKEN_PATH,
     )
-    held = host.get_fact(SecretFile, path=MIRROR_CREDENTIAL_PATH)  # None: not running
+    held = once(SecretFile, path=MIRROR_CREDENTIAL_PATH)  # None: not running
     systemd.service(
         name=f"Run {MIRROR_UNIT} on {bind} port {rig.models_mirror_port}", service=MIRROR_UNIT,
         running=True, enabled=True, daemon_reload=unit.will_change,

@@ -557,9 +557,9 @@ def serve_recipe(plan: ServePlan) -> Iterator:
     completion (serving_health_timeout_s). The user, directories and health script are
     converged too, without a restart.
     """
-    probe = host.get_fact(ServeProbe, args=probe_args(plan))
+    probe = once(ServeProbe, args=probe_args(plan))
     gpus = once(NvidiaGpus) if plan.gpu else None
-    gone = (gpu_gone(probe) or gpu_lost_reason(host.get_fact(GpuLostMark))) if plan.gpu else None
+    gone = (gpu_gone(probe) or gpu_lost_reason(once(GpuLostMark))) if plan.gpu else None
     smi = str(probe.smi["path"]) if probe.smi else (gpus.smi if gpus else "nvidia-smi")
     unit_text = render_unit(plan, smi)
     env_text = render_env(plan, launcher_environment(plan.recipe.venv))
@@ -577,9 +577,9 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         yield refuse(f"{where}: GPU check failed, nothing was changed: {gone}")
         return
     if restart:
-        cache = host.get_fact(ModelCache, cache=plan.rig.models_cache)
-        venv = host.get_fact(VenvBuilds, venv_name=plan.recipe.venv)
-        topology = host.get_fact(GpuTopology) if plan.gpu else None
+        cache = once(ModelCache, cache=plan.rig.models_cache)
+        venv = once(VenvBuilds, venv_name=plan.recipe.venv)
+        topology = once(GpuTopology) if plan.gpu else None
         index = None
         if plan.recipe.speculative is not None and plan.recipe.speculative.method == "mtp":
             folder = model_path(plan.recipe.model, plan.rig)

@@ -37,6 +37,7 @@ from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.managed import absent
 from rigbook.messages import gib, refuse, warn_once
 from rigbook.render import template
+from rigbook.runfacts import once
 from rigbook.spec import Rig
 
 SYSCTL_TEMPLATE = FILES / "tuning" / "90-rigbook.conf.j2"
@@ -177,7 +178,7 @@ def sysctl_live(values: dict[str, str], conf: str = SYSCTL_CONF) -> Iterator:
     container) are left alone with a warning naming them; that is no change, so a second run is
     clean. Keys this kernel does not have fail the host.
     """
-    plan = plan_live_sysctl(values, host.get_fact(LiveSysctls, keys=tuple(values)))
+    plan = plan_live_sysctl(values, once(LiveSysctls, keys=tuple(values)))
     if plan.missing:
         yield refuse(
             f"{host.name}: sysctl: this kernel has no {', '.join(plan.missing)} "
@@ -311,7 +312,7 @@ def shm_live(size: str) -> Iterator:
 
     Sizes compare in bytes (percentages of MemTotal, rounded to pages as tmpfs does).
     """
-    shm = host.get_fact(Shm)
+    shm = once(Shm)
     problem = shm_problem(size, shm)
     if problem:
         yield refuse(f"{host.name}: shm_size: {problem}. Nothing was changed.")

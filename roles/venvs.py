@@ -472,7 +472,7 @@ def live_driver() -> LiveDriver:
         return LiveDriver(None, None, None)
     if not probe.ok or not probe.gpus:
         return LiveDriver(None, None, None, broken=f"{probe.smi}: {probe.error or 'no GPUs'}")
-    header = host.get_fact(NvidiaSmiHeader)
+    header = once(NvidiaSmiHeader)
     cuda = header[1] if header else None
     return LiveDriver(probe.driver_version, cuda, len(probe.gpus))
 
@@ -665,7 +665,7 @@ def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
     venv in place.
     """
     driver = live_driver()
-    state = host.get_fact(VenvBuilds, venv_name=spec.name)
+    state = once(VenvBuilds, venv_name=spec.name)
     digest = spec_hash(spec, rig)
     decision = decide(
         host.name, spec, digest, state, driver, rebuild_stale=rebuild_stale,
@@ -723,7 +723,7 @@ def venv_env_file(rig: Rig, spec: VenvSpec):
     VLLM_USE_FLASHINFER_SAMPLER=0 where no CUDA 13 nvcc exists. Read from the venv as it is when the
     operation executes (after the build); nothing when the venv is not built.
     """
-    layout = host.get_fact(VenvLayoutFact, venv=venv_link(spec.name))
+    layout = once(VenvLayoutFact, venv=venv_link(spec.name))
     if layout is None:
         host.noop(f"venv {spec.name} is not built: no {env_file(spec.name)}")
         return

@@ -37,6 +37,7 @@ from rigbook.errors import RigbookError
 from rigbook.managed import put_commands
 from rigbook.messages import gib, notice, refuse, warn_once
 from rigbook.render import render_crlf, template
+from rigbook.runfacts import once
 from rigbook.spec import Rig
 from rigbook.tuning import SHM_READ, Shm
 
@@ -426,7 +427,7 @@ def tdr_registry(values: dict[str, int], key: str = GRAPHICS_DRIVERS) -> Iterato
       (or /root), the message says how to run them, and the host fails. A later run with
       nothing new to write fails the same way and changes nothing, until the values are set.
     """
-    before = host.get_fact(RegistryValues, key=key, names=tuple(values))
+    before = once(RegistryValues, key=key, names=tuple(values))
     if before.error:
         yield refuse(f"{host.name}: cannot read the Windows registry: {before.error}")
         return
@@ -445,7 +446,7 @@ def tdr_registry(values: dict[str, int], key: str = GRAPHICS_DRIVERS) -> Iterato
     if not still:
         return
 
-    directory = tdr_file_dir(host.get_fact(WindowsProfiles))
+    directory = tdr_file_dir(once(WindowsProfiles))
     reg = f"{directory}/{TDR_BASENAME}.reg"
     ps1 = f"{directory}/{TDR_BASENAME}.ps1"
     yield from put_commands(src=StringIO(tdr_reg_file(host.name, values)), dest=reg)
@@ -541,7 +542,7 @@ def wsl_memory(min_gib: int) -> Iterator:
     """
     yield from ()  # an operation is a generator, even one that never changes anything
     warnings, fine = memory_findings(
-        host.name, host.get_fact(WindowsProfiles), host.get_fact(Shm).mem_total_bytes, min_gib
+        host.name, once(WindowsProfiles), once(Shm).mem_total_bytes, min_gib
     )
     for line in warnings:
         warn_once(line)
