@@ -61,6 +61,7 @@ from rigbook.reboot import (
 from rigbook.render import template, template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig
+from rigbook.units import service
 from rigbook.venvs import VenvBuilds
 from rigbook.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
 
@@ -617,13 +618,13 @@ def _persistence(rig: Rig):
     systemd.daemon_reload(name="systemctl daemon-reload (drop-in changed)", _if=dropin.did_change)
     # Restart decided at execution (_if), not with dropin.will_change: that would read the
     # drop-in's facts once more at plan time on every run.
-    systemd.service(
+    service(
         name="nvidia-persistenced started",
         service=PERSISTENCED,
         running=True,
         _if=lambda: not pending_reboot(),
     )
-    systemd.service(
+    service(
         name="nvidia-persistenced restarted (drop-in changed)",
         service=PERSISTENCED,
         running=True,

@@ -51,6 +51,7 @@ from rigbook.messages import notice, refuse, warn_once
 from rigbook.render import template
 from rigbook.runfacts import once
 from rigbook.spec import Rig
+from rigbook.units import service
 from rigbook.xid import Xid, parse_xid_lines, same_device
 
 SOURCES = FILES / "guards"
@@ -786,17 +787,17 @@ def guards(rig: Rig) -> None:
         watch_unit = put(name=f"Write {WATCH_UNIT}", src=str(SOURCES / WATCH_UNIT),
                          dest=f"{UNITS_DIR}/{WATCH_UNIT}", mode="644")
     else:
-        systemd.service(name=f"{WATCH_UNIT} stopped and disabled (guards_xid_watch: false)",
-                        service=WATCH_UNIT, running=False, enabled=False)
+        service(name=f"{WATCH_UNIT} stopped and disabled (guards_xid_watch: false)",
+                service=WATCH_UNIT, running=False, enabled=False)
         watch_unit = absent(name=f"Remove {WATCH_UNIT}", path=f"{UNITS_DIR}/{WATCH_UNIT}")
     systemd.daemon_reload(name="systemctl daemon-reload (guard units changed)",
                           _if=any_changed(reaper_unit, dropin, watch_unit))
     if rig.guards_xid_watch:
-        systemd.service(
+        service(
             name=f"{WATCH_UNIT} enabled and running", service=WATCH_UNIT, running=True,
             enabled=True,
         )
-        systemd.service(  # decided at execution: will_change would re-read the files' facts
+        service(  # decided at execution: will_change would re-read the files' facts
             name=f"{WATCH_UNIT} restarted (its files changed)", service=WATCH_UNIT,
             running=True, restarted=True, _if=any_changed(xid_copy, watch, watch_unit),
         )

@@ -30,7 +30,7 @@ from pyinfra.api.util import get_file_io
 from pyinfra.facts.files import FileContents
 from pyinfra.operations.util.files import chmod, generate_color_diff
 
-from rigbook.runfacts import mark_ours, record
+from rigbook import runfacts
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,13 @@ def _with_folders(paths) -> list[str]:
 
 def expect(*paths: str) -> None:
     """Name paths this rig's run will compare, while it is planned: one read covers them."""
-    rig = record()
-    rig.expected += [path for path in _with_folders(paths) if path not in rig.expected]
+    runfacts.expect("files", _with_folders(paths))
 
 
 def state_of(path: str) -> FileState | None:
     """What is at `path` now: from this run's one read, read again only when needed."""
-    rig = record()
-    if path not in rig.files:
-        unread = tuple(p for p in _with_folders([*rig.expected, path]) if p not in rig.files)
-        rig.files.update(host.get_fact(FileStates, paths=unread))
-    return rig.files[path]
+    return runfacts.batched(
+        "files", path, lambda unread: host.get_fact(FileStates, paths=tuple(_with_folders(unread))))
 
 
 def _sha256(src: str | Path | IO) -> str:
@@ -133,11 +129,11 @@ def put_commands(src: str | Path | IO, dest: str, mode: str | None = None) -> It
         folder = posixpath.dirname(dest)
         if now is None and state_of(folder) is None:
             yield StringCommand("mkdir", "-p", folder)
-            record().files[folder] = FileState("directory", 0o755)
+            runfacts.remember("files", folder, FileState("directory", 0o755))
         yield FileUploadCommand(src, dest, remote_temp_filename=host.get_temp_filename(dest))
         if mode is not None:
             yield chmod(dest, mode)
-    record().files[dest] = FileState("file", wanted, digest)
+    runfacts.remember("files", dest, FileState("file", wanted, digest))
 
 
 def text_commands(text: str, dest: str, mode: str | None = "644") -> Iterator:
@@ -154,7 +150,7 @@ def absent_commands(path: str) -> Iterator:
     if now.kind == "directory":
         raise OperationError(f"{path} is a directory, not a file: rigbook will not remove it")
     yield StringCommand("rm", "-f", path)
-    record().files[path] = None
+    runfacts.remember("files", path, None)
 
 
 def directory_commands(path: str, mode: str = "755") -> Iterator:
@@ -169,7 +165,7 @@ def directory_commands(path: str, mode: str = "755") -> Iterator:
     if now is None:
         yield StringCommand("mkdir", "-p", path)
     yield chmod(path, mode)
-    record().files[path] = FileState("directory", wanted)
+    runfacts.remember("files", path, FileState("directory", wanted))
 
 
 @operation()
@@ -181,7 +177,7 @@ def _put(src: str | Path | IO, dest: str, mode: str | None = None):
     + dest: where it goes on the rig
     + mode: its permissions; none = left as they are
     """
-    mark_ours()
+    runfacts.mark_ours()
     yield from put_commands(src, dest, mode)
 
 
@@ -192,7 +188,7 @@ def _absent(path: str):
 
     + path: the file
     """
-    mark_ours()
+    runfacts.mark_ours()
     yield from absent_commands(path)
 
 
@@ -204,7 +200,7 @@ def _directory(path: str, mode: str = "755"):
     + path: the folder
     + mode: its permissions
     """
-    mark_ours()
+    runfacts.mark_ours()
     yield from directory_commands(path, mode)
 
 

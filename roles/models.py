@@ -21,7 +21,7 @@ snapshot:
 - Tokens reach the rig as root-only 0600 files, never in a command, an argument, a diff or a
   log line (roles/tokens.py), and only where they are used: the HF token (the operator's
   HF_TOKEN or models_token_file) where the rig pulls from the hub, the fleet's mirror token
-  (models_mirror_token_file) where it pulls from a mirror or runs one. huggingface_hub reads the
+  (models_mirror_token_file) where it pulls from a mirror or runs one. pull.py reads the
   one for the pull's destination through HF_TOKEN_PATH, so each goes only there.
 - Cached repos that models does not list are reported with their sizes, and removed with
   models_prune: true.
@@ -61,6 +61,7 @@ from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH, SecretFile, hf_token, rig_tokens
 from rigbook.tools import TOOLS_PYTHON, tools_venv
 from rigbook.types import ip_address
+from rigbook.units import service
 
 #: Where pull.py lives on the rig (run by the tools venv's python).
 MODELS_DIR = "/opt/rigbook/models"
@@ -589,8 +590,8 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
     """
     if rig.models_mirror_port is None:
         if once(File, path=MIRROR_UNIT_PATH):
-            systemd.service(name=f"Stop {MIRROR_UNIT} (models_mirror_port is unset)",
-                            service=MIRROR_UNIT, running=False, enabled=False)
+            service(name=f"Stop {MIRROR_UNIT} (models_mirror_port is unset)",
+                    service=MIRROR_UNIT, running=False, enabled=False)
             absent(name=f"Remove {MIRROR_UNIT_PATH}", path=MIRROR_UNIT_PATH)
             systemd.daemon_reload(name="Reload systemd")
         return
@@ -608,7 +609,7 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
         script=MIRROR_SCRIPT, token_path=MIRROR_TOKEN_PATH,
     )
     held = once(SecretFile, path=MIRROR_CREDENTIAL_PATH)  # None: not running
-    systemd.service(
+    service(
         name=f"Run {MIRROR_UNIT} on {bind} port {rig.models_mirror_port}", service=MIRROR_UNIT,
         running=True, enabled=True, daemon_reload=unit.will_change,
         restarted=unit.will_change or script.will_change or (

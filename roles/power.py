@@ -49,6 +49,7 @@ from rigbook.messages import warn_once
 from rigbook.render import render, template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig
+from rigbook.units import service_commands
 
 UNIT_NAME = "nvidia-power-limit.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
@@ -524,7 +525,7 @@ def power_unit(rig: Rig):
     yield from unit
     if unit:
         yield from systemd.daemon_reload._inner()
-    enable = list(systemd.service._inner(UNIT_NAME, running=None, enabled=True))
+    enable = list(service_commands(UNIT_NAME, running=None, enabled=True))
     yield from enable
     if not unit and not enable:
         host.noop(

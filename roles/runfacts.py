@@ -9,6 +9,7 @@ own first command: a read after that must see the operation's own changes (`host
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -20,11 +21,12 @@ from pyinfra.context import ContextObject, ctx_host, ctx_state
 
 @dataclass
 class RigRecord:
-    """What this run knows of one rig: facts by (fact, arguments), and rigbook.managed's files."""
+    """What this run knows of one rig: facts by (fact, arguments), and batched items by kind
+    (rigbook.managed's files, rigbook.units' units): those planned, and those known."""
 
     facts: dict[tuple, Any] = field(default_factory=dict)
-    expected: list[str] = field(default_factory=list)  # paths planned (rigbook.managed)
-    files: dict[str, Any] = field(default_factory=dict)  # path -> FileState | None
+    expected: dict[str, list[str]] = field(default_factory=dict)
+    known: dict[str, dict[str, Any]] = field(default_factory=dict)
     changes_seen: int = 0
 
 
@@ -68,7 +70,7 @@ def record(run_state: State | None = None, rig_host: Host | None = None) -> RigR
     changes = _changes_by_others(run_state, rig_host)
     if changes != rig.changes_seen:
         rig.facts.clear()
-        rig.files.clear()
+        rig.known.clear()
         rig.changes_seen = changes
     return rig
 
@@ -96,3 +98,26 @@ def once(fact: type[FactBase], **kwargs) -> Any:
     if key not in facts:
         facts[key] = host.get_fact(fact, **kwargs)
     return facts[key]
+
+
+def expect(kind: str, items) -> None:
+    """Name items of a kind that this rig's run will read, while it is planned: the first read
+    of that kind covers them all."""
+    planned = record().expected.setdefault(kind, [])
+    planned += [item for item in items if item not in planned]
+
+
+def batched(kind: str, item: str, read: Callable[[tuple[str, ...]], dict]) -> Any:
+    """What `item` is now: from this run's one read of every planned item of its kind (`read`
+    takes the unread items and returns them by name), read again only after a change."""
+    rig = record()
+    known = rig.known.setdefault(kind, {})
+    if item not in known:
+        wanted = dict.fromkeys([*rig.expected.get(kind, []), item])
+        known.update(read(tuple(name for name in wanted if name not in known)))
+    return known[item]
+
+
+def remember(kind: str, item: str, value: Any) -> None:
+    """What an operation of this run made `item`: later reads need not ask the rig."""
+    record().known.setdefault(kind, {})[item] = value

@@ -29,6 +29,7 @@ from rigbook.power import (
     render_unit,
 )
 from rigbook.spec import Rig
+from rigbook.units import UnitState
 from tests.opkit import FakeHost, describe, file_states, run_op
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,8 +235,7 @@ def unit_facts(probe, unit_text: str | None = None, enabled: bool = False) -> di
     return {
         "NvidiaGpus": probe,
         "FileStates": file_states({UNIT_PATH: unit_text}, dirs={"/etc/systemd/system": 0o755}),
-        "SystemdStatus": {UNIT_NAME: False},
-        "SystemdEnabled": {UNIT_NAME: enabled},
+        "UnitStates": lambda units: {"0": UnitState(running=False, enabled=enabled)},
     }
 
 

@@ -1,0 +1,107 @@
+"""The systemd units rigbook runs, read in one command per rig instead of two a unit.
+
+pyinfra's `systemd.service` reads a unit's state and its enablement with one `systemctl show`
+each. Here the role functions name their units while the deploy is planned (`service` does it),
+and the first unit an operation looks at reads all of them at once (`UnitStates`), through
+rigbook.runfacts: read again only after an operation changed the rig.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pyinfra import host
+from pyinfra.api import FactBase, QuoteString, StringCommand, operation
+from pyinfra.operations.util.service import handle_service_control
+
+from rigbook import runfacts
+
+#: SubStates pyinfra's SystemdStatus counts as running, and UnitFileStates as enabled.
+RUNNING = ("running", "waiting", "exited", "listening", "mounted")
+ENABLED = ("enabled", "static")
+
+
+@dataclass(frozen=True)
+class UnitState:
+    running: bool
+    enabled: bool
+
+
+class UnitStates(FactBase[dict]):
+    """Running and enabled, for each unit (one `systemctl show` for all of them)."""
+
+    default = dict
+
+    def requires_command(self, units: tuple[str, ...]) -> str:
+        return "systemctl"
+
+    def command(self, units: tuple[str, ...]) -> StringCommand:
+        return StringCommand("systemctl show --property SubState --property UnitFileState --",
+                             *map(QuoteString, units))
+
+    def process(self, output: list[str]) -> dict[str, UnitState]:
+        """systemctl prints one block per unit, in the order asked, blank lines between."""
+        blocks: list[dict[str, str]] = [{}]
+        for line in output:
+            if not line.strip():
+                blocks.append({})
+                continue
+            key, _, value = line.partition("=")
+            blocks[-1][key] = value
+        blocks = [block for block in blocks if block]
+        return {str(i): UnitState(b.get("SubState") in RUNNING, b.get("UnitFileState") in ENABLED)
+                for i, b in enumerate(blocks)}
+
+
+def _read(units: tuple[str, ...]) -> dict[str, UnitState]:
+    states = host.get_fact(UnitStates, units=units)
+    if not states:  # no systemctl: nothing runs, as pyinfra's systemd facts say
+        return {unit: UnitState(False, False) for unit in units}
+    if len(states) != len(units):
+        raise ValueError(f"systemctl show answered {len(states)} units of {len(units)}")
+    return {unit: states[str(i)] for i, unit in enumerate(units)}
+
+
+def state_of(unit: str) -> UnitState:
+    return runfacts.batched("units", unit, _read)
+
+
+def service_commands(unit: str, running: bool | None = True, enabled: bool | None = None,
+                     restarted: bool = False, daemon_reload: bool = False) -> Iterator:
+    """What pyinfra's systemd.service yields for these arguments, from the rig's one read
+    (after its own daemon-reload, a fresh one)."""
+    if daemon_reload:
+        yield StringCommand("systemctl", "daemon-reload")
+        now = _read((unit,))[unit]
+    else:
+        now = state_of(unit)
+    yield from handle_service_control(host, unit, {unit: now.running}, "systemctl {1} {0}",
+                                      running, restarted)
+    if enabled is True and not now.enabled:
+        yield StringCommand("systemctl", "enable", QuoteString(unit))
+    elif enabled is False and now.enabled:
+        yield StringCommand("systemctl", "disable", QuoteString(unit))
+
+
+@operation()
+def _service(service: str, running: bool | None = True, enabled: bool | None = None,
+             restarted: bool = False, daemon_reload: bool = False):
+    """
+    Start, stop, restart, enable or disable a systemd unit where its state differs.
+
+    + service: the unit's full name (name.service)
+    + running: whether it should run; none = either
+    + enabled: whether it should start at boot; none = either
+    + restarted: restart it when it runs
+    + daemon_reload: systemctl daemon-reload first
+    """
+    yield from service_commands(service, running, enabled, restarted, daemon_reload)
+
+
+def service(service: str, running: bool | None = True, enabled: bool | None = None,
+            restarted: bool = False, daemon_reload: bool = False, **op_args):
+    """systemd.service's job for a unit rigbook runs, planned now, read in the rig's one read."""
+    runfacts.expect("units", [service])
+    return _service(service=service, running=running, enabled=enabled, restarted=restarted,
+                    daemon_reload=daemon_reload, **op_args)
