@@ -114,6 +114,43 @@ def bench_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_sweep(args: argparse.Namespace) -> int:
+    """Per sweep: the table, the chart, and the suggested cap per workload with the command that
+    applies it (printed, never run)."""
+    from rich.console import Console
+
+    from rigbook.power import watts
+    from rigbook.sweep import apply_command, chart_png, load_sweeps, rows, suggestions, sweep_table
+    from rigbook.verify import results_dir
+
+    stored = load_sweeps()
+    chosen = rows((run for _, run in stored), args.rig)
+    if not chosen:
+        which = f" of rig {args.rig}" if args.rig else ""
+        raise RigbookError(f"no power sweeps{which} in {results_dir()}; run "
+                           "deploys/power_sweep.py")
+    paths = {id(run): path for path, run in stored}
+    if args.json:
+        print(json.dumps([run.model_dump(mode="json") for run in chosen], indent=2))
+        return 0
+    console = Console(width=160)
+    for run in chosen:
+        console.print(sweep_table(run))
+        if not run.ok:
+            print(f"incomplete: {run.error or 'not every cap was measured'}; caps restored: "
+                  f"{'yes' if run.restored else 'NO'} ({run.restore_detail})")
+        if run.points:
+            png = (args.png_dir / paths[id(run)].with_suffix(".png").name if args.png_dir
+                   else paths[id(run)].with_suffix(".png"))
+            png.parent.mkdir(parents=True, exist_ok=True)
+            png.write_bytes(chart_png(run))
+            print(f"chart: {png}")
+        for workload, cap in suggestions(run).items():
+            print(f"suggested cap for {workload}: {watts(cap)} W; to apply it: "
+                  f"{apply_command(run.rig, cap)}")
+    return 0
+
+
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     group = commands.add_parser("bench", help="verify and benchmark results (deploys/verify.py)")
     actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -124,6 +161,14 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     compare.add_argument("--png", help="also write a bar chart of decode tok/s to this file")
     compare.add_argument("--json", action="store_true", help="print the runs as JSON")
     compare.set_defaults(func=bench_compare)
+    sweep = actions.add_parser(
+        "sweep", help="power sweeps (deploys/power_sweep.py): table, chart, suggested caps"
+    )
+    sweep.add_argument("--rig", help="every stored sweep of this rig, oldest first")
+    sweep.add_argument("--png-dir", type=Path,
+                       help="write the charts here (default: beside each sweep's JSON)")
+    sweep.add_argument("--json", action="store_true", help="print the sweeps as JSON")
+    sweep.set_defaults(func=bench_sweep)
 
 
 def docs_command(args: argparse.Namespace) -> int:

@@ -374,6 +374,20 @@ class Rig(StrictModel):
         300, ge=5, le=3600, description="Limit of one request (the longest prefill included)."
     )
 
+    # -- power sweep (roles/sweep.py, deploys/power_sweep.py) ----------------------------------
+    sweep_watts: tuple[float, ...] = Field(
+        (),
+        description="Run option: the caps (W) deploys/power_sweep.py measures, as START:STOP:STEP "
+        "(250:350:10, both ends included), a comma list (250,290,330) or one cap; at most 64.",
+    )
+
+    @field_validator("sweep_watts", mode="before")
+    @classmethod
+    def _sweep_watts(cls, value: Any) -> tuple[float, ...]:
+        from rigbook.sweep import parse_watts  # the sweep's own parser; rigbook.sweep needs Rig
+
+        return parse_watts(value)
+
     @field_validator("verify_needle_depths")
     @classmethod
     def _needle_depths(cls, depths: tuple[float, ...]) -> tuple[float, ...]:

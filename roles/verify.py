@@ -23,9 +23,7 @@ import os
 import random
 import re
 import statistics
-import struct
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +36,7 @@ from pydantic import ValidationError
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
+from rigbook.chart import Canvas, png_bytes
 from rigbook.errors import RigbookError
 from rigbook.types import StrictModel
 
@@ -442,15 +441,18 @@ class Ladder:
         content = data["choices"][0]["message"]["content"]
         return f"answered {truncate(content, 60)!r} ({data['usage']['completion_tokens']} tokens)"
 
-    def prefill(self) -> str:
+    def prefill_once(self) -> tuple[int, float]:
+        """(prompt tokens the engine counted, seconds) of one ~prefill_tokens prompt."""
         want = self.settings.prefill_tokens
         started = time.monotonic()
         response = self.client.chat(haystack_words(self.sizer.words(want)), max_tokens=1)
         data = _json(response)
         if response.status_code != 200 or answer_shape_problem(data):
             raise StepFailed("prefill", f"a ~{want}-token prompt to complete", _said(response))
-        took = time.monotonic() - started
-        got = data["usage"]["prompt_tokens"]
+        return data["usage"]["prompt_tokens"], time.monotonic() - started
+
+    def prefill(self) -> str:
+        got, took = self.prefill_once()
         return f"{got} prompt tokens in {took:.2f} s ({got / took:.0f} tok/s prefill)"
 
     def _haystack_request(self, tokens: int, needle: str | None, depth: float,
@@ -497,25 +499,37 @@ class Ladder:
         notes.append(f"{beyond} tok rejected (HTTP {response.status_code})")
         return "; ".join(notes)
 
-    def bench_(self) -> str:
+    def levels(self) -> tuple[list[int], str]:
+        """The bench's concurrencies for this engine, and why one was skipped ("" if none)."""
         s = self.settings
         levels = [1] + ([s.bench_concurrency] if s.bench_concurrency > 1 else [])
-        skipped = ""
         if self.target.engine == "llama.cpp" and len(levels) > 1:
             # llama-cpp-python's server runs one request at a time and a new request cuts the
             # running stream short (its interrupt_requests, on by default): nothing to measure
-            levels, skipped = [1], "; concurrent bench skipped (llama.cpp: one stream at a time)"
-        for name, prompt in BENCH_PROMPTS.items():
-            for _ in range(s.bench_warmups):
-                stream_once(self.client, prompt, s.bench_tokens)
+            return [1], "; concurrent bench skipped (llama.cpp: one stream at a time)"
+        return levels, ""
+
+    def warm_up(self, name: str) -> None:
+        """bench_warmups unmeasured runs of one prompt: the first runs pay for warm-up."""
+        for _ in range(self.settings.bench_warmups):
+            stream_once(self.client, BENCH_PROMPTS[name], self.settings.bench_tokens)
+
+    def measure(self, name: str, level: int) -> BenchFigures:
+        """bench_runs measured runs of one prompt at `level` streams at once."""
+        s, runs = self.settings, []
+        with ThreadPoolExecutor(max_workers=level) as pool:
+            for _ in range(s.bench_runs):
+                jobs = [pool.submit(stream_once, self.client, BENCH_PROMPTS[name], s.bench_tokens)
+                        for _ in range(level)]
+                runs.append([job.result() for job in jobs])
+        return figures(name, level, runs)
+
+    def bench_(self) -> str:
+        levels, skipped = self.levels()
+        for name in BENCH_PROMPTS:
+            self.warm_up(name)
             for level in levels:
-                runs = []
-                with ThreadPoolExecutor(max_workers=level) as pool:
-                    for _ in range(s.bench_runs):
-                        jobs = [pool.submit(stream_once, self.client, prompt, s.bench_tokens)
-                                for _ in range(level)]
-                        runs.append([job.result() for job in jobs])
-                self.bench.append(figures(name, level, runs))
+                self.bench.append(self.measure(name, level))
         return "; ".join(
             f"{f.prompt} x{f.concurrency}: {f.decode_tps.text()} tok/s, TTFT "
             f"{f.ttft_s.text(3)} s" + (f", all {f.aggregate_tps.median:.1f} tok/s"
@@ -619,53 +633,6 @@ def compare_table(runs: list[VerifyRun], rig: str | None = None):
 
 # --- a PNG bar chart without plotting libraries ------------------------------------------
 
-#: 3x5 glyphs (rows of 3 bits) for chart labels.
-_GLYPHS = {
-    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7),
-    "4": (5, 5, 7, 1, 1), "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1),
-    "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7), ".": (0, 0, 0, 0, 2), "-": (0, 0, 7, 0, 0),
-    "/": (1, 1, 2, 4, 4), " ": (0, 0, 0, 0, 0), "a": (2, 5, 7, 5, 5), "b": (6, 5, 6, 5, 6),
-    "c": (7, 4, 4, 4, 7), "d": (6, 5, 5, 5, 6), "e": (7, 4, 6, 4, 7), "f": (7, 4, 6, 4, 4),
-    "g": (7, 4, 5, 5, 7), "h": (5, 5, 7, 5, 5), "i": (7, 2, 2, 2, 7), "j": (1, 1, 1, 5, 7),
-    "k": (5, 5, 6, 5, 5), "l": (4, 4, 4, 4, 7), "m": (5, 7, 7, 5, 5), "n": (6, 5, 5, 5, 5),
-    "o": (7, 5, 5, 5, 7), "p": (7, 5, 7, 4, 4), "q": (7, 5, 5, 7, 1), "r": (6, 5, 6, 5, 5),
-    "s": (7, 4, 7, 1, 7), "t": (7, 2, 2, 2, 2), "u": (5, 5, 5, 5, 7), "v": (5, 5, 5, 5, 2),
-    "w": (5, 5, 7, 7, 5), "x": (5, 5, 2, 5, 5), "y": (5, 5, 2, 2, 2), "z": (7, 1, 2, 4, 7),
-}
-
-
-def png_bytes(width: int, height: int, pixels: list[bytearray]) -> bytes:
-    """An RGB PNG (8 bits per channel) of rows of width*3 bytes."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
-    return (b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-class _Canvas:
-    def __init__(self, width: int, height: int) -> None:
-        self.width, self.height = width, height
-        self.rows = [bytearray(b"\xff" * width * 3) for _ in range(height)]
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, rgb: tuple[int, int, int]) -> None:
-        for y in range(max(y0, 0), min(y1, self.height)):
-            row = self.rows[y]
-            for x in range(max(x0, 0), min(x1, self.width)):
-                row[3 * x: 3 * x + 3] = bytes(rgb)
-
-    def text(self, x: int, y: int, text: str, scale: int = 2) -> None:
-        for char in text.lower():
-            for dy, bits in enumerate(_GLYPHS.get(char, _GLYPHS[" "])):
-                for dx in range(3):
-                    if bits & (4 >> dx):
-                        self.rect(x + dx * scale, y + dy * scale, x + (dx + 1) * scale,
-                                  y + (dy + 1) * scale, (0, 0, 0))
-            x += 4 * scale
-
-
 COLOURS = {"narrative": (52, 101, 164), "code": (245, 121, 0)}
 
 
@@ -678,7 +645,7 @@ def chart_png(runs: list[VerifyRun], rig: str | None = None) -> bytes:
     bar, gap, top, plot = 28, 36, 34, 220
     width = max(40 + len(rows) * (2 * bar + gap), 320)
     height = top + plot + 70
-    canvas = _Canvas(width, height)
+    canvas = Canvas(width, height)
     canvas.text(8, 4, "decode tok/s, 1 stream (median)")
     canvas.rect(20, top + plot, width - 10, top + plot + 1, (0, 0, 0))
     for i, (run, row) in enumerate(zip(rows, values, strict=True)):

@@ -1,0 +1,163 @@
+"""The rig's side of a power sweep (deploys/power_sweep.py): the cap guard and the draw meter.
+
+Copied by rigbook to /run/rigbook-sweep/ beside cap_check.py (whose unit parser it uses) and run
+with the rig's python3 (standard library only; the meter uses pynvml when the interpreter has
+it, as the tools venv's does):
+
+    python3 sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit.service --dir D
+    python3 sweep_rig.py meter --dir D --name cap-290 --interval 0.2 --smi /usr/bin/nvidia-smi
+
+guard: started detached (setsid) when the sweep begins, it waits while the lease file
+(D/lease, JSON {"deadline": epoch seconds, "release": bool}) is held, and as soon as the sweep
+releases it, or its deadline passes because the operator's process died, it sets every GPU's
+live cap back to what the boot unit says (read from the unit at that moment), writes
+D/restored.json and exits. The sweep renews the deadline before every request it sends.
+
+meter: samples each GPU's power draw (W) and, where the card has one, its total-energy counter
+(mJ since the driver loaded) until D/<name>.stop appears or the lease lapses, then writes
+D/<name>.json: {"source": "nvml" | "nvidia-smi", "samples": [[epoch s, {uuid: [W, mJ]}]]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cap_check import unit_caps  # noqa: E402  (copied beside this file)
+
+
+def read_json(path: str) -> dict | None:
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_json(path: str, data: dict) -> None:
+    """Written whole, then renamed: a reader never sees half a file."""
+    with open(path + ".tmp", "w") as handle:
+        json.dump(data, handle)
+    os.replace(path + ".tmp", path)
+
+
+def lease_over(directory: str, now: float) -> bool:
+    """The sweep released its lease, let it lapse, or it cannot be read."""
+    lease = read_json(os.path.join(directory, "lease"))
+    if lease is None or lease.get("release"):
+        return True
+    deadline = lease.get("deadline")
+    return not isinstance(deadline, (int, float)) or now > deadline
+
+
+def restore(unit: str) -> dict:
+    """Every cap line of the boot unit run again: the live caps become the unit's."""
+    try:
+        with open(unit) as handle:
+            smi, caps = unit_caps(handle.read())
+    except OSError as error:
+        return {"ok": False, "caps": {}, "errors": [f"cannot read {unit}: {error.strerror}"]}
+    errors = []
+    for uuid, watts in caps.items():
+        done = subprocess.run([smi, "-i", uuid, "-pl", f"{watts:g}"], capture_output=True,
+                              text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            said = (done.stdout + done.stderr).strip().splitlines()
+            errors.append(f"{uuid}: {smi} -pl {watts:g} exited {done.returncode}: "
+                          f"{said[0] if said else 'no output'}")
+    return {"ok": not errors and bool(caps), "caps": caps, "errors": errors,
+            "at": time.time()}
+
+
+def guard(unit: str, directory: str, poll: float) -> int:
+    while not lease_over(directory, time.time()):
+        time.sleep(poll)
+    result = restore(unit)
+    write_json(os.path.join(directory, "restored.json"), result)
+    return 0 if result["ok"] else 1
+
+
+def nvml_reader():
+    """A function returning {uuid: [W, mJ or None]} through NVML, or None without pynvml."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no pynvml in this python, or NVML does not load: nvidia-smi instead
+        return None
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    uuids = [pynvml.nvmlDeviceGetUUID(h) for h in handles]
+    uuids = [u.decode() if isinstance(u, bytes) else u for u in uuids]
+
+    def energy(handle):
+        try:  # Volta and newer; NVML_ERROR_NOT_SUPPORTED elsewhere
+            return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        except pynvml.NVMLError:
+            return None
+
+    def read():
+        return {uuid: [pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, energy(h)]
+                for uuid, h in zip(uuids, handles, strict=True)}
+    return read
+
+
+def smi_reader(smi: str):
+    """{uuid: [W, None]} from nvidia-smi (NVML's own command line; it shows no energy counter)."""
+    def read():
+        out = subprocess.run([smi, "--query-gpu=uuid,power.draw",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        found = {}
+        for row in out.splitlines():
+            uuid, _, watts = (cell.strip() for cell in row.partition(","))
+            try:
+                found[uuid] = [float(watts), None]
+            except ValueError:
+                continue
+        return found
+    return read
+
+
+def meter(directory: str, name: str, interval: float, smi: str) -> int:
+    read = nvml_reader()
+    source = "nvml" if read else "nvidia-smi"
+    read = read or smi_reader(smi)
+    stop = os.path.join(directory, f"{name}.stop")
+    samples = []
+    while not os.path.exists(stop) and not lease_over(directory, time.time()):
+        began = time.time()
+        try:
+            samples.append([began, read()])
+        except (OSError, subprocess.SubprocessError) as error:
+            samples.append([began, {"error": str(error)}])
+        time.sleep(max(interval - (time.time() - began), 0.0))
+    write_json(os.path.join(directory, f"{name}.json"), {"source": source, "samples": samples})
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    modes = parser.add_subparsers(dest="mode", required=True)
+    g = modes.add_parser("guard")
+    g.add_argument("--unit", required=True)
+    g.add_argument("--dir", required=True)
+    g.add_argument("--poll", type=float, default=0.5)
+    m = modes.add_parser("meter")
+    m.add_argument("--dir", required=True)
+    m.add_argument("--name", required=True)
+    m.add_argument("--interval", type=float, default=0.2)
+    m.add_argument("--smi", required=True)
+    args = parser.parse_args(argv)
+    if args.mode == "guard":
+        return guard(args.unit, args.dir, args.poll)
+    return meter(args.dir, args.name, args.interval, args.smi)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,156 @@
+"""The power sweep end to end on two sandbox rigs (rig1 dual-3090, rig2 single-4090), each
+serving the tiny random-weights model with llama.cpp on CPU (as tests/test_verify_e2e.py).
+
+Set up once: the stand-in driver with persistence mode on, the boot unit from
+deploys/power_cap.py (rig1 290 W per card, rig2 260 W: the sweet spots), the engine.
+
+1. caps outside a card's range are refused before anything changes; a sweep of 3 caps on both
+   rigs sets each live, benches it with the draw sampled, restores every live cap to what the
+   unit says (read back from the rigs, the unit itself untouched), and stores JSON and a chart;
+2. the operator's pyinfra killed mid-sweep: the guard on the rig restores the unit's caps once
+   its lease lapses.
+
+The figures are the simulator's (sandbox/simulated/README.md), not measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rigbook import cli
+from rigbook.cap_check import unit_caps
+from rigbook.gpus import parse_query_csv, query_args
+from rigbook.power import UNIT_PATH
+from rigbook.sweep import LEASE_MARGIN_S, SWEEP_DIR, load_sweeps
+from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.standins import place_model, wheelhouse_for_llama
+from tests.test_sandbox import OLD, install_driver
+from tests.test_serving_e2e import CONVERGE, KEY, data_args
+from tests.tinymodel import FILE, revision_of, write_tiny_gguf
+
+pytestmark = pytest.mark.sandbox
+
+SWEEP = "deploys/power_sweep.py"
+BOTH = ["--limit", "rig1", "--limit", "rig2"]
+TIMEOUT_S = 5
+#: The smallest bench the verify settings allow, so each cap takes about a second.
+SMALL = {"verify_bench_warmups": "0", "verify_bench_runs": "1", "verify_bench_tokens": "8",
+         "verify_prefill_tokens": "64", "verify_bench_concurrency": "1",
+         "verify_timeout_s": str(TIMEOUT_S)}
+
+
+def live(rig: dict) -> dict[str, float | None]:
+    out = rig_ssh(rig, f"nvidia-smi {query_args(header=True)}").stdout
+    return {gpu.uuid: gpu.power_limit_w for gpu in parse_query_csv(out)}
+
+
+def unit(rig: dict) -> tuple[str, dict[str, float]]:
+    text = rig_ssh(rig, f"cat {UNIT_PATH}").stdout
+    return text, unit_caps(text)[1]
+
+
+@pytest.fixture(scope="module")
+def served(sandbox, tmp_path_factory):
+    """rig1 and rig2 with a driver, the power unit, and tiny-cpu-a answering on port 8100."""
+    rigbook("sandbox", "up", str(len(sandbox)))  # new rigs: nothing of an earlier test left
+    wheelhouse_for_llama()
+    tmp = tmp_path_factory.mktemp("sweep")
+    gguf = write_tiny_gguf(tmp / FILE)
+    revision = revision_of(gguf)
+    key_file = tmp / "api-key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    rigs = [sandbox["rig1"], sandbox["rig2"]]
+    for rig in rigs:
+        install_driver(rig, OLD)
+        rig_ssh(rig, "nvidia-smi -pm 1")
+        place_model(rig, gguf, revision)
+    capped = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", *BOTH)
+    assert capped.returncode == 0, capped.explain()
+    args = data_args("tiny-cpu-a", revision, key_file)[2:]  # without its --limit rig1
+    up = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, *args, *BOTH)
+    assert up.returncode == 0, up.explain()
+    for key, value in SMALL.items():
+        args += ["--data", f"{key}={value}"]
+    return rigs, args, tmp
+
+
+def test_sweep_three_caps_on_two_rigs_restores_the_units_caps(served, monkeypatch, capsys):
+    rigs, args, tmp = served
+    monkeypatch.setenv("RIGBOOK_VERIFY_DIR", str(tmp / "results"))
+    units = {rig["name"]: unit(rig) for rig in rigs}
+    assert {name: set(caps.values()) for name, (_, caps) in units.items()} == {
+        "rig1": {290.0}, "rig2": {260.0}}
+
+    # refused before any change: 450 W is above the 3090's 400 W (the 4090 allows it)
+    refused = run_pyinfra(SANDBOX_INVENTORY, SWEEP, *args, "--data", "sweep_watts=250,450",
+                          "--limit", "rig1")
+    assert refused.returncode != 0
+    assert "asks 450 W; allowed: the card's range 100-400 W" in refused.stderr
+    assert [live(rig) for rig in rigs] == [caps for _, caps in units.values()]
+
+    swept = run_pyinfra(SANDBOX_INVENTORY, SWEEP, *args, *BOTH, "--data", "sweep_watts=250:270:10")
+    print(swept.stderr[-3000:])
+    assert swept.returncode == 0, swept.explain()
+    for rig in rigs:
+        text, caps = units[rig["name"]]
+        assert live(rig) == caps  # restored, read back from the rig
+        assert unit(rig)[0] == text  # the boot unit was never touched
+    stored = {run.rig: (path, run) for path, run in load_sweeps()}
+    assert sorted(stored) == ["rig1", "rig2"]
+    for name, (path, run) in stored.items():
+        assert run.ok and run.restored and run.unit_caps_w == units[name][1]
+        assert [p.cap_w for p in run.points] == [250.0, 260.0, 270.0]
+        for point in run.points:
+            assert set(point.live_caps_w.values()) == {point.cap_w}
+            assert [r.workload for r in point.workloads] == ["decode x1", "prefill"]
+            for r in point.workloads:
+                gpus = len(point.live_caps_w)
+                assert r.tps > 0 and r.power.samples >= 1
+                assert 0 < r.power.mean_w <= point.cap_w * gpus + 0.01
+        assert path.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert "suggested for decode x1" in swept.stderr
+
+    capsys.readouterr()
+    assert cli.main(["bench", "sweep", "--rig", "rig2"]) == 0
+    out = capsys.readouterr().out
+    assert "pyinfra INVENTORY deploys/power_cap.py --limit rig2 --data power_cap_watts=" in out
+
+
+def test_a_killed_sweep_leaves_the_units_caps_once_the_guard_runs(served, tmp_path):
+    rigs, args, _ = served
+    rig = rigs[0]
+    _, caps = unit(rig)
+    said = tmp_path / "pyinfra.log"
+    sweep = subprocess.Popen(
+        [PYINFRA, "-y", SANDBOX_INVENTORY, SWEEP, *args, "--limit", "rig1", "--data",
+         "sweep_watts=200:300:10"],
+        cwd=ROOT, stdout=said.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYINFRA_PROGRESS": "off",
+             "RIGBOOK_VERIFY_DIR": str(tmp_path / "results")},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while set(live(rig).values()) != {210.0}:  # the second cap: mid-sweep
+            assert sweep.poll() is None, said.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)  # the operator's pyinfra, gone without a word
+        sweep.wait()
+    assert live(rig) != caps  # mid-sweep, and nobody restored them yet
+    waited = time.monotonic()
+    rig_ssh(rig, f"for i in $(seq {4 * (TIMEOUT_S + LEASE_MARGIN_S + 10)}); do "
+                 f"[ -f {SWEEP_DIR}/restored.json ] && break; sleep 0.25; done; "
+                 f"cat {SWEEP_DIR}/restored.json")
+    assert time.monotonic() - waited < TIMEOUT_S + LEASE_MARGIN_S + 5
+    assert live(rig) == caps
+    assert rig_ssh(rig, "pgrep -f 'sweep_rig[.]py' || true").stdout.strip() == ""
+    assert Path(tmp_path / "results").exists() is False  # the killed run stored nothing
