@@ -8,6 +8,15 @@ real CLI (median of --repeat runs after the first converge). Remote commands, up
 connections per host come from pyinfra's own connector (bench/counting_pyinfra.py). Results go
 to bench/results/results.json and bench/results/results.md. Times are figures to read, not
 thresholds: nothing here asserts a time.
+
+At size 1, on the rig just measured, the run also breaks the no-change converge down by role
+(bench/breakdown.py) and times a model pull against curl and a venv rebuild against a bare uv
+install (bench/transfer.py).
+
+With --peers (the default), each size also measures what users would otherwise run
+(bench/peers/): rigbook's roles for the subset the peers manage, an Ansible playbook and stock
+pyinfra, each on its own fresh rigs: a first converge, then the median of --repeat no-change
+converges (Ansible: --ansible-repeat, default 1), each of which must report 0 changes.
 """
 
 from __future__ import annotations
@@ -25,6 +34,11 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from bench import breakdown, transfer
+from bench.peers import ansible as ansible_peer
+from bench.peers import table as peers_table
+from bench.peers.render import render as render_peers
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 INVENTORY = "inventory/sandbox.py"
@@ -37,11 +51,13 @@ def _timed(argv: list[str], env: dict | None = None) -> tuple[float, subprocess.
     return time.perf_counter() - start, proc
 
 
-def _pyinfra(deploy: str, *args: str) -> dict:
+def _pyinfra(deploy: str, *args: str, inventory: str = INVENTORY,
+             extra_env: dict | None = None) -> dict:
     """One counted pyinfra run: wall time, changes, errors and per-host remote work."""
     with tempfile.NamedTemporaryFile(suffix=".json") as counts:
-        env = {**os.environ, "RIGBOOK_BENCH_COUNTS": counts.name, "PYINFRA_PROGRESS": "off"}
-        argv = [sys.executable, "bench/counting_pyinfra.py", "-y", "--json", INVENTORY, deploy]
+        env = {**os.environ, "RIGBOOK_BENCH_COUNTS": counts.name, "PYINFRA_PROGRESS": "off",
+               **(extra_env or {})}
+        argv = [sys.executable, "bench/counting_pyinfra.py", "-y", "--json", inventory, deploy]
         seconds, proc = _timed([*argv, *args], env)
         per_host = json.loads(Path(counts.name).read_text() or "{}")
     if proc.returncode != 0:
@@ -93,6 +109,47 @@ def measure(size: int, repeat: int) -> dict:
     }
 
 
+def _sandbox_up(size: int) -> None:
+    up = subprocess.run([sys.executable, "-m", "rigbook.cli", "sandbox", "up", str(size)],
+                        cwd=ROOT, capture_output=True, text=True)
+    if up.returncode != 0:
+        raise SystemExit(up.stderr)
+
+
+def _converge(tool: str, run, repeat: int) -> dict:
+    """A first converge, then the median of `repeat` no-change converges; SystemExit when one
+    of those reports a change (the tool is not idempotent there, so its time means nothing)."""
+    first = run()
+    again = [run() for _ in range(repeat)]
+    changed = [r["changes"] for r in again if r["changes"]]
+    if changed:
+        raise SystemExit(f"{tool}: a no-change converge reported {changed[0]} changes")
+    return {"first_converge": first, "no_change_converge": _median(again)}
+
+
+def measure_peers(size: int, repeat: int, full: dict, ansible_repeat: int) -> dict:
+    """rigbook's same subset and each peer (bench/peers/), each on freshly booted rigs; `full`
+    is measure()'s row for this size (rigbook's full deploy). Ansible gets its own repeat: one
+    run takes over a minute at 16 rigs."""
+    row = {"rigs": size, "rigbook_full": {key: full[key] for key in
+                                          ("first_converge", "no_change_converge")}}
+    _sandbox_up(size)
+    row["rigbook_subset"] = _converge(
+        "rigbook subset", lambda: _pyinfra("bench/peers/rigbook_subset.py"), repeat)
+    with tempfile.TemporaryDirectory(prefix="rigbook-peers-") as tmp:
+        out = Path(tmp)
+        _sandbox_up(size)
+        render_peers(out)  # the peers' files, rendered by rigbook, outside the timed runs
+        # --chdir: pyinfra then loads no config.py, so nothing of rigbook runs with the peer.
+        row["pyinfra_stock"] = _converge("stock pyinfra", lambda: _pyinfra(
+            "pyinfra_stock.py", "--chdir", "bench/peers", inventory="inventory.py",
+            extra_env={"RIGBOOK_BENCH_PEERS": str(out / "peers.json")}), repeat)
+        _sandbox_up(size)
+        ansible_peer.write(out, render_peers(out))
+        row["ansible"] = _converge("Ansible", lambda: ansible_peer.run(out), ansible_repeat)
+    return row
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"# Benchmark results ({report['date']})",
@@ -113,6 +170,11 @@ def markdown(report: dict) -> str:
             f"| {nc['connections_per_host']} | {row['fleet_cap_change']['seconds']} s "
             f"| {row['status_seconds']} s |"
         )
+    if report.get("peers"):
+        lines += ["", peers_table.markdown(report["peers"])]
+    if report.get("breakdown"):
+        lines += ["", breakdown.markdown(report["breakdown"]),
+                  transfer.markdown(report["transfer"])]
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +182,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,2,4,8", help="fleet sizes (default 1,2,4,8)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per median (default 3)")
+    parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the peers (bench/peers/; default: on)")
+    parser.add_argument("--ansible-repeat", type=int, default=1,
+                        help="no-change runs per median for the Ansible peer (default 1)")
     args = parser.parse_args()
+    if args.peers:
+        ansible_peer.require()
     sizes = [int(size) for size in args.sizes.split(",")]
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -129,6 +197,7 @@ def main() -> None:
         "python": platform.python_version(),
         "pyinfra": version("pyinfra"),
         "sizes": [],
+        "peers": [],
     }
     LOCK.parent.mkdir(parents=True, exist_ok=True)
     with LOCK.open("w") as lock:
@@ -137,6 +206,14 @@ def main() -> None:
             for size in sizes:
                 report["sizes"].append(measure(size, args.repeat))
                 print(json.dumps(report["sizes"][-1]), flush=True)
+                if size == 1:  # on the rig measure() converged, once a run
+                    report["breakdown"] = breakdown.measure(args.repeat)
+                    report["transfer"] = transfer.measure(breakdown.rigs()[0], args.repeat)
+                    print(json.dumps(report["transfer"]), flush=True)
+                if args.peers:
+                    report["peers"].append(measure_peers(size, args.repeat, report["sizes"][-1],
+                                                         args.ansible_repeat))
+                    print(json.dumps(report["peers"][-1]), flush=True)
         finally:
             subprocess.run([sys.executable, "-m", "rigbook.cli", "sandbox", "down"], cwd=ROOT)
     RESULTS.mkdir(parents=True, exist_ok=True)
