@@ -283,12 +283,16 @@ class FactBatch(FactBase[list]):
 
 def read_facts(state, host, reads: Iterable[Read], timeout: int = 300) -> Facts:
     """Every fact of `reads` from one host, in one shell command (pyinfra's sudo and connector
-    settings apply). A rig that cannot be read has every fact unread; its host is not failed."""
+    settings apply), tried twice when nothing comes back (a dropped SSH channel on a loaded
+    rig). A rig that cannot be read has every fact unread; its host is not failed."""
     reads = tuple(reads)
     if not reads:
         return Facts()
-    lines = get_fact(state, host, FactBatch, kwargs={"reads": reads, "_timeout": timeout},
-                     apply_failed_hosts=False)
+    for _ in range(2):  # the batch always prints its sections: nothing back is the connection
+        lines = get_fact(state, host, FactBatch, kwargs={"reads": reads, "_timeout": timeout},
+                         apply_failed_hosts=False)
+        if lines:
+            break
     facts = process_output(reads, lines)
     for read in reads:  # an operation reading the same fact in this run gets it from here
         kind, _, item = read.name.partition(":")

@@ -125,3 +125,24 @@ def test_no_prompt_between_operations_when_a_rig_fails():
     with_y = SimpleNamespace(should_raise_failed_hosts=None)  # -y: --fail-percent applies
     no_prompt_mid_run(with_y)
     assert with_y.should_raise_failed_hosts is None
+
+
+def test_a_batch_that_brings_nothing_back_is_read_once_more(monkeypatch):
+    """A dropped SSH channel on a loaded rig gives no output at all: the read is tried again,
+    and what it read is kept for the run's operations (rigbook.runfacts)."""
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.facts.server import Arch
+
+    from rigbook import checks, runfacts
+
+    state = State(Inventory((["rig1"], {})), Config())
+    (host,) = list(state.inventory)
+    reads = (checks.Read("arch", Arch, "architecture"),)
+    answers = [[], ["##RIGBOOK_FACT## arch", "x86_64", "##RIGBOOK_FACT_RC## 0"]]
+    calls = []
+    monkeypatch.setattr(checks, "get_fact", lambda *a, **k: calls.append(1) or answers.pop(0))
+    facts = checks.read_facts(state, host, reads)
+    assert len(calls) == 2 and facts.arch == "x86_64" and not facts.unread
+    assert runfacts.record(state, host).facts[runfacts._key(Arch, {})] == "x86_64"
+    answers[:] = [[], []]
+    assert checks.read_facts(state, host, reads).unread == {"arch": "exit ?"}
