@@ -145,4 +145,4 @@ def test_a_batch_that_brings_nothing_back_is_read_once_more(monkeypatch):
     assert len(calls) == 2 and facts.arch == "x86_64" and not facts.unread
     assert runfacts.record(state, host).facts[runfacts._key(Arch, {})] == "x86_64"
     answers[:] = [[], []]
-    assert checks.read_facts(state, host, reads).unread == {"arch": "exit ?"}
+    assert checks.read_facts(state, host, reads).unread == {"arch": "no output"}
