@@ -283,7 +283,21 @@ def _fault_reads(rig: Rig, rig_name: str) -> list[Read]:
 
 
 FAULTS = Check("GPU faults", _fault_reads, fault_findings)
-CHECKS = (FAULTS,)
+
+
+def _systemd_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    if facts.systemd is False:
+        return [warn("guards", "no systemd as PID 1: the /dev/shm reaper and the Xid watch are "
+                     "not installed (their units need it)")]
+    return []
+
+
+#: Read with the preflight's batch: the guards role plans on it (no round trip of its own).
+SYSTEMD = Check(
+    "systemd", lambda rig, rig_name: [Read("systemd", SystemdBooted, "systemd as PID 1")],
+    _systemd_findings,
+)
+CHECKS = (FAULTS, SYSTEMD)
 
 
 # --- topology -------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pyinfra.operations import systemd
 from rich.console import Console
 from rich.table import Table
 
-from rigbook import FILES
+from rigbook import FILES, runfacts
 from rigbook.cap_check import LINE as CAP_LINE
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
@@ -610,5 +610,6 @@ def _wsl2_report(rig: Rig, probe: GpuProbe | None, why: str | None) -> str:
 def power_limit(rig: Rig) -> None:
     """Cap every GPU of the rig: the boot unit (the truth), then the live caps to match it."""
     expect(UNIT_PATH)
+    runfacts.expect("units", [UNIT_NAME])
     power_unit(rig, name=f"Power-limit unit ({UNIT_NAME})")
     live_power_caps(rig, name="Live GPU power caps")

@@ -1209,3 +1209,14 @@ def test_an_empty_mark_is_a_mark_all_the_same(watch_dir, tmp_path):
     mark.write_text("")
     check = run_watch(watch_dir, tmp_path, "true", "true", "--check")
     assert check.returncode == 1 and "(empty)" in check.stderr
+
+
+def test_no_systemd_is_a_warning_read_with_the_preflights_batch():
+    from rigbook.checks import Facts, reads_of
+
+    reads = reads_of(None, "rig1", [guards.SYSTEMD])
+    assert [(r.name, r.fact) for r in reads] == [("systemd", guards.SystemdBooted)]
+    (finding,) = guards.SYSTEMD.run(None, Facts(systemd=False), "rig1")
+    assert finding.level == "warn" and "Xid watch are not installed" in finding.reason
+    assert guards.SYSTEMD.run(None, Facts(systemd=True), "rig1") == []
+    assert guards.SYSTEMD in guards.CHECKS
