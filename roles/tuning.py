@@ -304,6 +304,23 @@ FSTAB_SHM_LINE = r"^[^#[:space:]]+[[:space:]]+/dev/shm[[:space:]]"
 
 
 @operation()
+def fstab_shm_size(size: str) -> Iterator:
+    """
+    The /dev/shm line of /etc/fstab with ``size``: pyinfra's files.line, run only when the
+    fstab the preflight read (rigbook.runfacts) does not have exactly that line already.
+
+    + size: tmpfs size (``2G``, ``512M``, ``50%``)
+    """
+    wanted = fstab_line(size)
+    found = shm_fstab(once(FileContents, path=FSTAB))
+    if found and all(line == wanted for line in found):
+        host.noop(f"{FSTAB} already mounts {SHM} with size={size}")
+        return
+    yield from files.line._inner(path=FSTAB, line=FSTAB_SHM_LINE, replace=wanted,
+                                 extended_regex=True)
+
+
+@operation()
 def shm_live(size: str) -> Iterator:
     """
     Remount /dev/shm with ``size`` when its live size differs.
@@ -536,11 +553,5 @@ def host_tuning(rig: Rig) -> None:
     sysctl_live(name="Apply the sysctl values live", values=values)
 
     if rig.shm_size is not None:
-        files.line(
-            name=f"Set the {SHM} size in {FSTAB}",
-            path=FSTAB,
-            line=FSTAB_SHM_LINE,
-            replace=fstab_line(rig.shm_size),
-            extended_regex=True,
-        )
+        fstab_shm_size(name=f"Set the {SHM} size in {FSTAB}", size=rig.shm_size)
         shm_live(name=f"Resize the live {SHM}", size=rig.shm_size)

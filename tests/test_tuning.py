@@ -428,3 +428,15 @@ def test_inotify_near_the_limit_names_the_holders():
     )
     assert inotify_findings(holders, "1048576") == []
     assert inotify_findings(holders, None) == [] and inotify_findings([], "10") == []
+
+
+def test_the_fstab_line_is_left_alone_when_the_preflight_read_it_as_wanted():
+    from rigbook.tuning import fstab_line, fstab_shm_size
+
+    there = ["# /etc/fstab", "UUID=1 / ext4 defaults 0 1", fstab_line("16G")]
+    commands, fake = run_op(fstab_shm_size, {"FileContents": there}, size="16G")
+    assert commands == [] and fake.noops == ["/etc/fstab already mounts /dev/shm with size=16G"]
+    other = [*there[:2], fstab_line("8G")]
+    commands, _ = run_op(fstab_shm_size, {"FileContents": other, "FindInFile": [fstab_line("8G")]},
+                         size="16G")
+    assert commands and "size=16G" in commands[0].get_raw_value()
