@@ -297,7 +297,7 @@ SYSTEMD = Check(
     "systemd", lambda rig, rig_name: [Read("systemd", SystemdBooted, "systemd as PID 1")],
     _systemd_findings,
 )
-CHECKS = (FAULTS, SYSTEMD)
+
 
 
 # --- topology -------------------------------------------------------------------------------
@@ -606,6 +606,37 @@ def _recipe(rig: Rig):
         return None
 
 
+def topology_warnings(rig: Rig, topology: Topology, gpus: tuple[Gpu, ...]) -> list[str]:
+    """What the interconnect contradicts: the host data, and the rig's recipe."""
+    recipe = _recipe(rig)
+    findings = topology_findings(
+        rig, topology, gpus,
+        recipe.tensor_parallel_size if recipe is not None else None,
+        recipe.name if recipe is not None else None,
+    )
+    if recipe is not None:
+        problem = p2p_disable_problem(recipe.env, rig, topology)
+        if problem:
+            findings.append(f"recipe {recipe.name}: {problem}")
+    return findings
+
+
+def _topology_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    probe = facts.probe
+    if facts.topology is None or probe is None or not probe.ok or not probe.gpus:
+        return []
+    return [warn("topology", text) for text in topology_warnings(rig, facts.topology, probe.gpus)]
+
+
+#: Read with the preflight's batch (the guards' report plans on it); status shows its warnings.
+TOPOLOGY = Check(
+    "GPU topology",
+    lambda rig, rig_name: [GPUS_READ, Read("topology", GpuTopology, "GPU topology")],
+    _topology_findings, gpus=True,
+)
+CHECKS = (FAULTS, SYSTEMD, TOPOLOGY)
+
+
 @operation()
 def topology_report(rig: Rig) -> Iterator:
     """
@@ -625,17 +656,7 @@ def topology_report(rig: Rig) -> Iterator:
         host.noop(f"GPU topology not read: {why}")
         return
     topology = once(GpuTopology)
-    recipe = _recipe(rig)
-    findings = topology_findings(
-        rig, topology, probe.gpus,
-        recipe.tensor_parallel_size if recipe is not None else None,
-        recipe.name if recipe is not None else None,
-    )
-    if recipe is not None:
-        problem = p2p_disable_problem(recipe.env, rig, topology)
-        if problem:
-            findings.append(f"recipe {recipe.name}: {problem}")
-    for finding in findings:
+    for finding in topology_warnings(rig, topology, probe.gpus):
         warn_once(f"GPU topology: {finding}")
     host.noop(f"GPU topology: {topology_summary(topology, probe.gpus)}")
     yield from ()

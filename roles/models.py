@@ -714,20 +714,23 @@ def model_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
 
 
 def _model_reads(rig: Rig, rig_name: str) -> list[Read]:
-    if not (rig.models or rig.recipe):
-        return []
+    """The cache, also on a rig with no models: the role reports (or prunes) what it holds."""
     return [Read("cache", ModelCache, "HF cache (models_cache)", (("cache", rig.models_cache),))]
 
 
 def _mirror_reads(rig: Rig, rig_name: str) -> list[Read]:
-    if rig.models_mirror_port is None or rig.models_mirror_bind is not None:
+    """The SSH address a mirror binds to by default; without a mirror, whether a unit of an
+    earlier one is left to remove (the role plans on it: read with the preflight's batch)."""
+    if rig.models_mirror_port is None:
+        return [Read("mirror_unit", File, MIRROR_UNIT_PATH, (("path", MIRROR_UNIT_PATH),))]
+    if rig.models_mirror_bind is not None:
         return []
     return [Read("ssh_address", SshAddress, "the rig's address of the SSH connection")]
 
 
 def mirror_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     """A mirror without models_mirror_bind needs the rig's address of the SSH connection."""
-    if not _mirror_reads(rig, rig_name):
+    if rig.models_mirror_port is None or rig.models_mirror_bind is not None:
         return []
     if facts.missing("ssh_address"):
         return facts.missing("ssh_address")

@@ -55,6 +55,7 @@ from rigbook.guards import (
     topology_findings,
     topology_report,
     topology_summary,
+    topology_warnings,
 )
 from rigbook.recipes import catalogue
 from rigbook.render import render
@@ -1212,7 +1213,7 @@ def test_an_empty_mark_is_a_mark_all_the_same(watch_dir, tmp_path):
 
 
 def test_no_systemd_is_a_warning_read_with_the_preflights_batch():
-    from rigbook.checks import Facts, reads_of
+    from rigbook.checks import reads_of
 
     reads = reads_of(None, "rig1", [guards.SYSTEMD])
     assert [(r.name, r.fact) for r in reads] == [("systemd", guards.SystemdBooted)]
@@ -1220,3 +1221,17 @@ def test_no_systemd_is_a_warning_read_with_the_preflights_batch():
     assert finding.level == "warn" and "Xid watch are not installed" in finding.reason
     assert guards.SYSTEMD.run(None, Facts(systemd=True), "rig1") == []
     assert guards.SYSTEMD in guards.CHECKS
+
+
+def test_the_topology_check_reads_with_the_preflight_and_warns_as_the_report_does():
+    from rigbook.checks import reads_of
+
+    names = [read.name for read in reads_of(rig(nvlink=False), "rig1", [guards.TOPOLOGY])]
+    assert names == ["probe", "topology"] and guards.TOPOLOGY.gpus
+    probe = GpuProbe(smi="nvidia-smi", gpus=(gpu(0), gpu(1)))
+    facts = Facts(probe=probe, topology=NV_TOPO)
+    (finding,) = guards.TOPOLOGY.run(rig(nvlink=False), facts, "rig1")
+    assert finding.level == "warn"
+    assert finding.reason == topology_warnings(rig(nvlink=False), NV_TOPO, probe.gpus)[0]
+    assert guards.TOPOLOGY.run(rig(nvlink=True), facts, "rig1") == []
+    assert guards.TOPOLOGY.run(rig(nvlink=False), Facts(probe=probe), "rig1") == []

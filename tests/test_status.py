@@ -919,8 +919,10 @@ def test_fact_plan_follows_the_host_data():
     wsl = fact_plan(wsl_rig(wsl_tdr_disable=True))
     assert wsl["registry"][1]["names"] == ("TdrDelay", "TdrDdiDelay", "TdrLevel")
     assert "stale_present" in fact_plan(dual_3090())
-    # venvs, the HF cache and the serving unit only where the rig declares them
-    assert not [name for name in plain if name.startswith(("venvs:", "cache", "serving"))]
+    # venvs and the serving unit only where the rig declares them; the HF cache always (the
+    # models role reports what it holds on every rig)
+    assert not [name for name in plain if name.startswith(("venvs:", "serving"))]
+    assert plain["cache"] == (ModelCache, {"cache": "/var/lib/rigbook/hf/hub"})
     venvs = fact_plan(dual_3090(venvs=[{"name": "a", **VENV}, {"name": "b", **VENV}]))
     assert venvs["venvs:a"] == (VenvBuilds, {"venv_name": "a"})
     assert venvs["venvs:b"] == (VenvBuilds, {"venv_name": "b"})
