@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -70,8 +71,9 @@ class RepoFile:
     def lfs(self) -> bool:
         return self.path.endswith(LFS_SUFFIXES)
 
-    @property
+    @cached_property
     def sha256(self) -> str:
+        """Hashed once: every request looks its repo up, which would hash the weights again."""
         return hashlib.sha256(self.data).hexdigest()
 
     def entry(self):

@@ -55,7 +55,7 @@ from rigbook.tokens import (
     parse_secret_file,
     rig_tokens,
 )
-from tests.hubstub import Hub, huge_repo, mirror, serve, tiny_repo
+from tests.hubstub import Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import local_fact, run_op, shell
 from tests.test_progress import FakeRig
 
@@ -1140,6 +1140,122 @@ def test_a_non_lfs_file_from_the_hub_is_checked_against_its_git_blob_id(hf_pytho
     assert (rc, result["status"]) == (3, "partial")
     assert [item["path"] for item in result["bad_hash"]] == ["config.json"]
     assert result["bad_hash"][0]["hash"] == "git blob id"
+
+
+# --- pull.py's download: one streaming GET a file, hashed while written -------------------------
+
+
+class Recording(StubHandler):
+    """The stub, noting the Authorization header of every request (None: not sent)."""
+
+    def record(self, route: str) -> None:
+        self.hub.auths.append(self.headers.get("Authorization"))
+        super().record(route)
+
+
+class DropsOnce(Recording):
+    """The first GET of a file body sends half and drops the connection; the next resume."""
+
+    def send_body(self, entry, start):
+        if not self.hub.dropped:
+            self.hub.dropped = True
+            self.wfile.write(b"".join(entry.chunks(start))[: (entry.size - start) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        super().send_body(entry, start)
+
+
+@pytest.fixture
+def loopback():
+    """Serve a Hub with a handler class on loopback: start(hub, handler) -> endpoint."""
+    servers = []
+
+    def start(hub, handler=Recording) -> str:
+        hub.auths, hub.dropped = [], False
+        server = mirror.server(type("Bound", (handler,), {"hub": hub}))
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def fetch_weights(tmp_path, url, token=None, meta=None):
+    """pull.fetch of tiny's weights into a cache in tmp_path: (result, blobs folder, link)."""
+    pull, repo = load_pull(), tiny_repo()
+    meta = meta or repo.file("model.safetensors").entry().manifest_entry()
+    repo_dir = tmp_path / "hub" / repo_folder(repo.repo_id)
+    link = repo_dir / "snapshots" / repo.commit / "model.safetensors"
+    result = pull.fetch(url, token, repo_dir, tmp_path / "hub" / ".locks", link, meta)
+    return result, repo_dir / "blobs", link
+
+
+def resolve_url(endpoint: str, path: str = "model.safetensors") -> str:
+    repo = tiny_repo()
+    return f"{endpoint}/{repo.repo_id}/resolve/{repo.commit}/{path}"
+
+
+def test_download_hashes_while_writing_and_keeps_only_a_matching_file(tmp_path, loopback):
+    weights = tiny_repo().file("model.safetensors")
+    endpoint = loopback(Hub((tiny_repo(),)))
+    (sha, mismatch), blobs, link = fetch_weights(tmp_path, resolve_url(endpoint))
+    assert (sha, mismatch) == (weights.sha256, None)
+    assert link.read_bytes() == weights.data and os.readlink(link) == (
+        f"../../blobs/{weights.sha256}")
+    assert sorted(p.name for p in blobs.iterdir()) == [weights.sha256]
+
+    # Other bytes of the same size: found while written, never moved into place.
+    meta = {**weights.entry().manifest_entry(), "sha256": "0" * 64}
+    (sha, mismatch), blobs, link = fetch_weights(tmp_path / "bad", resolve_url(endpoint),
+                                                 meta=meta)
+    assert mismatch == {"hash": "sha256", "actual": weights.sha256, "expected": "0" * 64}
+    assert not link.exists() and list(blobs.iterdir()) == []
+
+
+def test_download_of_a_short_body_fails_and_leaves_nothing(tmp_path, loopback):
+    hub = Hub((tiny_repo(),), interrupt="model.safetensors")  # half, then 503
+    endpoint = loopback(hub)
+    with pytest.raises(Exception, match="^HTTP error 503: unavailable"):
+        fetch_weights(tmp_path, resolve_url(endpoint))
+    repo_dir = tmp_path / "hub" / repo_folder(tiny_repo().repo_id)
+    assert list((repo_dir / "blobs").iterdir()) == []
+    assert not (repo_dir / "snapshots").exists()
+
+
+def test_download_resumes_a_dropped_connection_with_a_range(tmp_path, loopback):
+    hub = Hub((tiny_repo(),), log_path=str(tmp_path / "requests.jsonl"))
+    endpoint = loopback(hub, DropsOnce)
+    (sha, mismatch), _, link = fetch_weights(tmp_path, resolve_url(endpoint))
+    weights = tiny_repo().file("model.safetensors")
+    assert (sha, mismatch) == (weights.sha256, None) and link.read_bytes() == weights.data
+    assert [r["range"] for r in requests(hub)] == [None, f"bytes={weights.size // 2}-"]
+
+
+def test_download_follows_redirects_and_sends_the_token_only_to_its_origin(tmp_path, loopback):
+    """As the hub sends an LFS file to its storage: the token goes to the hub alone."""
+    storage = Hub((tiny_repo(),))
+    storage_url = loopback(storage)
+
+    class Redirects(Recording):
+        def dispatch(self):
+            self.record("redirect")
+            if self.path.startswith("/moved/"):  # a renamed repo: relative, same origin
+                self.send(307, headers={"Location": self.path.removeprefix("/moved")})
+            else:
+                self.send(302, headers={"Location": f"{storage_url}{self.path}?signed=1"})
+
+    hub = Hub(())
+    hub_url = loopback(hub, Redirects)
+    url = resolve_url(f"{hub_url}/moved")
+    (sha, mismatch), _, link = fetch_weights(tmp_path, url, token=TOKEN)
+    assert mismatch is None and link.read_bytes() == tiny_repo().file("model.safetensors").data
+    assert hub.auths == [f"Bearer {TOKEN}"] * 2
+    assert storage.auths == [None]
 
 
 def test_mirror_script_refuses_to_start_without_a_token_and_serves_with_one(tmp_path):

@@ -193,7 +193,7 @@ def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, 
     assert "run again to finish" in first.stderr
     gets = [r for r in stub.requests() if r["method"] == "GET"
             and r["path"].endswith("model.safetensors")]
-    assert len(gets) == 2, gets  # dropped half way, then huggingface_hub's own retry got 503
+    assert len(gets) == 2, gets  # dropped half way, then the pull's resume (Range) got 503
     assert {r["auth"] for r in stub.requests()} == {"ok"}  # the fleet's token, from its file
     assert [r["route"] for r in stub.requests()][0] == "manifest"
     files = rig_ssh(rig, f"ls {snapshot}").stdout.split()

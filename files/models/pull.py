@@ -1,7 +1,8 @@
 """Pull one pinned model snapshot into a Hugging Face cache, and say whether it is complete.
 
 rigbook copies this script to the rig and runs it with its tools venv's python (which holds
-huggingface_hub); roles/models.py parses the one JSON object it prints on stdout:
+huggingface_hub, imported only to list the hub's files and for files that need Xet);
+roles/models.py parses the one JSON object it prints on stdout:
 
     {"status": "complete" | "partial" | "refused" | "error", "repo": ..., "revision": ..., ...}
 
@@ -20,24 +21,28 @@ What it does, in order, holding a per-repo lock so that two pulls of one repo ne
    hub (HF_ENDPOINT), path, size, git blob id and, for LFS files, sha256; from rigbook's mirror
    (--endpoint), its manifest (GET /api/rigbook/manifest/...), whose body must match the sha256
    in its X-Rigbook-Manifest-Sha256 header: size, sha256 and git blob id of every file;
-2. removes `blobs/*.incomplete` leftovers of killed pulls (huggingface_hub 2.x writes each
-   download to a process-unique temporary file that no later process reuses; a leftover whose
-   per-file lock nobody holds is dead) and snapshot files whose size is wrong;
+2. removes `blobs/*.incomplete` leftovers of killed pulls (this script and huggingface_hub 2.x
+   write each download to a process-unique temporary file that no later process reuses; a
+   leftover whose per-file lock nobody holds is dead) and snapshot files whose size is wrong;
 3. preflight: the bytes still missing plus the margin must fit in the free space of the cache's
    filesystem, else it refuses with the numbers and downloads nothing;
-4. downloads only the missing files (hf_hub_download; within one run huggingface_hub resumes a
-   dropped connection with HTTP Range requests);
+4. downloads only the missing files, several at a time, each with one streaming GET of the
+   /resolve/ route into `blobs/<etag>.<8 hex>.incomplete` (huggingface_hub's layout), hashed
+   while it is written (a dropped connection is resumed with a Range request); a file whose
+   hashes do not match is never moved into place. Files over huggingface_hub's plain-HTTP limit
+   go through hf_hub_download (Xet), as before;
 5. checks every expected file: present, exact size, and every hash it has (sha256; the git blob
-   id of non-LFS files), for files downloaded now or not yet vouched for by a manifest; a bad
-   file is removed so that the next run fetches it again;
+   id of non-LFS files), for files not hashed while downloaded now nor vouched for by a
+   manifest; a bad file is removed so that the next run fetches it again;
 6. complete: writes the manifest `<repo dir>/rigbook/<commit>.json` (files with size, sha256 of
    every file, git blob id, LFS flag; patterns) that later runs check locally, without the
    network, and that rigbook's mirror serves. Partial: removes it; the snapshots and manifests
    of other commits are never touched.
 
-The token, if one is needed, is read by huggingface_hub from the file HF_TOKEN_PATH names (the
-HF token for the hub, the fleet's mirror token for --endpoint): it is never an argument of this
-script and never printed. The cache is written 0644 / 0755 whatever the caller's umask: the
+The token, if one is needed, is read from the file HF_TOKEN_PATH names (the HF token for the
+hub, the fleet's mirror token for --endpoint): it is never an argument of this script, never
+printed, and sent only to the hub or mirror itself, never to where it redirects elsewhere (the
+hub's storage). The cache is written 0644 / 0755 whatever the caller's umask: the
 engines' user and the mirror's read it.
 """
 
@@ -46,15 +51,19 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import http.client
 import json
 import os
+import queue
 import re
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from fnmatch import fnmatchcase
 from pathlib import Path
+from urllib.parse import quote, urljoin, urlsplit
 
 EXIT = {"complete": 0, "refused": 2, "partial": 3, "error": 4}
 MANIFEST_VERSION = 2
@@ -63,6 +72,20 @@ MANIFEST_ROUTE = "/api/rigbook/manifest"
 MANIFEST_SHA256 = "X-Rigbook-Manifest-Sha256"
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "oid": re.compile(r"[0-9a-f]{40}")}
 HASH_CHUNK = 8 * 1024 * 1024
+#: Bytes a download reads (hashes, writes) at a time, and chunks read but not hashed yet at
+#: most: large reads keep Python's share small (measured on a sandbox rig: 16 MiB with the
+#: hashing on its own thread comes near curl; 1-4 MiB, or hashing inline, do not). A download
+#: holds (HASH_QUEUE + 2) * READ_CHUNK of buffers.
+READ_CHUNK = 16 * 1024 * 1024
+HASH_QUEUE = 2
+#: The largest file huggingface_hub fetches over plain HTTP (its MAX_HTTP_DOWNLOAD_SIZE): larger
+#: ones need Xet, so they go through hf_hub_download.
+HTTP_LIMIT = 50 * 10**9
+#: GETs of one file: the first and the Range requests that resume it after a dropped connection.
+ATTEMPTS = 3
+MAX_REDIRECTS = 10
+REDIRECTS = (301, 302, 303, 307, 308)
+TIMEOUT = 60
 #: Seconds of progress samples a rate is taken over.
 RATE_WINDOW = 30.0
 GIB = 1024**3
@@ -95,26 +118,41 @@ def free_bytes(path: str) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def check_hashes(path: Path, meta: dict) -> tuple[str, dict | None]:
-    """(sha256 of the file, the first hash of `meta` it does not match or None), one read.
+class Hashes:
+    """Every hash of one file that `meta` can be checked against, fed with its bytes in order.
 
     Non-LFS files are also checked against their git blob id (sha1 of "blob <size>\\0" and the
     bytes: the oid the hub's tree lists); for LFS files that id is the pointer's.
     """
-    sha = hashlib.sha256()
-    blob = None if meta["lfs"] else hashlib.sha1(b"blob %d\0" % meta["size"])
+
+    def __init__(self, meta: dict):
+        self.meta = meta
+        self.sha = hashlib.sha256()
+        self.blob = None if meta["lfs"] else hashlib.sha1(b"blob %d\0" % meta["size"])
+
+    def update(self, chunk) -> None:
+        self.sha.update(chunk)
+        if self.blob is not None:
+            self.blob.update(chunk)
+
+    def check(self) -> tuple[str, dict | None]:
+        """(sha256 of the bytes, the first hash of `meta` they do not match or None)."""
+        actual, meta = self.sha.hexdigest(), self.meta
+        if meta["sha256"] and actual != meta["sha256"]:
+            return actual, {"hash": "sha256", "actual": actual, "expected": meta["sha256"]}
+        if self.blob is not None and self.blob.hexdigest() != meta["oid"]:
+            return actual, {"hash": "git blob id", "actual": self.blob.hexdigest(),
+                            "expected": meta["oid"] or "none"}
+        return actual, None
+
+
+def check_hashes(path: Path, meta: dict) -> tuple[str, dict | None]:
+    """Hashes.check of the file at `path`, one read."""
+    hashes = Hashes(meta)
     with path.open("rb") as handle:
         while chunk := handle.read(HASH_CHUNK):
-            sha.update(chunk)
-            if blob is not None:
-                blob.update(chunk)
-    actual = sha.hexdigest()
-    if meta["sha256"] and actual != meta["sha256"]:
-        return actual, {"hash": "sha256", "actual": actual, "expected": meta["sha256"]}
-    if blob is not None and blob.hexdigest() != meta["oid"]:
-        return actual, {"hash": "git blob id", "actual": blob.hexdigest(),
-                        "expected": meta["oid"] or "none"}
-    return actual, None
+            hashes.update(chunk)
+    return hashes.check()
 
 
 def size_of(path: Path) -> int | None:
@@ -157,20 +195,72 @@ def hub_files(repo: str, revision: str) -> dict[str, dict]:
     }
 
 
+def read_token() -> str | None:
+    """The token in the file HF_TOKEN_PATH names (the one of this pull's destination)."""
+    try:
+        return Path(os.environ["HF_TOKEN_PATH"]).read_text().strip() or None
+    except (KeyError, OSError):
+        return None
+
+
+class HTTPError(Exception):
+    """An error answer, named as huggingface_hub names the hub's error codes."""
+
+    NAMES = {"RepoNotFound": "RepositoryNotFoundError", "RevisionNotFound":
+             "RevisionNotFoundError", "EntryNotFound": "EntryNotFoundError"}
+
+    def __init__(self, url: str, response: http.client.HTTPResponse):
+        name = self.NAMES.get(response.getheader("X-Error-Code"), "HTTP error")
+        message = response.getheader("X-Error-Message") or response.reason
+        where = urlsplit(url)  # no query: a storage URL's signature stays out of the message
+        super().__init__(f"{name} {response.status}: {message} "
+                         f"({where.scheme}://{where.netloc}{where.path})")
+
+
+@contextmanager
+def get(url: str, token: str | None, headers: dict | None = None):
+    """The response to a GET of `url`, redirects followed; HTTPError for an error status.
+
+    The token goes only to the origin (scheme, host, port) of `url` itself, the hub or the
+    mirror, never to another one a redirect names (the hub sends LFS files to its storage).
+    """
+    origin = urlsplit(url)[:2]
+    for _ in range(MAX_REDIRECTS + 1):
+        parts = urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else \
+            http.client.HTTPConnection
+        connection = kind(parts.netloc, timeout=TIMEOUT)
+        try:
+            sent = dict(headers or {})
+            if token and parts[:2] == origin:
+                sent["Authorization"] = f"Bearer {token}"
+            connection.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""),
+                               headers=sent)
+            response = connection.getresponse()
+            if response.status in REDIRECTS and response.getheader("Location"):
+                url = urljoin(url, response.getheader("Location"))
+                continue
+            if response.status >= 400:
+                raise HTTPError(url, response)
+            yield response
+            return
+        finally:
+            connection.close()
+    raise HTTPError(url, response)
+
+
 def mirror_files(endpoint: str, repo: str, revision: str) -> dict[str, dict]:
     """path -> {size, sha256, oid, lfs} of the commit, from rigbook's mirror's manifest.
 
     ValueError when the body does not match the sha256 in its header, is for another snapshot,
     or lacks a hash of a file.
     """
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
     url = f"{endpoint.rstrip('/')}{MANIFEST_ROUTE}/{repo}/{revision}"
-    response = get_session().get(url, headers=build_hf_headers())
-    hf_raise_for_status(response)
-    if hashlib.sha256(response.content).hexdigest() != response.headers.get(MANIFEST_SHA256):
+    with get(url, read_token()) as response:
+        body, claimed = response.read(), response.getheader(MANIFEST_SHA256)
+    if hashlib.sha256(body).hexdigest() != claimed:
         raise ValueError(f"the mirror's manifest does not match its {MANIFEST_SHA256} header")
-    data = json.loads(response.content)
+    data = json.loads(body)
     if (data.get("repo"), data.get("revision")) != (repo, revision):
         raise ValueError("the mirror's manifest is for another snapshot")
     files = {}
@@ -185,18 +275,40 @@ def mirror_files(endpoint: str, repo: str, revision: str) -> dict[str, dict]:
     return files
 
 
-def expected_files(args: argparse.Namespace) -> dict[str, dict]:
-    """The files of the pinned commit that the patterns select, from the hub or the mirror."""
-    from huggingface_hub.utils import filter_repo_objects
+def matches(path: str, patterns: list[str]) -> bool:
+    """huggingface_hub's pattern rule (filter_repo_objects): fnmatch, case-sensitive, and a
+    pattern that ends with "/" stands for everything under that folder."""
+    return any(fnmatchcase(path, pattern + "*" if pattern.endswith("/") else pattern)
+               for pattern in patterns)
 
+
+def safe_path(path: str) -> bool:
+    """A relative path that stays in the snapshot folder."""
+    parts = path.split("/")
+    return not path.startswith("/") and "\\" not in path and "\0" not in path and all(
+        part not in ("", ".", "..") for part in parts)
+
+
+def expected_files(args: argparse.Namespace) -> dict[str, dict]:
+    """The files of the pinned commit that the patterns select, from the hub or the mirror.
+
+    ValueError for a path that would leave the snapshot or a hash that cannot name a blob: both
+    become file names in the cache.
+    """
     if args.endpoint:
         files = mirror_files(args.endpoint, args.repo, args.revision)
     else:
         files = hub_files(args.repo, args.revision)
-    chosen = filter_repo_objects(
-        list(files), allow_patterns=args.allow or None, ignore_patterns=args.ignore or None
-    )
-    return {path: files[path] for path in sorted(chosen)}
+    chosen = {}
+    for path in sorted(files):
+        if (args.allow and not matches(path, args.allow)) or matches(path, args.ignore):
+            continue
+        meta = files[path]
+        if not (safe_path(path) and _HEX["oid"].fullmatch(meta["oid"] or "") and (
+                not meta["lfs"] or _HEX["sha256"].fullmatch(meta["sha256"] or ""))):
+            raise ValueError(f"unsafe path or hash in the file list: {path!r}")
+        chosen[path] = meta
+    return chosen
 
 
 def remove_dead_leftovers(cache: Path, folder: str) -> list[dict]:
@@ -227,6 +339,7 @@ def remove_dead_leftovers(cache: Path, folder: str) -> list[dict]:
 
 
 def xet_usable() -> bool:
+    """Whether hf_hub_download may use Xet (it is installed and not turned off)."""
     try:
         from huggingface_hub.utils._runtime import is_xet_available
     except ImportError:
@@ -267,23 +380,137 @@ def preflight(
     return None
 
 
-def download(repo, revision, cache, endpoint, paths, workers) -> dict[str, str]:
-    """Fetch each path; path -> error text for those that failed."""
-    from huggingface_hub import hf_hub_download
+def etag_of(meta: dict) -> str:
+    """The blob name huggingface_hub gives a file: sha256 of an LFS file, else its git blob id."""
+    return meta["sha256"] if meta["lfs"] else meta["oid"]
 
-    errors: dict[str, str] = {}
 
-    def fetch(path: str) -> None:
+@contextmanager
+def hashing(hashes: Hashes):
+    """A function that hands chunks to `hashes` on a thread of its own: hashlib releases the
+    GIL, so hashing overlaps the next reads and writes instead of stalling them."""
+    chunks: queue.Queue = queue.Queue(maxsize=HASH_QUEUE)
+
+    def run() -> None:
+        while (chunk := chunks.get()) is not None:
+            hashes.update(chunk)
+
+    thread = threading.Thread(target=run, name="hash")
+    thread.start()
+    try:
+        yield chunks.put
+    finally:
+        chunks.put(None)
+        thread.join()
+
+
+def stream(url: str, token: str | None, target: Path, meta: dict) -> tuple[str, dict | None]:
+    """Write the body of `url` to `target`, hashed as it is written: Hashes.check.
+
+    A connection that drops is resumed with a Range request (ATTEMPTS GETs in all); an error
+    answer is not retried.
+    """
+    hashes, size, written = Hashes(meta), meta["size"], 0
+    dropped: Exception | None = None
+    # Buffers reused in turn: one being read, HASH_QUEUE queued, one being hashed, so a buffer
+    # comes round again only once hashed (fresh ones cost page faults, which halve the rate).
+    ring = [memoryview(bytearray(min(READ_CHUNK, size))) for _ in range(HASH_QUEUE + 2)]
+    reads = 0
+    with target.open("wb") as out, hashing(hashes) as feed:
+        for _ in range(ATTEMPTS):
+            try:
+                with get(url, token, {"Range": f"bytes={written}-"} if written else None) as rsp:
+                    if written and not (rsp.getheader("Content-Range") or "").startswith(
+                            f"bytes {written}-"):
+                        raise ValueError(f"the server did not resume at byte {written}")
+                    while written < size:
+                        chunk = ring[reads % len(ring)][:min(READ_CHUNK, size - written)]
+                        reads += 1
+                        count = rsp.readinto(chunk)
+                        if not count:
+                            break  # the connection closed early: resumed below
+                        feed(chunk[:count])
+                        out.write(chunk[:count])
+                        written += count
+            except (OSError, http.client.HTTPException) as error:
+                dropped = error
+            if written == size:
+                break
+    if written == size:
+        return hashes.check()
+    raise ConnectionError(f"the connection dropped at byte {written} of {size} "
+                          f"{ATTEMPTS} times" + (f" ({dropped})" if dropped else ""))
+
+
+def fetch(url: str, token: str | None, repo_dir: Path, lock_dir: Path, link: Path,
+          meta: dict) -> tuple[str, dict | None]:
+    """Download one file into the cache as huggingface_hub lays it out: (its sha256, the hash
+    it does not match or None). Only a file that matches is moved to its blob and linked into
+    the snapshot. The per-file lock is the one huggingface_hub holds while it writes a blob (so
+    remove_dead_leftovers leaves this download alone)."""
+    etag = etag_of(meta)
+    blob = repo_dir / "blobs" / etag
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    temporary = blob.with_name(f"{etag}.{os.urandom(4).hex()}.incomplete")
+    with open(lock_dir / f"{etag}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            hf_hub_download(
-                repo, path, revision=revision, cache_dir=cache, endpoint=endpoint
-            )
+            sha256, mismatch = stream(url, token, temporary, meta)
+            if mismatch is None:
+                os.replace(temporary, blob)
+        finally:
+            temporary.unlink(missing_ok=True)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    if mismatch is None:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return sha256, mismatch
+
+
+def download(args: argparse.Namespace, missing: dict[str, dict]):
+    """Fetch the missing files, args.workers at a time: (path -> error text of those that
+    failed, path -> sha256 of those hashed while written, path -> mismatch of those that were
+    not what the file list says). Files over HTTP_LIMIT go through hf_hub_download (Xet) and
+    are hashed by verify."""
+    cache = Path(args.cache)
+    repo_dir = cache / repo_folder(args.repo)
+    snapshot = repo_dir / "snapshots" / args.revision
+    if args.endpoint:
+        base = args.endpoint
+    else:
+        from huggingface_hub import constants
+
+        base = constants.ENDPOINT
+    base = f"{base.rstrip('/')}/{args.repo}/resolve/{quote(args.revision, safe='')}"
+    token = read_token()
+    errors: dict[str, str] = {}
+    hashed: dict[str, str] = {}
+    bad: dict[str, dict] = {}
+
+    def one(path: str) -> None:
+        meta = missing[path]
+        try:
+            if meta["size"] > HTTP_LIMIT:
+                from huggingface_hub import hf_hub_download
+
+                hf_hub_download(args.repo, path, revision=args.revision, cache_dir=str(cache),
+                                endpoint=args.endpoint)
+                return
+            sha256, mismatch = fetch(f"{base}/{quote(path)}", token, repo_dir,
+                                     cache / ".locks" / repo_dir.name, snapshot / path, meta)
         except Exception as error:  # every failure is reported per file, the others go on
             errors[path] = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            return
+        if mismatch is None:
+            hashed[path] = sha256
+        else:
+            bad[path] = mismatch
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(paths)))) as pool:
-        list(pool.map(fetch, paths))
-    return errors
+    with ThreadPoolExecutor(max_workers=max(1, min(args.workers, len(missing)))) as pool:
+        list(pool.map(one, sorted(missing)))
+    return errors, hashed, bad
 
 
 def report(kind: str, **fields) -> None:
@@ -294,11 +521,12 @@ def report(kind: str, **fields) -> None:
 class Progress:
     """How far the download of the missing files is, read from the cache alone.
 
-    huggingface_hub writes each download to `blobs/<etag>.<8 hex>.incomplete` (etag: the sha256
-    of an LFS file, else its git blob id), then moves it to its blob and links it into the
-    snapshot (a Xet download writes to the same file): the sizes on disk are the bytes written,
-    and nothing hooks into the download, so nothing here can break it. It writes in steps of up
-    to 10 MiB, so rates are taken over the last RATE_WINDOW seconds, not step to step.
+    Each download (`fetch`, or huggingface_hub's for Xet) writes to
+    `blobs/<etag>.<8 hex>.incomplete` (etag: the sha256 of an LFS file, else its git blob id),
+    then moves it to its blob and links it into the snapshot: the sizes on disk are the bytes
+    written, and nothing hooks into the download, so nothing here can break it. Writes come in
+    steps of up to 16 MiB, so rates are taken over the last RATE_WINDOW seconds, not step to
+    step.
     """
 
     def __init__(self, snapshot: Path, blobs: Path, missing: dict[str, dict], now: float):
@@ -333,7 +561,7 @@ class Progress:
         written, active, done = {}, [], 0
         for path, meta in self.missing.items():
             complete = size_of(self.snapshot / path) == meta["size"]
-            etag = meta["sha256"] if meta["lfs"] else meta["oid"]
+            etag = etag_of(meta)
             written[path] = max(meta["size"] if complete else partial.get(etag, 0), last[path])
             if complete:
                 done += 1
@@ -401,8 +629,6 @@ def verify(snapshot: Path, files: dict[str, dict], vouched: dict, hash_paths: se
 
 
 def pull(args: argparse.Namespace) -> dict:
-    from huggingface_hub import constants
-
     started = time.monotonic()
     cache = Path(args.cache)
     folder = repo_folder(args.repo)
@@ -437,9 +663,9 @@ def pull(args: argparse.Namespace) -> dict:
                 if size is not None:
                     remove_file(snapshot / path)
                 missing[path] = meta
-        refusal = preflight(
-            missing, str(cache), args.margin_bytes, constants.MAX_HTTP_DOWNLOAD_SIZE, xet_usable()
-        )
+        huge = any(meta["size"] > HTTP_LIMIT for meta in missing.values())
+        refusal = preflight(missing, str(cache), args.margin_bytes, HTTP_LIMIT,
+                            huge and not args.endpoint and xet_usable())
         if refusal is not None:
             return {**result, **refusal, "status": "refused"}
 
@@ -448,14 +674,15 @@ def pull(args: argparse.Namespace) -> dict:
         if missing:
             report("download", files=len(missing), bytes=progress.total)
         with reporting(progress, args.progress_every):
-            errors = download(
-                args.repo, args.revision, str(cache), args.endpoint, sorted(missing), args.workers
-            )
+            errors, hashed, bad_downloads = download(args, missing)
         download_seconds = time.monotonic() - downloading
-        downloaded = sorted(p for p in missing if p not in errors)
-        vouched = (read_manifest(manifest_path) or {}).get("files", {})
+        downloaded = sorted(p for p in missing if p not in errors and p not in bad_downloads)
+        vouched = {**(read_manifest(manifest_path) or {}).get("files", {}),
+                   **{path: {**files[path], "sha256": sha} for path, sha in hashed.items()}}
         report("verify", files=len(files))
-        absent, wrong, bad, hashes = verify(snapshot, files, vouched, set(missing))
+        absent, wrong, bad, hashes = verify(snapshot, files, vouched, set(missing) - set(hashed))
+        absent = [path for path in absent if path not in bad_downloads]
+        bad = [{"path": path, **mismatch} for path, mismatch in bad_downloads.items()] + bad
         result.update(
             downloaded=downloaded,
             downloaded_bytes=sum(missing[p]["size"] for p in downloaded),
