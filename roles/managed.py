@@ -43,13 +43,14 @@ class FileState:
 
 
 #: One line a path: kind, octal mode, sha256 or "-", the path (last: it may hold spaces).
+#: printf, not echo: dash's echo would expand a backslash in a path.
 _PROBE = (
-    'if [ -L "$p" ]; then echo "link 0 - $p"; '
-    'elif [ -d "$p" ]; then echo "directory $(stat -c %a "$p") - $p"; '
-    'elif [ -f "$p" ]; then echo "file $(stat -c %a "$p") '
-    '$(sha256sum < "$p" | cut -d" " -f1) $p"; '
-    'elif [ -e "$p" ]; then echo "other 0 - $p"; '
-    'else echo "absent 0 - $p"; fi'
+    'if [ -L "$p" ]; then printf "link 0 - %s\\n" "$p"; '
+    'elif [ -d "$p" ]; then printf "directory %s - %s\\n" "$(stat -c %a "$p")" "$p"; '
+    'elif [ -f "$p" ]; then printf "file %s %s %s\\n" "$(stat -c %a "$p")" '
+    '"$(sha256sum < "$p" | cut -d" " -f1)" "$p"; '
+    'elif [ -e "$p" ]; then printf "other 0 - %s\\n" "$p"; '
+    'else printf "absent 0 - %s\\n" "$p"; fi'
 )
 
 

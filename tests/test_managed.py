@@ -24,7 +24,7 @@ def read(paths: tuple[str, ...]) -> dict:
 
 
 def test_one_command_reads_files_folders_links_and_absent_paths(tmp_path):
-    odd = tmp_path / "a file; $(touch pwned) 'quoted'"
+    odd = tmp_path / "a file; $(touch pwned) 'quoted' back\\nslash"
     odd.write_text("x\n")
     os.chmod(odd, 0o640)
     (tmp_path / "dir").mkdir(mode=0o700)
