@@ -2,9 +2,11 @@
 already read, with the same arguments, gets that value instead of another round trip.
 
 A value stays true while nothing changed the rig: once any operation that changed it has
-completed, the next read goes to the rig again. Only this run's own writes that keep their
-record up to date (rigbook.managed) are exempt. Use it for a read made before the operation's
-own first command: a read after that must see the operation's own changes (`host.get_fact`).
+completed, the next read goes to the rig again. The one exemption: the batched kinds
+(rigbook.managed's files, rigbook.units' units) survive the writes of operations that keep
+them up to date themselves (`mark_ours`); facts do not (a written apt pin changes what apt
+reports). Use it for a read made before the operation's own first command: a read after that
+must see the operation's own changes (`host.get_fact`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class RigRecord:
     facts: dict[tuple, Any] = field(default_factory=dict)
     expected: dict[str, list[str]] = field(default_factory=dict)
     known: dict[str, dict[str, Any]] = field(default_factory=dict)
-    changes_seen: int = 0
+    changes_seen: tuple[int, int] = (0, 0)  # (by any operation, by operations not `ours`)
 
 
 @dataclass
@@ -48,35 +50,38 @@ def _run(run_state: State) -> _Run:
     return _RUNS.setdefault(run_state, _Run())
 
 
-def _changes_by_others(run_state: State, rig: Host) -> int:
-    """Completed operations on this rig that changed it, other than those marked `ours`."""
+def _changes(run_state: State, rig: Host) -> tuple[int, int]:
+    """Completed operations on this rig that changed it: all of them, and those not `ours`."""
     ops = run_state.ops.get(rig, {})
     ours = _run(run_state).ours
-    count = 0
+    every = others = 0
     for op_hash in run_state.get_op_order():
         data = ops.get(op_hash)
-        if data is not None and op_hash not in ours:
-            meta = data.operation_meta
-            count += meta.is_complete() and meta.did_change()
-    return count
+        if data is not None and data.operation_meta.is_complete() \
+                and data.operation_meta.did_change():
+            every += 1
+            others += op_hash not in ours
+    return every, others
 
 
 def record(run_state: State | None = None, rig_host: Host | None = None) -> RigRecord:
-    """A rig's record (the current one by default), emptied when another operation has changed
-    the rig since."""
+    """A rig's record (the current one by default): its facts forgotten when an operation has
+    changed the rig since, its batched kinds when one that is not `ours` has."""
     run_state = _itself(run_state) or ctx_state.get()
     rig_host = _itself(rig_host) or ctx_host.get()
     rig = _run(run_state).rigs.setdefault(rig_host.name, RigRecord())
-    changes = _changes_by_others(run_state, rig_host)
-    if changes != rig.changes_seen:
+    changes = _changes(run_state, rig_host)
+    if changes[0] != rig.changes_seen[0]:
         rig.facts.clear()
+    if changes[1] != rig.changes_seen[1]:
         rig.known.clear()
-        rig.changes_seen = changes
+    rig.changes_seen = changes
     return rig
 
 
 def mark_ours() -> None:
-    """The running operation keeps the record true itself: its writes do not empty it."""
+    """The running operation keeps the batched kinds true itself: its writes do not empty
+    them."""
     if host.current_op_hash:
         _run(ctx_state.get()).ours.add(host.current_op_hash)
 

@@ -98,7 +98,7 @@ def test_another_operation_that_changed_the_rig_makes_the_next_comparison_read_a
     answers = [{"/etc/x": None, "/etc": managed.FileState("directory", 0o755)},
                {"/etc/x": managed.FileState("file", 0o644, "0" * 64)}]
     changes = [0]
-    monkeypatch.setattr(runfacts, "_changes_by_others", lambda *_: changes[0])
+    monkeypatch.setattr(runfacts, "_changes", lambda *_: (changes[0], changes[0]))
 
     def body():
         yield from managed.absent_commands("/etc/x")  # absent when first read
@@ -114,7 +114,7 @@ def test_a_fact_the_preflight_read_is_not_read_again_until_the_rig_changed(monke
     """rigbook.runfacts: the preflight's batch seeds the run; a change by another operation
     sends the next read to the rig."""
     changes = [0]
-    monkeypatch.setattr(runfacts, "_changes_by_others", lambda *_: changes[0])
+    monkeypatch.setattr(runfacts, "_changes", lambda *_: (changes[0], changes[0]))
     fact = managed.FileStates
 
     def body():
@@ -127,3 +127,23 @@ def test_a_fact_the_preflight_read_is_not_read_again_until_the_rig_changed(monke
     answers, fake = run(body, {"FileStates": lambda paths: {"/a": "read"}})
     assert answers == [{"/a": None}, {"/a": None}, {"/a": "read"}]
     assert [name for name, _ in fake.asked] == ["FileStates"]
+
+
+def test_a_write_of_this_module_keeps_the_file_states_but_not_the_facts(monkeypatch):
+    """A file rigbook.managed wrote is known as written; a fact may depend on it (an apt pin
+    changes what apt-cache policy says), so facts are read again."""
+    changes = [(0, 0)]
+    monkeypatch.setattr(runfacts, "_changes", lambda *_: changes[0])
+    fact = managed.FileStates
+
+    def body():
+        yield runfacts.once(fact, paths=("/a",))
+        yield managed.state_of("/etc/x")
+        changes[0] = (1, 0)  # one of this module's operations wrote a file
+        yield runfacts.once(fact, paths=("/a",))
+        yield managed.state_of("/etc/x")
+
+    facts = {"FileStates": lambda paths: {path: None for path in paths}}
+    answers, fake = run(body, facts, ("/etc/x",))
+    assert [kwargs["paths"] for _, kwargs in fake.asked] == [("/a",), ("/etc/x", "/etc", "/"),
+                                                             ("/a",)]
