@@ -124,5 +124,8 @@ def batched(kind: str, item: str, read: Callable[[tuple[str, ...]], dict]) -> An
 
 
 def remember(kind: str, item: str, value: Any) -> None:
-    """What an operation of this run made `item`: later reads need not ask the rig."""
-    record().known.setdefault(kind, {})[item] = value
+    """What an operation of this run made `item`: later reads need not ask the rig. Only while
+    executing: pyinfra also runs an operation's body while it plans (without -y, and for
+    --dry), and nothing was written then."""
+    if ctx_state.get().is_executing:
+        record().known.setdefault(kind, {})[item] = value

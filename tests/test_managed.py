@@ -147,3 +147,17 @@ def test_a_write_of_this_module_keeps_the_file_states_but_not_the_facts(monkeypa
     answers, fake = run(body, facts, ("/etc/x",))
     assert [kwargs["paths"] for _, kwargs in fake.asked] == [("/a",), ("/etc/x", "/etc", "/"),
                                                              ("/a",)]
+
+
+def test_a_body_run_while_planning_records_nothing():
+    """Without -y pyinfra runs an operation's body while it plans, and the power unit's
+    operation consumes its file commands whole: nothing is written then, so the execution must
+    still upload (seen in the fleet-cap-change runbook)."""
+    fake = FakeHost({"FileStates": file_states({"/etc/a": "old"})})
+    state = State(Inventory((["rig1"], {})), Config())
+    with ctx_state.use(state), ctx_host.use(fake):
+        planned = list(managed.text_commands("new", "/etc/a"))
+        state.is_executing = True
+        executed = list(managed.text_commands("new", "/etc/a"))
+    assert [describe(c) for c in planned] == [describe(c) for c in executed] == [
+        "upload /etc/a", "chmod 644 /etc/a"]
