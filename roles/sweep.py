@@ -378,12 +378,14 @@ def _sh(host_, *parts: Any) -> tuple[bool, str]:
 
 def lease_command(seconds: int | None, folder: str = SWEEP_DIR) -> str:
     """Shell that holds the guard's lease `seconds` from now (the rig's clock), or releases it
-    (None): JSON written whole, then renamed, as the guard reads it."""
+    (None): JSON written whole, then renamed, as the guard reads it. A lease is not renewed once
+    the guard has closed (it is restoring, or has)."""
     if seconds is None:
         body = """printf '{"release": true}'"""
     else:
         deadline = f'"$(( $(date +%s) + {int(seconds)} ))"'
-        body = f"""printf '{{"deadline": %s, "release": false}}' {deadline}"""
+        body = (f"[ ! -e {folder}/closed ] && "
+                f"""printf '{{"deadline": %s, "release": false}}' {deadline}""")
     return f"{body} > {folder}/lease.tmp && mv {folder}/lease.tmp {folder}/lease"
 
 
@@ -425,12 +427,14 @@ class _Sweep:
 
     def renew(self) -> None:
         if not _lease(self.host, self.lease_s):
-            raise RigbookError("could not renew the sweep's lease on the rig")
+            raise RigbookError("the sweep's lease could not be renewed: the guard restored the "
+                               "caps (a step outlived the lease, verify_timeout_s + 5 s)")
 
     def arm(self) -> None:
         """The lease, then the guard, detached from this SSH session."""
+        _sh(self.host, f"rm -f {SWEEP_DIR}/restored.json {SWEEP_DIR}/closed")
         self.renew()
-        ok, said = _sh(self.host, f"rm -f {SWEEP_DIR}/restored.json && cd {SWEEP_DIR} && "
+        ok, said = _sh(self.host, f"cd {SWEEP_DIR} && "
                                   "setsid -f python3 sweep_rig.py guard --unit",
                        QuoteString(UNIT_PATH), f"--dir {SWEEP_DIR} </dev/null >/dev/null 2>&1")
         if not ok:
@@ -438,17 +442,26 @@ class _Sweep:
         self.armed = True
 
     def set_caps(self, cap_w: float) -> dict[str, float | None]:
-        for gpu in self.gpus:
-            cap = GpuCap(index=gpu.index, uuid=gpu.uuid, name=gpu.name, watts=cap_w,
-                         source="sweep_watts", live_w=gpu.power_limit_w, min_w=gpu.min_limit_w,
-                         max_w=gpu.max_limit_w)
-            if not _set_cap(state, self.host, self.smi, cap):
-                raise RigbookError(f"{cap.label}: the cap {w(cap_w)} W did not take")
+        """Each card at `cap_w`, under a lease: a cap set while the guard closed is set back."""
+        self.renew()
+        self._set_all(cap_w)
+        if _sh(self.host, f"[ -e {SWEEP_DIR}/closed ]")[0]:
+            for gpu in self.gpus:
+                self._set_all(self.unit[gpu.uuid], (gpu,))
+            raise RigbookError("the guard restored the caps while a step began: the sweep stops")
         live = self.live()
         wrong = [u for u, v in live.items() if not same_w(v, cap_w)]
         if wrong:
             raise RigbookError(f"asked {w(cap_w)} W, read back {live}")
         return live
+
+    def _set_all(self, cap_w: float, gpus: tuple | None = None) -> None:
+        for gpu in gpus or self.gpus:
+            cap = GpuCap(index=gpu.index, uuid=gpu.uuid, name=gpu.name, watts=cap_w,
+                         source="sweep_watts", live_w=gpu.power_limit_w, min_w=gpu.min_limit_w,
+                         max_w=gpu.max_limit_w)
+            if not _set_cap(state, self.host, self.smi, cap):
+                raise RigbookError(f"{cap.label}: the cap {w(cap_w)} W did not take")
 
     def live(self) -> dict[str, float | None]:
         probe = self.host.get_fact(NvidiaGpus)

@@ -392,3 +392,19 @@ def test_the_h200_dry_run_refused_and_planned_as_the_code_says():
     assert "cap 700 W -> 500, 600, 700 W live, then back to nvidia-power-limit.service's cap" in (
         capture)
     assert capture.rstrip().endswith(f"{gpu.uuid}, 700.00 W")  # the live cap, untouched
+
+
+def test_a_lease_is_not_renewed_once_the_guard_has_closed(tmp_path):
+    """The guard writes `closed` before it restores: no lease (and so no cap) after that."""
+    import json
+    import subprocess
+
+    from rigbook.sweep import lease_command
+
+    def run(seconds):
+        return subprocess.run(["sh", "-c", lease_command(seconds, str(tmp_path))]).returncode
+
+    assert run(30) == 0 and json.loads((tmp_path / "lease").read_text())["release"] is False
+    (tmp_path / "closed").touch()
+    assert run(30) != 0
+    assert run(None) == 0 and json.loads((tmp_path / "lease").read_text()) == {"release": True}
