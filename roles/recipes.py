@@ -64,14 +64,30 @@ OWN_ENV = (
     "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME", "CUDA_HOME", "VLLM_API_KEY", "API_KEY",
     "LLAMA_API_KEY", "HOST", "PORT", "MODEL", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES",
 )
-#: Flags rigbook renders itself (model, address, key): extra_args may not carry them.
-OWN_FLAGS = (
-    "--host", "--port", "--api-key", "--api_key", "--api-key-file", "--model", "--model-path",
-    "--served-model-name", "--model_alias", "--tensor-parallel-size", "-tp", "--tp",
-    "--max-model-len", "--gpu-memory-utilization", "--kv-cache-dtype", "--max-num-seqs",
-    "--speculative-config", "--shutdown-timeout", "--n_ctx", "--n_gpu_layers",
-    "--context-length", "--mem-fraction-static", "--config_file",
-)
+#: Flags rigbook renders itself (model, address, key, context, memory, parallelism) or that read
+#: a file of further flags (--config, --config_file), as each engine's parser declares them,
+#: aliases included (docs/sources.md, "Engine flags"). extra_args may not carry them in any
+#: spelling that parser takes for them (`owned_flags_of`).
+OWN_FLAGS: dict[str, tuple[str, ...]] = {
+    "vllm": (
+        "--model", "--served-model-name", "--host", "--port", "--api-key",
+        "--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization",
+        "--kv-cache-dtype", "--max-num-seqs", "--enable-chunked-prefill",
+        "--max-num-batched-tokens", "--speculative-config", "--shutdown-timeout", "--config",
+    ),
+    "sglang": (
+        "--model-path", "--model", "--host", "--port", "--api-key", "--tp-size",
+        "--tensor-parallel-size", "--context-length", "--mem-fraction-static",
+        "--kv-cache-dtype", "--config",
+    ),
+    "llama.cpp": (
+        "--model", "--model_alias", "--host", "--port", "--api_key", "--n_ctx", "--n_gpu_layers",
+        "--config_file",
+    ),
+}
+#: What argparse reads as a negative number, a value and never a flag (none of the engines
+#: declares a flag that looks like one).
+_NEGATIVE = re.compile(r"-\d+|-\d*\.\d+")
 
 _ENV_KEY = re.compile(r"[A-Z_][A-Z0-9_]*")
 
@@ -209,7 +225,14 @@ class Recipe(StrictModel):
     max_num_batched_tokens: int | None = Field(
         None, ge=256, description="vLLM --max-num-batched-tokens (the prefill chunk)."
     )
-    extra_args: tuple[Line, ...] = Field((), description="More engine arguments, verbatim.")
+    extra_args: tuple[Line, ...] = Field(
+        (),
+        description="More engine arguments, verbatim. Each item that starts with `-` is a flag; "
+        "a flag rigbook sets (model, address, key, context, memory, parallelism, a config file: "
+        "`rigbook.recipes.OWN_FLAGS`) is refused in every spelling the engine's parser takes "
+        "for it: an abbreviation (`--hos`), vLLM's `_` for `-` and `--flag.key` (docs/sources.md, "
+        "Engine flags).",
+    )
     env: dict[str, Line] = Field({}, description="Engine environment (NCCL, allocator, ...).")
     port: int = Field(8000, ge=1024, le=65535, description="API port (serving_port overrides).")
     bind: IpAddress = Field(
@@ -273,10 +296,57 @@ def _engine_problems(r: Recipe) -> list[str]:
         problems.append(
             f"tensor_parallel_size {r.tensor_parallel_size} > fits.gpu_count {r.fits.gpu_count}"
         )
+    return problems + _flag_problems(r)
+
+
+def engine_flag(engine: str, arg: str) -> str | None:
+    """The flag an extra_args item is to the engine's parser, normalised as that parser does
+    (None: a value). Every item that starts with `-` is a flag, a negative number and a lone
+    `-` aside: argparse never takes such an item as the value of the flag before it. vLLM's
+    FlexibleArgumentParser reads `--a.b=v` as `--a` with JSON {"b": v} and turns `_` into `-`
+    in a long flag's name; SGLang's and llama-cpp-python's plain argparse parsers change
+    nothing (docs/sources.md, "Engine flags")."""
+    if not arg.startswith("-") or arg == "-" or _NEGATIVE.fullmatch(arg):
+        return None
+    flag = arg.split("=", 1)[0]
+    if engine == "vllm":
+        flag = flag.split(".", 1)[0]
+        if flag.startswith("--"):
+            flag = flag.replace("_", "-")
+    return flag
+
+
+def owned_flags_of(engine: str, flag: str) -> list[str]:
+    """The owned flags the engine's argparse may read `flag` as: itself, or one it abbreviates
+    (allow_abbrev, argparse's default, which none of the engines turns off, takes a prefix of a
+    long flag, and of a single-dash one such as -tp). An ambiguous prefix is a usage error in
+    argparse; it is refused here all the same, the safe side. argparse is case-sensitive, so
+    --HOST is not --host (the engine exits on it as an unknown flag)."""
+    return [own for own in OWN_FLAGS[engine] if own.startswith(flag)]
+
+
+def _flag_problems(r: Recipe) -> list[str]:
+    """extra_args against the flags rigbook owns, in every spelling the engine takes for them.
+
+    A deny-list of prefixes, not an allow-list of the flags a recipe may pass: the engines
+    declare hundreds of flags that change between releases, and rigbook pins their versions in
+    files/venvs/pins.toml without shipping their parsers; an allow-list that was not read from
+    each pinned parser would refuse good recipes or allow a flag by a name the parser takes for
+    another.
+    """
+    problems = []
     for arg in r.extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in OWN_FLAGS:
-            problems.append(f"extra_args: {flag} is set by rigbook from the recipe's own keys")
+        flag = engine_flag(r.engine, arg)
+        if flag == "--":
+            problems.append("extra_args: -- ends the engine's flags (what follows would not be "
+                            "read as flags by argparse, but vLLM still reads --config after it); "
+                            "leave it out")
+        elif flag is not None and (owned := owned_flags_of(r.engine, flag)):
+            problems.append(
+                f"extra_args: {arg.split('=', 1)[0]} is set by rigbook from the recipe's own "
+                f"keys: {r.engine}'s parser reads it as {' or '.join(owned)} (an owned flag is "
+                "refused in every spelling and abbreviation its engine takes)"
+            )
     return problems
 
 

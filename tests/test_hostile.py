@@ -203,3 +203,117 @@ def test_a_hostile_recipe_file_is_refused_with_its_file_and_field(tmp_path):
         path.write_text(text)
         with pytest.raises(RigbookError, match=field):
             load_recipe(path)
+
+
+#: Owned flags in other spellings (issue 29, finding 1): (engine, extra_args, the flag rigbook
+#: owns that the engine's parser takes it for). argparse takes any unambiguous prefix of a long
+#: flag (allow_abbrev), a single-dash prefix of a single-dash one, and vLLM's parser turns `_`
+#: into `-` and `--x.key` into `--x` (docs/sources.md, "Engine flags").
+OWNED_SPELLINGS = [
+    ("vllm", ["--hos=0.0.0.0"], "--host"),
+    ("vllm", ["--hos", "0.0.0.0"], "--host"),
+    ("vllm", ["--max_model_len=1048576"], "--max-model-len"),
+    ("vllm", ["--gpu_memory_utilization=0.99"], "--gpu-memory-utilization"),
+    ("vllm", ["--api-k=x"], "--api-key"),
+    ("vllm", ["-tp", "8"], "-tp"),
+    ("vllm", ["-t", "8"], "-tp"),
+    ("vllm", ["-tp=8"], "-tp"),
+    ("vllm", ["--speculative_config.model=/tmp/evil"], "--speculative-config"),
+    ("vllm", ["--config", "/tmp/flags.yaml"], "--config"),  # a YAML file of any flags
+    ("vllm", ["--enforce-eager", "--host=0.0.0.0"], "--host"),  # the second item is a flag
+    ("vllm", ["--", "--port=80"], "--port"),  # "--" is a prefix of every long flag
+    ("sglang", ["--hos=0.0.0.0"], "--host"),
+    ("sglang", ["--context-len", "1048576"], "--context-length"),
+    ("sglang", ["--mem-frac=0.99"], "--mem-fraction-static"),
+    ("sglang", ["--tensor-para", "8"], "--tensor-parallel-size"),
+    ("sglang", ["--conf", "/tmp/flags.yaml"], "--config"),
+    ("llama.cpp", ["--n_gpu_l=-1"], "--n_gpu_layers"),  # on a cpu_only recipe
+    ("llama.cpp", ["--n_gpu_l", "-1"], "--n_gpu_layers"),
+    ("llama.cpp", ["--hos=0.0.0.0"], "--host"),
+    ("llama.cpp", ["--api_k=x"], "--api_key"),
+    ("llama.cpp", ["--config_f=/tmp/settings.json"], "--config_file"),
+]
+#: Spellings the engine's own parser does not take for an owned flag (it exits with a usage
+#: error instead): argparse is case-sensitive, and only vLLM maps `_` to `-`.
+NOT_OWNED_SPELLINGS = [
+    ("vllm", ["--HOST=0.0.0.0"]), ("llama.cpp", ["--Host", "0.0.0.0"]),
+    ("llama.cpp", ["--n-gpu-layers=-1"]), ("sglang", ["--context_length=1048576"]),
+    ("llama.cpp", ["--n_threads", "-1"]),  # a negative number is a value, not a flag
+]
+
+
+def recipe_text(engine: str, extra_args: list[str]) -> str:
+    """A recipe file of the engine with these extra_args (llama.cpp: the cpu_only tiny one)."""
+    if engine == "llama.cpp":
+        text = (ROOT / "tests" / "recipes" / "tiny-cpu-a.toml").read_text()
+    else:
+        text = (ROOT / "files" / "recipes" / "dual-3090-tp2.toml").read_text()
+        text = text.replace('name = "dual-3090-tp2"', 'name = "tiny-cpu-a"')
+    if engine == "sglang":
+        text = text.replace('engine = "vllm"', 'engine = "sglang"').replace(
+            "max_num_seqs = 8\n", "")
+    return text.replace("[model]", f"extra_args = {json.dumps(extra_args)}\n[model]", 1)
+
+
+@pytest.mark.parametrize(("engine", "extra_args", "owned"), OWNED_SPELLINGS)
+def test_an_owned_flag_in_another_spelling_is_refused(tmp_path, engine, extra_args, owned):
+    from rigbook.errors import RigbookError
+    from rigbook.recipes import load_recipe
+
+    path = tmp_path / "tiny-cpu-a.toml"
+    path.write_text(recipe_text(engine, extra_args))
+    with pytest.raises(RigbookError) as error:
+        load_recipe(path)
+    assert "extra_args" in str(error.value) and owned in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize(("engine", "extra_args"), NOT_OWNED_SPELLINGS)
+def test_a_spelling_the_engine_does_not_take_for_an_owned_flag_is_not_refused_as_one(
+        tmp_path, engine, extra_args):
+    from rigbook.recipes import load_recipe
+
+    path = tmp_path / "tiny-cpu-a.toml"
+    path.write_text(recipe_text(engine, extra_args))
+    assert load_recipe(path).extra_args == tuple(extra_args)
+
+
+def test_argparse_itself_takes_each_refused_spelling_for_the_owned_flag():
+    """The refused llama.cpp and SGLang spellings, parsed by the standard library's argparse
+    with the owned flags as the engines declare them: each lands on the owned flag (the engines
+    add no normalisation of their own); the not-owned ones land on none."""
+    import argparse
+
+    from rigbook.recipes import OWN_FLAGS
+
+    for engine in ("llama.cpp", "sglang"):
+        parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        for flag in OWN_FLAGS[engine]:
+            parser.add_argument(flag, dest=flag)
+        for spelled, args, owned in OWNED_SPELLINGS:
+            if spelled == engine:
+                seen, rest = parser.parse_known_args(args)
+                assert getattr(seen, owned) is not None and not rest, (args, seen, rest)
+        for spelled, args in NOT_OWNED_SPELLINGS:
+            if spelled == engine:
+                seen, rest = parser.parse_known_args(args)
+                assert not any(vars(seen).values()) and rest, (args, seen)
+
+
+def test_a_wide_bind_through_a_prefix_is_refused_before_the_plan(tmp_path):
+    """The issue's case: `--hos=0.0.0.0` in a serving_recipe_dirs recipe; the plan reported bind
+    127.0.0.1 and asked for no key while the engine listened everywhere."""
+    from rigbook.errors import RigbookError
+    from rigbook.serving import serve_plan
+    from rigbook.spec import Rig
+
+    (tmp_path / "hostile-cpu.toml").write_text(
+        recipe_text("llama.cpp", ["--hos=0.0.0.0"]).replace('"tiny-cpu-a"', '"hostile-cpu"'))
+    rig = Rig.model_validate({
+        "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "recipe": "hostile-cpu",
+        "serving_recipe_dirs": [str(tmp_path)],
+        "venvs": [{"name": "tiny-cpu", "engine": "llama-cpp-python", "python": "3.11",
+                   "packages": ["llama-cpp-python[server]==0.3.36"]}],
+        "models": [{"repo": "local/tiny", "revision": "1" * 40}],
+    })
+    with pytest.raises(RigbookError, match="extra_args: --hos .*--host"):
+        serve_plan(rig, "rig1")
