@@ -164,7 +164,8 @@ def read_api_key(path: str) -> str:
 
 def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:
     """The recipe's, the platform's and rigbook's variables (the venv's own come first, read
-    from the rig when the operation executes: `rigbook.venvs.launcher_environment`)."""
+    from the rig when the operation executes: `rigbook.venvs.launcher_environment`). A cpu_only
+    recipe's engine is shown no GPU (an empty CUDA_VISIBLE_DEVICES), as its unit allows none."""
     env = dict(recipe.env)
     env.update(serving_environment(rig))
     env.update({
@@ -172,6 +173,8 @@ def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:
         "HF_HUB_CACHE": rig.models_cache,
         "RIGBOOK_RECIPE": recipe.name,
     })
+    if recipe.cpu_only:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 

@@ -688,3 +688,18 @@ def test_a_gpu_unit_requires_the_caps_and_checks_them_a_cpu_one_does_not():
                               "platform": "wsl2", "recipe": "wsl2-dual-3090-tp2"})
     windows_caps = render_unit(serve_plan(wsl, "rig3"), SMI)  # the Windows driver owns them
     assert "Requires=nvidia-power-limit" not in windows_caps and CAP_CHECK_PATH not in windows_caps
+
+
+def test_a_cpu_only_unit_gets_no_gpu_device_and_its_engine_sees_no_gpu():
+    """A cpu_only recipe has no cap check, no nvidia-smi -L and no Requires= of the power unit:
+    it gets no GPU either (issue 29), whatever its engine is told."""
+    plan = serve_plan(cpu_rig(), "rig1")
+    unit = render_unit(plan, SMI)
+    assert "DevicePolicy=closed\n" in unit
+    service = [line for line in unit.split("[Service]")[1].splitlines()
+               if not line.startswith("#")]
+    assert not any("DeviceAllow" in line or "nvidia" in line for line in service), service
+    assert dict(plan.env)["CUDA_VISIBLE_DEVICES"] == ""
+    assert 'CUDA_VISIBLE_DEVICES=""\n' in render_env(plan, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    gpu = serve_plan(dual_rig(), "rig1")
+    assert "CUDA_VISIBLE_DEVICES" not in dict(gpu.env)
