@@ -5,7 +5,10 @@ recipe whose engine arguments and environment hold quotes, `$()`, backticks, `%`
 backslashes, spaces and a leading dash (tests/test_hostile.py lists them). On the rig,
 `systemd-analyze verify` checks the unit, and systemd itself starts it with a stand-in engine
 that writes down the argv and environment it was given: they must be the recipe's values
-exactly, with no extra argument, directive or variable.
+exactly, with no extra argument, directive or variable. The recipe is cpu_only: systemd must
+report its unit's device policy as closed with no device but the read-only RTC that
+ProtectClock=yes adds, and its engine must see an empty
+CUDA_VISIBLE_DEVICES.
 
 The other files whose text comes from host data get the same treatment with the most hostile
 values their types accept: the /dev/shm reaper's unit (globs with [ ] * ?) and the hub mirror's
@@ -46,7 +49,8 @@ ENV = {"HOSTILE_A": "$HOME", "HOSTILE_B": 'say "hi" `id` \\ %h $(id)', "HOSTILE_
 DUMPER = f"""#!/usr/bin/python3
 import json, os, sys
 json.dump({{"argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items()
-                                          if k.startswith("HOSTILE_")}}}}, open("{OUT}", "w"))
+                                          if k.startswith("HOSTILE_")}},
+           "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}, open("{OUT}", "w"))
 """
 #: For units with a private /tmp: the argv to the journal.
 PRINTER = '#!/usr/bin/python3\nimport json, sys\nprint(json.dumps({"argv": sys.argv[1:]}))\n'
@@ -101,12 +105,16 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
         seen = json.loads(rig_ssh(rig, f"cat {OUT}").stdout)
         assert seen["argv"] == list(plan.argv[1:])  # every word as the recipe has it, no more
         assert seen["env"] == ENV  # every variable as the recipe has it, no more
+        assert seen["cuda"] == ""  # a cpu_only engine sees no GPU
+        policy = rig_ssh(rig, f"systemctl show -p DevicePolicy -p DeviceAllow {UNIT}").stdout
+        # the unit writes no DeviceAllow=; ProtectClock=yes adds the RTC, read only (systemd.exec)
+        assert policy.splitlines() == ["DevicePolicy=closed", "DeviceAllow=char-rtc r"], policy
         shown = rig_ssh(rig, f"systemctl cat {UNIT}").stdout.splitlines()
         directives = [line.split("=", 1)[0] for line in shown if "=" in line
                       and not line.startswith("#")]
         assert directives.count("ExecStart") == 1 and "ExecStartPre" not in directives
         print(f"{UNIT}: systemd-analyze verify clean; argv of {len(seen['argv'])} words and "
-              f"{len(seen['env'])} variables read back unchanged")
+              f"{len(seen['env'])} variables read back unchanged; {' '.join(policy.split())}")
     finally:
         rig_ssh(rig, f"systemctl stop {UNIT}; rm -f /etc/systemd/system/{UNIT} {DUMP} {OUT}; "
                      "rm -rf /etc/rigbook-hostile; systemctl daemon-reload", check=False)
