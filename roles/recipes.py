@@ -68,7 +68,7 @@ OWN_ENV = (
 #: a file of further flags (--config, --config_file), as each engine's parser declares them,
 #: aliases included (docs/sources.md, "Engine flags"). extra_args may not carry them in any
 #: spelling that parser takes for them (`owned_flags_of`).
-OWN_FLAGS: dict[str, tuple[str, ...]] = {
+OWN_FLAGS: dict[Engine, tuple[str, ...]] = {
     "vllm": (
         "--model", "--served-model-name", "--host", "--port", "--api-key",
         "--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization",
@@ -301,8 +301,8 @@ def _engine_problems(r: Recipe) -> list[str]:
 
 def engine_flag(engine: str, arg: str) -> str | None:
     """The flag an extra_args item is to the engine's parser, normalised as that parser does
-    (None: a value). Every item that starts with `-` is a flag, a negative number and a lone
-    `-` aside: argparse never takes such an item as the value of the flag before it. vLLM's
+    (None: a value). Every item that starts with `-` is a flag, since argparse never takes one
+    as the value of the flag before it; a negative number and a lone `-` are values. vLLM's
     FlexibleArgumentParser reads `--a.b=v` as `--a` with JSON {"b": v} and turns `_` into `-`
     in a long flag's name; SGLang's and llama-cpp-python's plain argparse parsers change
     nothing (docs/sources.md, "Engine flags")."""
