@@ -33,7 +33,6 @@ EXIT_0 = "import os; os._exit(0)\n"
 #: systemd's prefixes of an Exec line (systemd.service(5), "Special executable prefixes").
 PREFIXES = "-@:+!|"
 
-pytestmark = pytest.mark.skipif(not Path(PYTHON).is_file(), reason=f"no {PYTHON}")
 
 
 def python_checks(unit: str) -> list[tuple[str, list[str]]]:
@@ -102,6 +101,7 @@ def checks() -> list[tuple[str, list[str]]]:
     return found
 
 
+@pytest.mark.skipif(not Path(PYTHON).is_file(), reason=f"no {PYTHON}")
 @pytest.mark.parametrize("plant", ["pth", "pythonpath"])
 @pytest.mark.parametrize("which", [0, 1], ids=["cap-check", "gpu-lost-check"])
 def test_a_planted_pth_or_pythonpath_does_not_switch_off_a_pre_start_check(
