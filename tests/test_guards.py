@@ -701,7 +701,7 @@ def test_the_quarantine_is_made_0700_whatever_the_umask_and_runs_take_turns(
 def test_reaper_unit_passes_the_host_data_patterns():
     text = render(GUARDS / "rigbook-shm-reaper.service.j2",
                   patterns=("vllm_offload_*.mmap", "sglang_kv_?.bin"))
-    assert ("ExecStart=/usr/bin/python3 /opt/rigbook/guards/rigbook-shm-reaper "
+    assert ("ExecStart=/usr/bin/python3 -I -S /opt/rigbook/guards/rigbook-shm-reaper "
             "--pattern vllm_offload_*.mmap --pattern sglang_kv_?.bin") in text.splitlines()
     assert "Type=oneshot" in text.splitlines()
 
@@ -946,9 +946,10 @@ def test_watch_and_module_agree_on_paths_and_the_unit_on_sources(watch_dir, monk
     assert f'Environment="RIGBOOK_XID_SCAN={watch.SCAN}"' in unit
     assert f'Environment="RIGBOOK_XID_FOLLOW={watch.FOLLOW}"' in unit
     assert "Restart=always" in unit
-    assert f"ExecStart=/usr/bin/python3 {guards.WATCH}" in unit
+    assert f"ExecStart=/usr/bin/python3 -I -S {guards.WATCH}" in unit
     dropin = (GUARDS / "rigbook-serve-guards.conf").read_text().splitlines()
-    assert f"ExecStartPre=/usr/bin/python3 {guards.WATCH} --check" in dropin
+    assert (f"ExecStartPre=!/usr/bin/env -i -C / /usr/bin/python3 -I -S {guards.WATCH} --check"
+            in dropin)  # tests/test_prestart.py runs it
     assert f"ExecStopPost=-+/usr/bin/systemctl start {guards.REAPER_UNIT}" in dropin
 
 

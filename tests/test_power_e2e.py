@@ -13,13 +13,30 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import subprocess
 import time
 
 import pytest
 
 from rigbook.gpus import Gpu, parse_query_csv, query_args
+from rigbook.guards import (
+    GPU_LOST_HEADLINE,
+    GPU_LOST_MARK,
+    GUARDS_DIR,
+    SERVE_DROPIN,
+    WATCH,
+    XID_COPY,
+)
 from rigbook.power import UNIT_NAME, UNIT_PATH
-from rigbook.serving import CAP_CHECK_PATH, CAP_CHECK_SOURCE, render_unit, serve_plan
+from rigbook.serving import (
+    CAP_CHECK_PATH,
+    CAP_CHECK_SOURCE,
+    SERVE_HOME,
+    SERVE_USER,
+    render_unit,
+    serve_plan,
+)
 from rigbook.status import FleetStatus
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.test_serving import SMI, dual_rig
@@ -158,24 +175,41 @@ def test_power_caps_converge_change_survive_reboot_and_refuse(sandbox):
                     "rig2")
 
 
-# A stand-in for rigbook-serve.service (in /run: gone at reboot) carrying the lines the real
-# unit of a GPU recipe has for the caps, and an "engine" that only sleeps.
+# A stand-in for rigbook-serve.service (in /run: gone at reboot) carrying the real unit of a GPU
+# recipe (its user, sandbox and pre-start checks, and the guards' drop-in), with an "engine" that
+# only sleeps, an environment file that sets PYTHONPATH to a folder of the engine's user, and no
+# Restart= (a refused start stays refused).
 STAND_IN = "rigbook-test-capped.service"
+STAND_IN_PATH = f"/run/systemd/system/{STAND_IN}"
+TEST_ENV = "/run/rigbook-test/engine.env"
 GPUS_FILE = "/etc/rigbook-sim/gpus.json"
+PLANTED = f"{SERVE_HOME}/planted"
+#: What the engine's user plants to switch the checks off (issue 29, 2).
+PLANT = (f"site=$(HOME={SERVE_HOME} python3 -c 'import site; print(site.getusersitepackages())')"
+         f" && mkdir -p \"$site\" {PLANTED} && echo 'import os; os._exit(0)' > \"$site/off.pth\""
+         f" && echo 'import os; os._exit(0)' > {PLANTED}/sitecustomize.py")
 
 
 def capped_stand_in() -> str:
     real = render_unit(serve_plan(dual_rig(), "rig1"), SMI).splitlines()
     unit = [line for line in real if line.startswith(("Requires=", "After="))]
-    service = [line for line in real if CAP_CHECK_PATH in line]
-    assert len(unit) == 2 and len(service) == 1, real
-    return "\n".join(["[Unit]", *unit, "[Service]", "Type=exec", "DynamicUser=yes", *service,
+    service = real[real.index("[Service]") + 1:real.index("[Install]")]
+    service = [line for line in service if not line.startswith(
+        ("ExecStart=", "EnvironmentFile=", "Restart", "#"))]
+    assert len(unit) == 2 and [line for line in service if CAP_CHECK_PATH in line], real
+    return "\n".join(["[Unit]", *unit, "[Service]", *service, f"EnvironmentFile={TEST_ENV}",
                       "ExecStart=/bin/sleep infinity", ""])
 
 
 def install_stand_in(rig: dict) -> None:
-    rig_ssh(rig, f"cat > /run/systemd/system/{STAND_IN} <<'RIGBOOK_EOF'\n{capped_stand_in()}"
+    rig_ssh(rig, f"mkdir -p {TEST_ENV.rsplit('/', 1)[0]} {STAND_IN_PATH}.d && echo "
+                 f"PYTHONPATH={PLANTED} > {TEST_ENV} && cp {SERVE_DROPIN} {STAND_IN_PATH}.d/ && "
+                 f"cat > {STAND_IN_PATH} <<'RIGBOOK_EOF'\n{capped_stand_in()}"
                  "RIGBOOK_EOF\nsystemctl daemon-reload")
+
+
+def as_engine_user(rig: dict, command: str) -> subprocess.CompletedProcess:
+    return rig_ssh(rig, f"runuser -u {SERVE_USER} -- sh -c {shlex.quote(command)}", check=False)
 
 
 def start(rig: dict) -> tuple[bool, str]:
@@ -193,21 +227,49 @@ def test_an_engine_never_starts_uncapped_and_a_replaced_card_fails_only_its_own_
     assert converged.returncode == 0, converged.explain()
     cards = gpus(rig1)
     assert [gpu.power_limit_w for gpu in cards] == [290.0, 290.0]
+    created = rig_ssh(rig1, f"id -u {SERVE_USER}", check=False).returncode != 0
+    if created:  # as the serving role makes it
+        rig_ssh(rig1, f"useradd --system --user-group --create-home --home-dir {SERVE_HOME} "
+                      f"--shell /usr/sbin/nologin {SERVE_USER}")
     rig_ssh(rig1, f"mkdir -p {CAP_CHECK_PATH.rsplit('/', 1)[0]} && cat > {CAP_CHECK_PATH} "
                   f"<<'RIGBOOK_EOF'\n{CAP_CHECK_SOURCE.read_text()}RIGBOOK_EOF")
     install_stand_in(rig1)
     rig_ssh(rig1, f"cp {GPUS_FILE} {GPUS_FILE}.orig")
     try:
-        # 1. Caps as the unit says: the engine starts (as an unprivileged user).
+        # 0. The engine's user plants a .pth in its site folder and a sitecustomize.py on the
+        # unit's PYTHONPATH; it can write nothing the checks run or read.
+        planted = as_engine_user(rig1, PLANT)
+        assert planted.returncode == 0, planted.stderr
+        for path in (CAP_CHECK_PATH, CAP_CHECK_PATH.rsplit("/", 1)[0], "/opt/rigbook", GUARDS_DIR,
+                     WATCH, XID_COPY, SERVE_DROPIN, UNIT_PATH):
+            assert as_engine_user(rig1, f"test -w {path}").returncode == 1, path
+            assert rig_ssh(rig1, f"stat -c %U {path}").stdout.strip() == "root", path
+
+        # 1. Caps as the unit says: the engine starts (as the unprivileged user), after the
+        # checks ran (they print their line: the plants did not stop them).
         started, said = start(rig1)
         assert started, said
         assert f"caps as the unit says: {cards[0].uuid} 290 W, {cards[1].uuid} 290 W" in said
+        pid = rig_ssh(rig1, f"systemctl show -p MainPID --value {STAND_IN}").stdout.strip()
+        assert rig_ssh(rig1, f"ps -o user= -p {pid}").stdout.strip() == SERVE_USER
+        # A GPU-lost mark refuses the start (the guards' drop-in), plants or not.
+        rig_ssh(rig1, f"systemctl stop {STAND_IN}; mkdir -p {GPU_LOST_MARK.rsplit('/', 1)[0]} "
+                      f"&& echo '{GPU_LOST_HEADLINE}' > {GPU_LOST_MARK}")
+        try:
+            started, said = start(rig1)
+        finally:
+            rig_ssh(rig1, f"rm -f {GPU_LOST_MARK}")
+        assert not started and f"{GPU_LOST_MARK}: {GPU_LOST_HEADLINE}" in said, said
 
         # 2. A live cap changed behind the unit's back: the start is refused, with both values.
         rig_ssh(rig1, f"systemctl stop {STAND_IN}; nvidia-smi -i {cards[1].uuid} -pl 350")
         started, said = start(rig1)
         assert not started
         assert f"{cards[1].uuid} runs at a 350.0 W cap, the unit says 290 W" in said, said
+        # The check as it ran before (as the engine's user, in the unit's environment) passes.
+        old = as_engine_user(rig1, f"HOME={SERVE_HOME} PYTHONPATH={PLANTED} /usr/bin/python3 "
+                                   f"{CAP_CHECK_PATH} --unit {UNIT_PATH} --tolerance 0.5")
+        assert (old.returncode, old.stdout, old.stderr) == (0, "", ""), old
 
         # 3. Card 1 is replaced (a new UUID) and the rig boots: the power unit still caps card 0
         # and ends active, as card 1's line fails alone; the new card runs at its default.
@@ -236,7 +298,8 @@ def test_an_engine_never_starts_uncapped_and_a_replaced_card_fails_only_its_own_
         started, said = start(rig1)
         assert started, said
     finally:
-        rig_ssh(rig1, f"systemctl stop {STAND_IN}; rm -f /run/systemd/system/{STAND_IN} "
-                      f"{CAP_CHECK_PATH}; mv {GPUS_FILE}.orig {GPUS_FILE}; systemctl "
-                      "daemon-reload", check=False)
+        rig_ssh(rig1, f"systemctl stop {STAND_IN}; rm -rf {STAND_IN_PATH} {STAND_IN_PATH}.d "
+                      f"{TEST_ENV} {PLANTED} {SERVE_HOME}/.local {CAP_CHECK_PATH}; "
+                      f"mv {GPUS_FILE}.orig {GPUS_FILE}; systemctl daemon-reload"
+                      + (f"; userdel -r {SERVE_USER}" if created else ""), check=False)
         run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")

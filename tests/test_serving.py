@@ -681,8 +681,8 @@ def test_the_h200_capture_of_the_cap_check_is_what_the_program_prints():
 def test_a_gpu_unit_requires_the_caps_and_checks_them_a_cpu_one_does_not():
     gpu = render_unit(serve_plan(dual_rig(), "rig1"), SMI)
     assert "Requires=nvidia-power-limit.service\n" in gpu
-    assert (f"ExecStartPre=/usr/bin/python3 {CAP_CHECK_PATH} --unit {POWER_UNIT} "
-            "--tolerance 0.5\n") in gpu
+    assert (f"ExecStartPre=!/usr/bin/env -i -C / /usr/bin/python3 -I -S {CAP_CHECK_PATH} "
+            f"--unit {POWER_UNIT} --tolerance 0.5\n") in gpu
     assert "DeviceAllow=char-nvidia* rw\n" in gpu and "DevicePolicy=closed\n" in gpu
     wsl = Rig.model_validate({**dual_rig().model_dump(exclude_defaults=True),
                               "platform": "wsl2", "recipe": "wsl2-dual-3090-tp2"})
