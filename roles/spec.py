@@ -121,9 +121,9 @@ class ModelSpec(StrictModel):
     ignore_patterns: tuple[Glob, ...] = Field((), description="Skip files matching these globs.")
     manifest_sha256: str | None = Field(
         None, pattern=r"^[0-9a-f]{64}$",
-        description="sha256 of rigbook's manifest of this snapshot on the rig that pulled it "
-        "from the hub (its 'is complete' line shows it): a pull from models_endpoint accepts "
-        "that manifest only; required with models_endpoint.",
+        description="The sha256 (64 hex) of rigbook's manifest of this snapshot on the rig that "
+        "pulled it from the hub (its 'is complete' line shows it): a pull from models_endpoint "
+        "accepts that manifest only; required with models_endpoint.",
     )
 
 
@@ -410,7 +410,8 @@ class Rig(StrictModel):
     models_endpoint: HttpUrl | None = Field(
         None,
         description="rigbook mirror to pull from (another rig's models_mirror_port, e.g. "
-        "http://10.0.0.5:8090; needs models_mirror_token_file); none = the hub.",
+        "http://10.0.0.5:8090; needs models_mirror_token_file and every model's manifest_sha256); "
+        "none = the hub.",
     )
     models_disk_margin_gib: float = Field(
         10, ge=0, description="Free space (GiB) a pull must leave on the cache filesystem."
