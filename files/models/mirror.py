@@ -58,8 +58,9 @@ REPO_PREFIX = "models--"
 MANIFESTS = "rigbook"
 #: The systemd credential that holds the fleet's token (LoadCredential=mirror-token:<file>).
 CREDENTIAL = "mirror-token"
-#: Connections served at once; one more is answered 503 and closed (a pull opens 1 + workers).
-MAX_CONNECTIONS = 64
+#: Connections served at once; one more is answered 503 and closed. A pull opens one for the
+#: manifest, then one per file being fetched (8 workers): 14 rigs pulling at once fit.
+MAX_CONNECTIONS = 128
 #: Seconds a read or a write on a connection may wait (an idle connection is closed after it).
 TIMEOUT = 20
 #: The largest request body read (paths-info's form); a Content-Length outside 0..MAX_BODY is
