@@ -24,6 +24,7 @@ rebuild: the cache survives builds) and emptied first (cold).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -142,7 +143,8 @@ class Hub:
     def start(self) -> None:
         ssh(self.rig, f"rm -rf {STUB_DIR} && mkdir -p {STUB_DIR} && "
                       f"(umask 077; cat > {STUB_DIR}/token)", self.token.encode())
-        for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py"):
+        for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py",
+                       ROOT / "files" / "models" / "pull.py"):
             ssh(self.rig, f"cat > {STUB_DIR}/{source.name}", source.read_bytes())
         launcher = (
             f"import sys; sys.path.insert(0, {STUB_DIR!r}); import hubstub; "
@@ -178,7 +180,8 @@ def measure_pull(rig: dict, repeat: int, mib: int) -> dict:
         token_file.write_text(token + "\n")
         token_file.chmod(0o600)
         args = data_args(
-            models=[{"repo": REPO, "revision": repo.commit}],
+            models=[{"repo": REPO, "revision": repo.commit,  # the stub is the mirror: pinned
+                     "manifest_sha256": hashlib.sha256(repo.manifest()).hexdigest()}],
             models_endpoint=f"http://127.0.0.1:{PORT}", models_mirror_token_file=str(token_file),
             models_cache=CACHE, models_disk_margin_gib=0.1, models_only=REPO,
             python_find_links=WHEELS_MOUNT, python_no_index=True,

@@ -27,8 +27,10 @@ snapshot:
   models_prune: true.
 - Fleet pulls: a rig with models_mirror_port runs rigbook's mirror (files/models/mirror.py) over
   its complete snapshots, on models_mirror_bind (default: the rig's address that SSH reached),
-  for requests with the fleet's token; a rig with models_endpoint pulls from it and checks every
-  file against the sha256 of the mirror's manifest.
+  for requests with the fleet's token; a rig with models_endpoint pulls from it, accepts the
+  mirror's manifest only when it hashes to the model's manifest_sha256 (pinned by the operator
+  from the source rig: a complete snapshot's message shows it), and checks every file against
+  the hashes in that manifest. The mirror vouches for nothing.
 
 docs/models.md has the cache layout, offline serving, tokens, fleet pulls and pruning.
 """
@@ -111,6 +113,7 @@ class Manifest:
     files: Mapping[str, tuple[int, str | None]]  # path -> (size, sha256 of LFS files)
     allow_patterns: tuple[str, ...]
     ignore_patterns: tuple[str, ...]
+    sha256: str | None = None  # of the manifest file's bytes: what manifest_sha256 pins
 
     @property
     def bytes(self) -> int:
@@ -154,7 +157,7 @@ class ModelCache(FactBase[CacheState]):
           "snapshots": {"3f2635f2...": {"config.json": 98, "model.safetensors": 262144}},
           "manifests": {"3f2635f2...": {"files": {"config.json": {"size": 98, "sha256": null},
               "model.safetensors": {"size": 262144, "sha256": "c87f7657..."}},
-              "allow_patterns": [], "ignore_patterns": []}},
+              "allow_patterns": [], "ignore_patterns": [], "sha256": "5b0e41d7..."}},
           "incomplete": []}]}
     """
 
@@ -176,10 +179,12 @@ def _manifest(data) -> Manifest | None:
         }
     except (KeyError, TypeError, ValueError):
         return None
+    sha256 = data.get("sha256")
     return Manifest(
         entries,
         tuple(data.get("allow_patterns") or ()),
         tuple(data.get("ignore_patterns") or ()),
+        sha256 if isinstance(sha256, str) else None,
     )
 
 
@@ -216,6 +221,7 @@ class SnapshotStatus:
     bytes: int = 0
     missing: tuple[str, ...] = ()
     wrong_size: tuple[tuple[str, int, int], ...] = ()  # (path, have, want)
+    manifest_sha256: str | None = None  # of a complete snapshot's manifest (what rigs pin)
 
 
 def snapshot_status(cache: CacheState, spec: ModelSpec) -> SnapshotStatus:
@@ -268,7 +274,7 @@ def snapshot_status(cache: CacheState, spec: ModelSpec) -> SnapshotStatus:
             "interrupted pull in blobs/",
             **counts,
         )
-    return SnapshotStatus(True, "", **counts)
+    return SnapshotStatus(True, "", manifest_sha256=manifest.sha256, **counts)
 
 
 def unhashed(cache: CacheState, spec: ModelSpec) -> int:
@@ -292,6 +298,7 @@ def pull_command(spec: ModelSpec, rig: Rig, every: float = EVERY_DEFAULT) -> Str
     HF_TOKEN_PATH names the token of the pull's destination, so neither token goes anywhere
     else: the HF token for the hub, the fleet's mirror token for models_endpoint. Its stderr,
     a progress line every `every` seconds among it, goes to ``pull_log``, read while it runs.
+    From a mirror the model's manifest_sha256 goes along: the one manifest the pull accepts.
     """
     token_path = MIRROR_TOKEN_PATH if rig.models_endpoint else TOKEN_PATH
     env = [
@@ -309,7 +316,8 @@ def pull_command(spec: ModelSpec, rig: Rig, every: float = EVERY_DEFAULT) -> Str
     if rig.models_endpoint:
         # A mirror serves files over plain HTTP; Xet storage lives with the hub itself.
         env.append("HF_HUB_DISABLE_XET=1")
-        args.append(f"--endpoint={rig.models_endpoint}")
+        args += [f"--endpoint={rig.models_endpoint}",
+                 f"--manifest-sha256={spec.manifest_sha256}"]  # the spec check requires it
     args += [f"--allow={pattern}" for pattern in spec.allow_patterns]
     args += [f"--ignore={pattern}" for pattern in spec.ignore_patterns]
     return StringCommand(
@@ -391,9 +399,10 @@ def pull_message(spec: ModelSpec, result: dict | None, stderr: str = "") -> str:
                 f", removed {len(removed)} .incomplete leftover(s) "
                 f"({human(sum(item['size'] for item in removed))})"
             )
+        pin = result.get("manifest_sha256")
         return (
             f"{where}: {what}; complete: {result.get('files', 0)} file(s), "
-            f"{human(result.get('total_bytes', 0))}"
+            f"{human(result.get('total_bytes', 0))}" + (f"; manifest sha256 {pin}" if pin else "")
         )
     if status == "refused":
         return f"{where}: pull refused: {result.get('message', '?')}"
@@ -469,7 +478,8 @@ def model_snapshot(spec: ModelSpec, rig: Rig, token: Secret | None = None) -> It
     elif status.complete:
         host.noop(
             f"{label(spec)} is complete in {rig.models_cache} "
-            f"({status.files} file(s), {human(status.bytes)})"
+            f"({status.files} file(s), {human(status.bytes)}); manifest sha256 "
+            f"{status.manifest_sha256}"
         )
         return
     if not state.is_executing:

@@ -119,6 +119,12 @@ class ModelSpec(StrictModel):
     revision: str = Field(pattern=r"^[0-9a-f]{40}$", description="Pinned commit hash (40 hex).")
     allow_patterns: tuple[Glob, ...] = Field((), description="Only files matching these globs.")
     ignore_patterns: tuple[Glob, ...] = Field((), description="Skip files matching these globs.")
+    manifest_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$",
+        description="The sha256 (64 hex) of rigbook's manifest of this snapshot on the rig that "
+        "pulled it from the hub (its 'is complete' line shows it): a pull from models_endpoint "
+        "accepts that manifest only; required with models_endpoint.",
+    )
 
 
 class Rig(StrictModel):
@@ -404,7 +410,8 @@ class Rig(StrictModel):
     models_endpoint: HttpUrl | None = Field(
         None,
         description="rigbook mirror to pull from (another rig's models_mirror_port, e.g. "
-        "http://10.0.0.5:8090; needs models_mirror_token_file); none = the hub.",
+        "http://10.0.0.5:8090; needs models_mirror_token_file and every model's manifest_sha256); "
+        "none = the hub.",
     )
     models_disk_margin_gib: float = Field(
         10, ge=0, description="Free space (GiB) a pull must leave on the cache filesystem."
@@ -452,6 +459,16 @@ class Rig(StrictModel):
             if getattr(self, key) is not None and self.models_mirror_token_file is None:
                 raise ValueError(f"{key} needs models_mirror_token_file: rigbook's mirror "
                                  "answers only requests with the fleet's token")
+        unpinned = [f"models[{index}] ({spec.repo})" for index, spec in enumerate(self.models)
+                    if spec.manifest_sha256 is None]
+        if self.models_endpoint is not None and unpinned:
+            raise ValueError(
+                f"{', '.join(unpinned)}: no manifest_sha256, which models_endpoint needs: a "
+                "pull from a mirror accepts only the manifest you pinned (allowed: 64 hex). "
+                "Take it from the rig that pulled the model from the hub: its run says "
+                "'ORG/NAME@<commit> is complete in ... manifest sha256 <64 hex>', or run "
+                "sha256sum <models_cache>/models--ORG--NAME/rigbook/<revision>.json there"
+            )
         if self.models_mirror_bind is not None:
             if self.models_mirror_port is None:
                 raise ValueError("models_mirror_bind without models_mirror_port: no mirror runs")

@@ -3,7 +3,9 @@
 No hub is reachable from the tests. This serves, over loopback, the routes huggingface_hub 2.x
 calls for model_info / get_paths_info / list_repo_tree / hf_hub_download / snapshot_download
 (the handler of files/models/mirror.py, rigbook's mirror: the same code answers both), for
-repos made of deterministic bytes, so a test computes their commit and sha256 itself:
+repos made of deterministic bytes, so a test computes their commit and sha256 itself, and
+rigbook's manifest of each as files/models/pull.py writes it for a pull without patterns
+(`Repo.manifest`; its sha256 is what a test pins as manifest_sha256):
 
 - rigbook-test/tiny: README.md, config.json, tokenizer.json and a 256 KiB model.safetensors
   that the hub stores in LFS (its tree entry carries the sha256);
@@ -17,7 +19,7 @@ sends half its bytes and drops the connection, later GETs of it answer 503: a pu
 way), --rate BYTES (file bodies go out at that many bytes a second: a pull that takes seconds),
 --log FILE (one JSON line per request: method, path, Range, route, auth). It sends no Xet
 headers; clients set HF_HUB_DISABLE_XET=1. Standard library only: it is copied to a sandbox rig
-(with mirror.py beside it) and run there with the system python3.
+(with mirror.py and pull.py beside it) and run there with the system python3.
 
     python3 hubstub.py --port 18080 --log /run/rigbook-hubstub/requests.jsonl
 """
@@ -37,20 +39,20 @@ from pathlib import Path
 from urllib.parse import unquote
 
 
-def _load_mirror():
-    """files/models/mirror.py: beside this file on a rig, under files/models in the repo."""
+def _load(name: str):
+    """files/models/<name>.py: beside this file on a rig, under files/models in the repo."""
     here = Path(__file__).resolve().parent
-    for path in (here / "mirror.py", here.parent / "files" / "models" / "mirror.py"):
+    for path in (here / f"{name}.py", here.parent / "files" / "models" / f"{name}.py"):
         if path.exists():
-            spec = importlib.util.spec_from_file_location("rigbook_mirror", path)
+            spec = importlib.util.spec_from_file_location(f"rigbook_{name}", path)
             module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault("rigbook_mirror", module)
+            sys.modules.setdefault(f"rigbook_{name}", module)
             spec.loader.exec_module(module)
             return module
-    raise ImportError("mirror.py is neither beside hubstub.py nor in files/models")
+    raise ImportError(f"{name}.py is neither beside hubstub.py nor in files/models")
 
 
-mirror = _load_mirror()
+mirror, pull = _load("mirror"), _load("pull")
 
 #: Files the hub serves through LFS.
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -97,6 +99,11 @@ class Repo:
 
     def file(self, path: str) -> RepoFile | None:
         return next((item for item in self.files if item.path == path), None)
+
+    def manifest(self) -> bytes:
+        """rigbook's manifest of the commit, as a pull of it without patterns writes it."""
+        return pull.manifest_bytes(self.repo_id, self.commit, [], [], {
+            item.path: item.entry().manifest_entry() for item in self.files})
 
 
 def _weights(size: int, seed: str) -> bytes:
@@ -147,6 +154,9 @@ class MemoryStore(mirror.Store):
         if revision not in (repo.commit, "main"):
             return None
         return repo.commit, {item.path: item.entry() for item in repo.files}
+
+    def manifest(self, repo_id: str, commit: str) -> bytes:
+        return self.repos[repo_id].manifest()
 
 
 class Hub:

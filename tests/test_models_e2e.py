@@ -21,6 +21,7 @@ in pyinfra's output while it runs. Throughout, the fake tokens never show in pyi
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -62,8 +63,13 @@ TINY, HUGE, BIG = tiny_repo(), huge_repo(), big_repo()
 pytestmark = pytest.mark.sandbox
 
 
+def pin(repo) -> str:
+    """The manifest_sha256 an operator pins: the sha256 of the manifest a pull writes."""
+    return hashlib.sha256(repo.manifest()).hexdigest()
+
+
 def model(repo) -> dict:
-    return {"repo": repo.repo_id, "revision": repo.commit}
+    return {"repo": repo.repo_id, "revision": repo.commit, "manifest_sha256": pin(repo)}
 
 
 def data_args(*pairs: tuple[str, object]) -> list[str]:
@@ -157,7 +163,8 @@ def rig_with_stub(sandbox):
     FLEET_TOKEN_FILE.chmod(0o600)
     rig_ssh(rig, f"rm -rf {CACHE} /etc/rigbook/secrets /opt/rigbook/models {STUB_DIR}; "
                  f"mkdir -p {STUB_DIR} && (umask 077; echo {MIRROR_TOKEN} > {STUB_DIR}/token)")
-    for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py"):
+    for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py",
+                   ROOT / "files" / "models" / "pull.py"):
         text = base64.b64encode(source.read_bytes()).decode()
         rig_ssh(rig, f"echo {text} | base64 -d > {STUB_DIR}/{source.name}")
     stub = Stub(rig)
@@ -212,7 +219,7 @@ def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, 
     assert second.returncode == 0, second.explain()
     assert changed(second, f"Pull {label}")
     assert f"{label}: pulled 1 file(s), 0.25 MiB in " in second.stderr
-    assert "complete: 4 file(s), 0.25 MiB" in second.stderr
+    assert f"complete: 4 file(s), 0.25 MiB; manifest sha256 {pin(TINY)}" in second.stderr
     resolved = {r["path"].rsplit("/", 1)[-1] for r in stub.requests() if r["route"] == "resolve"}
     assert resolved == {"model.safetensors"}
     sha = rig_ssh(rig, f"sha256sum {snapshot}/model.safetensors").stdout.split()[0]
@@ -221,13 +228,18 @@ def test_interrupted_pull_is_partial_then_completed_then_nothing(rig_with_stub, 
     modes = rig_ssh(rig, f"stat -L -c '%a' {snapshot}/config.json {snapshot} "
                          f"{CACHE}/{repo_folder(TINY.repo_id)}/rigbook/{TINY.commit}.json")
     assert modes.stdout.split() == ["644", "755", "644"]
+    # The manifest the rig wrote is the one pinned (the same bytes from every such pull).
+    written = rig_ssh(rig, f"sha256sum {CACHE}/{repo_folder(TINY.repo_id)}/rigbook/"
+                           f"{TINY.commit}.json").stdout.split()[0]
+    assert written == pin(TINY)
 
     # 3. Complete: no change and not one request to the hub.
     before = len(stub.requests())
     third = deploy(rig, "-v")
     assert third.returncode == 0, third.explain()
     assert third.changed() == {}, third.explain()
-    assert f"{label} is complete in {CACHE} (4 file(s), 0.25 MiB)" in third.stdout + third.stderr
+    assert (f"{label} is complete in {CACHE} (4 file(s), 0.25 MiB); manifest sha256 "
+            f"{pin(TINY)}") in third.stdout + third.stderr
     assert len(stub.requests()) == before
 
     # Offline, as an engine boots: the pinned snapshot loads with HF_HUB_OFFLINE=1.

@@ -3,9 +3,11 @@
 Sent as `python3 -c <this file> CACHE` (standard library only, nothing of rigbook installed).
 Prints one JSON object (sorted keys): per models--ORG--NAME folder its refs, each snapshot's
 file sizes, the blobs' total and .incomplete leftovers, and rigbook's manifests (the
-`rigbook/` folder pull.py writes). Read-only, no network.
+`rigbook/` folder pull.py writes), each with the sha256 of its bytes (what an operator pins as
+manifest_sha256 for the rigs that pull it from this rig's mirror). Read-only, no network.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -58,9 +60,11 @@ def main(argv: list[str]) -> None:
             if not item.endswith(".json"):
                 continue
             try:
-                with open(os.path.join(manifests, item)) as handle:
-                    data = json.load(handle)
+                with open(os.path.join(manifests, item), "rb") as handle:
+                    raw = handle.read()
+                data = json.loads(raw)
                 data = {key: data[key] for key in ("files", "allow_patterns", "ignore_patterns")}
+                data["sha256"] = hashlib.sha256(raw).hexdigest()
             except (OSError, ValueError, KeyError, TypeError):
                 data = None
             repo["manifests"][item[:-5]] = data

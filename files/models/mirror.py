@@ -11,10 +11,17 @@ carry the fleet's token (`Authorization: Bearer <token>`, compared in constant t
 token comes from the systemd credential `mirror-token` (LoadCredential=, so it is in no argv
 and no environment); without one the mirror refuses to start. docs/models.md, "Fleet pulls".
 
+The mirror vouches for nothing: it serves the manifest's bytes as the pull wrote them, and the
+pulling rig accepts them only when they hash to the `manifest_sha256` its operator pinned
+(files/models/pull.py), then every file only against the hashes in them. It is bounded, so that
+anyone on the LAN can only make it refuse, not exhaust it: at most MAX_CONNECTIONS connections
+at once (the next one is answered 503 and closed before a byte of it is read), TIMEOUT seconds
+for each read or write on a connection, and a request body of 0 to MAX_BODY bytes.
+
 The routes (what huggingface_hub 2.x calls to pull, and rigbook's manifest):
 
-    GET  /api/rigbook/manifest/{repo}/{rev}       every file's size, sha256, git oid, LFS flag;
-                                                  X-Rigbook-Manifest-Sha256: the body's sha256
+    GET  /api/rigbook/manifest/{repo}/{rev}       the manifest file as the pull wrote it: every
+                                                  file's size, sha256, git oid, LFS flag
     GET  /api/models/{repo}/revision/{rev}        model_info (siblings, sizes, LFS sha256)
     GET  /api/models/{repo}/tree/{rev}[/{path}]   list_repo_tree
     POST /api/models/{repo}/paths-info/{rev}      get_paths_info
@@ -38,6 +45,7 @@ import json
 import os
 import re
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,8 +58,14 @@ REPO_PREFIX = "models--"
 MANIFESTS = "rigbook"
 #: The systemd credential that holds the fleet's token (LoadCredential=mirror-token:<file>).
 CREDENTIAL = "mirror-token"
-#: The header with the sha256 of the manifest route's body (files/models/pull.py checks it).
-MANIFEST_SHA256 = "X-Rigbook-Manifest-Sha256"
+#: Connections served at once; one more is answered 503 and closed. A pull opens one for the
+#: manifest, then one per file being fetched (8 workers): 14 rigs pulling at once fit.
+MAX_CONNECTIONS = 128
+#: Seconds a read or a write on a connection may wait (an idle connection is closed after it).
+TIMEOUT = 20
+#: The largest request body read (paths-info's form); a Content-Length outside 0..MAX_BODY is
+#: answered 400 or 413 without reading it.
+MAX_BODY = 64 * 1024
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -118,12 +132,16 @@ class Entry:
 
 
 class Store:
-    """Where repos come from: `lookup` resolves a safe revision to (commit, files) or None."""
+    """Where repos come from: `lookup` resolves a safe revision to (commit, files) or None;
+    `manifest` gives the bytes of rigbook's manifest of a commit that lookup found."""
 
     def exists(self, repo_id: str) -> bool:
         raise NotImplementedError
 
     def lookup(self, repo_id: str, revision: str) -> tuple[str, dict[str, Entry]] | None:
+        raise NotImplementedError
+
+    def manifest(self, repo_id: str, commit: str) -> bytes | None:
         raise NotImplementedError
 
 
@@ -157,6 +175,14 @@ class CacheStore(Store):
     def exists(self, repo_id: str) -> bool:
         return os.path.isdir(os.path.join(self._folder(repo_id), MANIFESTS))
 
+    def manifest(self, repo_id: str, commit: str) -> bytes | None:
+        try:
+            with open(os.path.join(self._folder(repo_id), MANIFESTS, f"{commit}.json"),
+                      "rb") as handle:
+                return handle.read()
+        except OSError:
+            return None
+
     def lookup(self, repo_id: str, revision: str):
         folder = self._folder(repo_id)
         commit = revision
@@ -169,9 +195,8 @@ class CacheStore(Store):
             if not _COMMIT.fullmatch(commit):
                 return None
         try:
-            with open(os.path.join(folder, MANIFESTS, f"{commit}.json")) as handle:
-                manifest = json.load(handle)
-        except (OSError, ValueError):
+            manifest = json.loads(self.manifest(repo_id, commit) or b"")
+        except ValueError:
             return None
         snapshot = os.path.join(folder, "snapshots", commit)
         files = {}
@@ -189,6 +214,7 @@ class HubHandler(BaseHTTPRequestHandler):
     """The hub routes over a Store. Subclasses may set `token` and override the hooks."""
 
     protocol_version = "HTTP/1.1"
+    timeout = TIMEOUT  # socketserver sets it on the connection: every read and write
     store: Store
     token: str | None = None
 
@@ -229,10 +255,11 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def error(self, status: int, code: str | None, message: str, headers=None) -> None:
         message = json.dumps(message)[1:-1]  # no control character reaches a header
-        extra = {"Content-Type": "application/json", "X-Error-Message": message, **(headers or {})}
+        extra = {"Content-Type": "application/json", "X-Error-Message": message,
+                 # an unread request body must not be read as a request: close, and say so
+                 "Connection": "close", **(headers or {})}
         if code:
             extra["X-Error-Code"] = code
-        self.close_connection = True  # an unread request body must not be read as a request
         self.send(status, json.dumps({"error": message}).encode(), extra)
 
     def resolve_revision(self, repo_id: str, revision: str):
@@ -256,12 +283,26 @@ class HubHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         self.dispatch()
 
+    def body_length(self) -> int | None:
+        """The request's Content-Length when it is 0..MAX_BODY (absent: 0); else None, the
+        error answered (a negative length would read to the end, a huge one fill memory)."""
+        given = self.headers.get("Content-Length", "0").strip()
+        if not given.isdigit() or not given.isascii():
+            self.error(400, None, f"Content-Length {given!r} is not a number of bytes")
+        elif int(given) > MAX_BODY:
+            self.error(413, None, f"Content-Length {given} is over {MAX_BODY} bytes")
+        else:
+            return int(given)
+        return None
+
     def dispatch(self) -> None:
         url = urlsplit(self.path)
         route, repo_id, revision, rest = parse_route(url.path)
         self.record(route)
         auth = self.auth()
-        if auth == "missing":  # as the hub answers for a gated or private repo
+        if self.body_length() is None:
+            pass  # answered
+        elif auth == "missing":  # as the hub answers for a gated or private repo
             self.error(401, "RepoNotFound", "Repository not found")
         elif auth == "wrong":
             self.error(401, None, "Invalid credentials in Authorization header")
@@ -272,12 +313,12 @@ class HubHandler(BaseHTTPRequestHandler):
             if found:
                 getattr(self, "route_" + route.replace("-", "_"))(repo_id, *found, url, rest)
 
-    def route_manifest(self, repo_id: str, commit: str, files: dict, _url, _rest) -> None:
-        body = json.dumps({"repo": repo_id, "revision": commit,
-                           "files": {e.path: e.manifest_entry() for e in files.values()}},
-                          sort_keys=True).encode()
-        self.send(200, body, {"Content-Type": "application/json",
-                              MANIFEST_SHA256: hashlib.sha256(body).hexdigest()})
+    def route_manifest(self, repo_id: str, commit: str, _files, _url, _rest) -> None:
+        body = self.store.manifest(repo_id, commit)
+        if body is None:
+            self.error(404, "RevisionNotFound", f"no manifest of {commit}")
+            return
+        self.send(200, body, {"Content-Type": "application/json"})
 
     def route_revision(self, repo_id: str, commit: str, files: dict, url, _rest) -> None:
         blobs = parse_qs(url.query).get("blobs", ["false"])[0].lower() == "true"
@@ -299,8 +340,8 @@ class HubHandler(BaseHTTPRequestHandler):
         self.send_json([e.tree_entry() for e in files.values() if e.path.startswith(prefix)])
 
     def route_paths_info(self, repo_id: str, commit: str, files: dict, url, _rest) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        wanted = set(parse_qs(self.rfile.read(length).decode()).get("paths", []))
+        body = self.rfile.read(self.body_length() or 0)  # dispatch checked it
+        wanted = set(parse_qs(body.decode(errors="replace")).get("paths", []))
         self.send_json([e.tree_entry() for e in files.values() if e.path in wanted])
 
     def route_resolve(self, repo_id: str, commit: str, files: dict, _url, rest) -> None:
@@ -331,13 +372,47 @@ class HubHandler(BaseHTTPRequestHandler):
         self.send_body(entry, start)
 
 
-def server(handler: type[HubHandler], host: str = "127.0.0.1", port: int = 0):
-    """A threading HTTP server for `handler` on an IPv4 or IPv6 address (not started: call
+class BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most `connections` connections at once: one more
+    is answered 503 and closed at once, never given a thread (before any token is checked)."""
+
+    daemon_threads = True
+    BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 5\r\n"
+            b"Connection: close\r\n\r\n")
+
+    def __init__(self, address, handler, connections: int = MAX_CONNECTIONS):
+        self.slots = threading.BoundedSemaphore(connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.settimeout(1)
+                request.sendall(self.BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started: nobody else gives the slot back
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def server(handler: type[HubHandler], host: str = "127.0.0.1", port: int = 0,
+           connections: int = MAX_CONNECTIONS):
+    """A BoundedServer for `handler` on an IPv4 or IPv6 address (not started: call
     serve_forever, e.g. in a thread)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    kind = type("Server", (ThreadingHTTPServer,),
-                {"address_family": family, "daemon_threads": True})
-    return kind((host, port), handler)
+    kind = type("Server", (BoundedServer,), {"address_family": family})
+    return kind((host, port), handler, connections)
 
 
 def credential_token() -> str:

@@ -6,7 +6,9 @@ roles/models.py parses the one JSON object it prints on stdout:
 
     {"status": "complete" | "partial" | "refused" | "error", "repo": ..., "revision": ..., ...}
 
-Exit status: 0 complete, 2 refused (nothing was downloaded), 3 partial, 4 error.
+Exit status: 0 complete, 2 refused (nothing was downloaded), 3 partial, 4 error. A complete
+result carries `manifest_sha256`, the sha256 of the manifest it wrote: the value an operator
+pins for the rigs that pull this snapshot from this rig's mirror.
 
 Progress goes to stderr, one JSON object a line, so that rigbook shows it while the pull runs:
 `{"progress": "download", "files": N, "bytes": B}` before the download, then every
@@ -19,8 +21,9 @@ What it does, in order, holding a per-repo lock so that two pulls of one repo ne
 
 1. reads the file list of the pinned commit, filtered by the allow/ignore patterns: from the
    hub (HF_ENDPOINT), path, size, git blob id and, for LFS files, sha256; from rigbook's mirror
-   (--endpoint), its manifest (GET /api/rigbook/manifest/...), whose body must match the sha256
-   in its X-Rigbook-Manifest-Sha256 header: size, sha256 and git blob id of every file;
+   (--endpoint), its manifest (GET /api/rigbook/manifest/...), whose bytes must hash to the
+   sha256 the operator pinned (--manifest-sha256: the mirror, or anything between it and this
+   rig, vouches for nothing), else it refuses: size, sha256 and git blob id of every file;
 2. removes `blobs/*.incomplete` leftovers of killed pulls (this script and huggingface_hub 2.x
    write each download to a process-unique temporary file that no later process reuses; a
    leftover whose per-file lock nobody holds is dead) and snapshot files whose size is wrong;
@@ -36,8 +39,10 @@ What it does, in order, holding a per-repo lock so that two pulls of one repo ne
    manifest; a bad file is removed so that the next run fetches it again;
 6. complete: writes the manifest `<repo dir>/rigbook/<commit>.json` (files with size, sha256 of
    every file, git blob id, LFS flag; patterns) that later runs check locally, without the
-   network, and that rigbook's mirror serves. Partial: removes it; the snapshots and manifests
-   of other commits are never touched.
+   network, and that rigbook's mirror serves as it is. Its bytes depend on the snapshot and the
+   patterns alone (`manifest_bytes`: no time, sorted keys), so every rig that completes the
+   same snapshot with the same patterns writes the same manifest, and a pin stays valid over
+   pulls. Partial: removes it; the snapshots and manifests of other commits are never touched.
 
 The token, if one is needed, is read from the file HF_TOKEN_PATH names (the HF token for the
 hub, the fleet's mirror token for --endpoint): it is never an argument of this script, never
@@ -67,9 +72,9 @@ from urllib.parse import quote, urljoin, urlsplit
 
 EXIT = {"complete": 0, "refused": 2, "partial": 3, "error": 4}
 MANIFEST_VERSION = 2
-#: rigbook's mirror: its manifest route and the header with the body's sha256 (mirror.py).
+#: rigbook's mirror: its manifest route (mirror.py), and the most bytes read from it.
 MANIFEST_ROUTE = "/api/rigbook/manifest"
-MANIFEST_SHA256 = "X-Rigbook-Manifest-Sha256"
+MANIFEST_LIMIT = 64 * 1024**2
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "oid": re.compile(r"[0-9a-f]{40}")}
 HASH_CHUNK = 8 * 1024 * 1024
 #: Bytes a download reads (hashes, writes) at a time, and chunks read but not hashed yet at
@@ -249,17 +254,31 @@ def get(url: str, token: str | None, headers: dict | None = None):
     raise HTTPError(url, response)
 
 
-def mirror_files(endpoint: str, repo: str, revision: str) -> dict[str, dict]:
+class Unpinned(Exception):
+    """A mirror's manifest that the operator did not pin: the pull is refused."""
+
+
+def mirror_files(endpoint: str, repo: str, revision: str, pin: str | None) -> dict[str, dict]:
     """path -> {size, sha256, oid, lfs} of the commit, from rigbook's mirror's manifest.
 
-    ValueError when the body does not match the sha256 in its header, is for another snapshot,
-    or lacks a hash of a file.
+    Unpinned without a pin, or when the manifest's bytes do not hash to it (the message shows
+    only a prefix of theirs: the pin comes from the source rig, never from this message).
+    ValueError when it is over MANIFEST_LIMIT, for another snapshot, or lacks a hash of a file.
     """
+    if pin is None:
+        raise Unpinned(f"a pull from the mirror {endpoint} needs the manifest's sha256 "
+                       "(--manifest-sha256; manifest_sha256 of the model in host data)")
     url = f"{endpoint.rstrip('/')}{MANIFEST_ROUTE}/{repo}/{revision}"
     with get(url, read_token()) as response:
-        body, claimed = response.read(), response.getheader(MANIFEST_SHA256)
-    if hashlib.sha256(body).hexdigest() != claimed:
-        raise ValueError(f"the mirror's manifest does not match its {MANIFEST_SHA256} header")
+        body = response.read(MANIFEST_LIMIT + 1)
+    if len(body) > MANIFEST_LIMIT:
+        raise ValueError(f"the mirror's manifest is over {MANIFEST_LIMIT} bytes")
+    if hashlib.sha256(body).hexdigest() != pin:
+        raise Unpinned(
+            f"the manifest that {endpoint} served for {repo}@{revision} hashes to "
+            f"{hashlib.sha256(body).hexdigest()[:12]}…, not to the manifest_sha256 "
+            f"{pin[:12]}… that its host data pins: not the snapshot the operator trusted "
+            "(changed at the mirror or on the way); nothing was downloaded")
     data = json.loads(body)
     if (data.get("repo"), data.get("revision")) != (repo, revision):
         raise ValueError("the mirror's manifest is for another snapshot")
@@ -296,7 +315,7 @@ def expected_files(args: argparse.Namespace) -> dict[str, dict]:
     become file names in the cache.
     """
     if args.endpoint:
-        files = mirror_files(args.endpoint, args.repo, args.revision)
+        files = mirror_files(args.endpoint, args.repo, args.revision, args.manifest_sha256)
     else:
         files = hub_files(args.repo, args.revision)
     chosen = {}
@@ -309,6 +328,15 @@ def expected_files(args: argparse.Namespace) -> dict[str, dict]:
             raise ValueError(f"unsafe path or hash in the file list: {path!r}")
         chosen[path] = meta
     return chosen
+
+
+def manifest_bytes(repo: str, revision: str, allow: list[str], ignore: list[str],
+                   files: dict[str, dict]) -> bytes:
+    """The manifest of a complete snapshot as it is written: from these alone (no time), keys
+    sorted, so the same snapshot and patterns give the same bytes, and the same sha256."""
+    manifest = {"rigbook_manifest": MANIFEST_VERSION, "repo": repo, "revision": revision,
+                "allow_patterns": list(allow), "ignore_patterns": list(ignore), "files": files}
+    return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
 
 
 def remove_dead_leftovers(cache: Path, folder: str) -> list[dict]:
@@ -642,6 +670,8 @@ def pull(args: argparse.Namespace) -> dict:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another pull of this repo: wait for it
         try:
             files = expected_files(args)
+        except Unpinned as error:
+            return {**result, "status": "refused", "message": str(error)}
         except Exception as error:
             return {**result, "status": "error", "message": (
                 f"cannot read the file list of {args.repo}@{args.revision}: "
@@ -694,20 +724,15 @@ def pull(args: argparse.Namespace) -> dict:
             return {**result, "status": "partial", "missing": absent, "wrong_size": wrong,
                     "bad_hash": bad, "errors": errors}
 
-        manifest = {
-            "rigbook_manifest": MANIFEST_VERSION,
-            "repo": args.repo,
-            "revision": args.revision,
-            "allow_patterns": list(args.allow),
-            "ignore_patterns": list(args.ignore),
-            "files": {path: {**meta, "sha256": hashes[path]} for path, meta in files.items()},
-            "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
+        manifest = manifest_bytes(
+            args.repo, args.revision, args.allow, args.ignore,
+            {path: {**meta, "sha256": hashes[path]} for path, meta in files.items()})
         manifest_path.parent.mkdir(parents=True, exist_ok=True)
         temporary = manifest_path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        temporary.write_bytes(manifest)
         os.replace(temporary, manifest_path)
-        return {**result, "status": "complete"}
+        return {**result, "status": "complete",
+                "manifest_sha256": hashlib.sha256(manifest).hexdigest()}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -719,6 +744,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ignore", action="append", default=[], help="ignore pattern (repeat)")
     parser.add_argument("--endpoint", default=None,
                         help="rigbook's mirror to pull from (else the hub, HF_ENDPOINT)")
+    parser.add_argument("--manifest-sha256", default=None,
+                        help="the sha256 the mirror's manifest must have (needed with "
+                             "--endpoint)")
     parser.add_argument("--margin-bytes", type=int, default=10 * GIB)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--progress-every", type=float, default=5.0,
