@@ -627,5 +627,9 @@ def parse_rig(host: str, data: dict[str, Any]) -> Rig:
 
 
 def rig_of(host) -> Rig:
-    """The validated Rig of a pyinfra host (deploys call this once, then pass the Rig on)."""
+    """The validated Rig of a pyinfra host (deploys call this once, on their first line, then
+    pass the Rig on); a host whose data was not checked before connecting is refused here."""
+    from rigbook.inventory import require_checked  # rigbook.inventory imports this module
+
+    require_checked(host.name)
     return parse_rig(host.name, host.data.dict())

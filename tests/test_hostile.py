@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +204,68 @@ def test_a_hostile_recipe_file_is_refused_with_its_file_and_field(tmp_path):
         path.write_text(text)
         with pytest.raises(RigbookError, match=field):
             load_recipe(path)
+
+
+# --- the cwd cases: the check before connecting holds wherever pyinfra runs from ------------
+
+#: Bad data a run from another folder must refuse before connecting (finding 6).
+CWD_BAD = [("gpu_count", "0", "gpu_count: Input should be greater than or equal to 1"),
+           ("coolng", "air", "coolng: unknown key (did you mean cooling?")]
+
+
+def _elsewhere(tmp_path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """pyinfra run from a folder without rigbook's config.py (a fresh one under tmp_path)."""
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir(exist_ok=True)
+    return subprocess.run([PYINFRA, "-y", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), CWD_BAD)
+@pytest.mark.parametrize("how", ["absolute paths", "--chdir to the repository",
+                                 "--chdir to another folder"])
+def test_bad_data_from_another_folder_connects_to_nothing(tmp_path, listener, how, key, value,  # noqa: F811
+                                                          message):
+    """`pyinfra /abs/inventory/rigs.py /abs/deploys/rig.py` from anywhere: the inventory
+    module runs the check itself (config.py is loaded only from the working folder)."""
+    paths = ([str(ROOT / "inventory/rigs.py"), str(ROOT / "deploys/rig.py")]
+             if how != "--chdir to the repository" else ["inventory/rigs.py", "deploys/rig.py"])
+    chdir = {"absolute paths": [], "--chdir to the repository": ["--chdir", str(ROOT)],
+             "--chdir to another folder": ["--chdir", str(tmp_path)]}[how]
+    proc = _elsewhere(tmp_path, *chdir, *paths, "--limit", "rig-5090",
+                      "--data", "ssh_hostname=127.0.0.1", "--data", f"ssh_port={listener.port}",
+                      "--data", f"{key}={value}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"rig-5090: {message}" in proc.stderr, proc.stderr[-3000:]
+    assert listener.connections == 0
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_inventory_of_ones_own_that_calls_the_check_connects_to_nothing(tmp_path, listener):  # noqa: F811
+    inventory = tmp_path / "mine.py"
+    inventory.write_text(
+        f"rigs = [('box-a', {{**{GOOD!r}, 'gpu_count': 0, 'ssh_hostname': '127.0.0.1', "
+        f"'ssh_port': {listener.port}}})]\n\n"
+        "from rigbook.inventory import check_before_connecting\n\ncheck_before_connecting()\n")
+    proc = _elsewhere(tmp_path, str(inventory), str(ROOT / "deploys/rig.py"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "box-a: gpu_count: Input should be greater than or equal to 1" in proc.stderr
+    assert listener.connections == 0
+
+
+@pytest.mark.parametrize("deploy", ["rig.py", "a deploy of one's own that includes rig.py"])
+def test_a_deploy_whose_hosts_were_not_checked_refuses_at_its_first_line(tmp_path, deploy):
+    """Where the check could not run (an inline host, pyinfra run from elsewhere), every rigbook
+    deploy refuses the host before it reads or plans anything, and says how to run it."""
+    path = str(ROOT / "deploys/rig.py")
+    if deploy != "rig.py":
+        path = str(tmp_path / "mine.py")
+        Path(path).write_text("from pyinfra import local\n\n"
+                              f"local.include({str(ROOT / 'deploys/rig.py')!r})\n")
+    data = [arg for key, value in GOOD.items() for arg in ("--data", f"{key}={value}")]
+    proc = _elsewhere(tmp_path, "--dry", "@local", path, *data)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "@local: host data not checked before connecting" in said, said[-3000:]
+    assert "check_before_connecting()" in said and "docs/preflight.md" in said
+    assert "Traceback" not in said and "refused before any change" not in said  # nothing read
