@@ -71,6 +71,21 @@ _SYSCTL_VALUE = re.compile(r"[A-Za-z0-9_.,:/-]+( [A-Za-z0-9_.,:/-]+)*")
 _GPU_KEY = re.compile(
     r"0|[1-9][0-9]?|GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 )
+#: The folders leftovers of rigbook, of NVIDIA's packages and of engine setups live in: the
+#: kernel's (sysctl, modules), apt's, login profiles, udev rules and tmpfiles. `stale_files` may
+#: name a file directly in one of them, or a unit file of /etc/systemd/system or a .conf drop-in
+#: of one of its UNIT.d folders; nothing else (/etc/passwd, /boot, /dev are not leftovers).
+LEFTOVER_FOLDERS = (
+    "/etc/sysctl.d", "/etc/modprobe.d", "/etc/modules-load.d", "/etc/apt/sources.list.d",
+    "/etc/apt/preferences.d", "/etc/apt/apt.conf.d", "/etc/profile.d", "/etc/udev/rules.d",
+    "/etc/tmpfiles.d",
+)
+_FILE_NAME = r"[A-Za-z0-9_@+=:,-][A-Za-z0-9_@+=:,.-]*"
+_UNIT_FILE = r"[A-Za-z0-9_:@-][A-Za-z0-9_:@.-]*\.(service|socket|timer|path|mount|target|slice)"
+_LEFTOVER = re.compile(
+    "(" + "|".join(re.escape(folder) for folder in LEFTOVER_FOLDERS) + f")/{_FILE_NAME}"
+    f"|/etc/systemd/system/{_UNIT_FILE}(\\.d/{_FILE_NAME}\\.conf)?"
+)
 #: Card classes without an NVLink connector (GeForce 40 and 50 series dropped it).
 NO_NVLINK = ("rtx4090", "rtx5090")
 #: sysctl keys with their own host-data field, so sysctl_extra may not set them.
@@ -208,8 +223,28 @@ class Rig(StrictModel):
         None, description="/dev/shm tmpfs size (e.g. 64G or 50%); none = leave it as it is."
     )
     stale_files: tuple[RigPath, ...] = Field(
-        (), description="Leftover files to remove, e.g. /etc/sysctl.d/99-vllm-swap.conf."
+        (),
+        description="Leftover files to remove, e.g. /etc/sysctl.d/99-vllm-swap.conf: a file "
+        f"directly in {', '.join(LEFTOVER_FOLDERS)}, a unit file of /etc/systemd/system or a "
+        ".conf drop-in of its UNIT.d folders, never one of rigbook's own (it removes those "
+        "itself). Only a regular file is removed: a folder, link, device or FIFO there is "
+        "refused on the rig.",
     )
+
+    @field_validator("stale_files")
+    @classmethod
+    def _leftovers(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        for path in paths:
+            if not _LEFTOVER.fullmatch(path):
+                raise ValueError(
+                    f"{path} is not in a folder leftovers live in; allowed: a file directly in "
+                    f"{', '.join(LEFTOVER_FOLDERS)}, a unit file of /etc/systemd/system or a "
+                    ".conf drop-in of its UNIT.d folders"
+                )
+            if "rigbook" in path:  # no folder above has it in its name: a file of rigbook's
+                raise ValueError(f"{path} is rigbook's own file: rigbook writes it, or removes "
+                                 "it when a key turns it off; allowed: other leftovers")
+        return paths
 
     # -- WSL2 ---------------------------------------------------------------------------------
     wsl_tdr_delay: StrictInt = Field(60, ge=2, le=600, description="Windows TdrDelay in seconds.")

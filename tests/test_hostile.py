@@ -47,6 +47,14 @@ REFUSED = [
     ("stale_files", ["etc/x"]), ("stale_files", ["/tmp/$(id)"]), ("stale_files", ["/tmp/a b"]),
     ("stale_files", ["/tmp/`id`"]), ("stale_files", ["/tmp/'x'"]), ("stale_files", ["/"]),
     ("stale_files", ["/etc/ｓhadow"]),  # look-alike: a full-width s
+    # leftovers only in the folders leftovers live in, never rigbook's own
+    ("stale_files", ["/etc/passwd"]), ("stale_files", ["/etc/shadow"]),
+    ("stale_files", ["/boot/vmlinuz"]), ("stale_files", ["/dev/sda"]),
+    ("stale_files", ["/etc/sysctl.d/../passwd"]), ("stale_files", ["/etc/sysctl.d"]),
+    ("stale_files", ["/etc/sysctl.d/"]), ("stale_files", ["/etc/sysctl.d//x.conf"]),
+    ("stale_files", ["/etc/systemd/system/multi-user.target.wants/ssh.service"]),
+    ("stale_files", ["/etc/systemd/system/x.service.d"]), ("stale_files", ["/root/.ssh/x"]),
+    ("stale_files", ["/etc/sysctl.d/90-rigbook.conf"]), ("stale_files", ["/etc/sysctl.d/.x"]),
     ("models_cache", "/var/lib/hf\nLD_PRELOAD=/tmp/x.so"), ("models_cache", "relative/hub"),
     ("models_cache", "/var/lib/../../etc"), ("models_cache", "/var/lib/hf%h"),
     ("models_cache", "/var/lib/hf$HOME"), ("models_cache", "-/var/lib/hf"),

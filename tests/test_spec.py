@@ -50,6 +50,10 @@ def test_example_fleet_validates_with_group_data_and_host_precedence():
         ({**GOOD, "shm_size": "lots"}, "box: shm_size: a tmpfs size, e.g. 64G, 512M or 50% "
                                        "(got 'lots')"),
         ({**GOOD, "stale_files": ["etc/x"]}, "box: stale_files.0: an absolute path on the rig"),
+        ({**GOOD, "stale_files": ["/etc/passwd"]}, "box: stale_files: /etc/passwd is not in a "
+         "folder leftovers live in; allowed: a file directly in /etc/sysctl.d, /etc/modprobe.d"),
+        ({**GOOD, "stale_files": ["/etc/modprobe.d/rigbook-nvidia.conf"]},
+         "box: stale_files: /etc/modprobe.d/rigbook-nvidia.conf is rigbook's own file"),
         ({**GOOD, "platform": "debian", "driver_server": True}, "driver_server is for Ubuntu"),
         ({"platform": "ubuntu"}, "box: gpu_class: Field required"),
     ],
