@@ -119,14 +119,19 @@ def inventory_problems(hosts: list[Host]) -> list[str]:
 def rig_problems(rig: Rig, name: str) -> list[str]:
     """What needs no rig to be refused: the recipe (from the catalogue and serving_recipe_dirs)
     and its fit to the host data (cards, class VRAM, NVLink, platform, venv), the bind rule, the
-    API key file and the token files (HF, mirror)."""
+    verify sizes set against the recipe's context, the API key file and the token files (HF,
+    mirror)."""
     # imported here: the roles import this module's neighbours
     from rigbook.recipes import catalogue
     from rigbook.serving import plan_of
     from rigbook.tokens import rig_tokens
+    from rigbook.verify import SIZE_KEYS, size_problems
 
-    _, problem = plan_of(rig, name)
+    plan, problem = plan_of(rig, name)
     problems = [problem.message(name)] if problem else []
+    if plan is not None:  # verify's sizes the operator set, against the context served
+        given = [key for key in SIZE_KEYS if key in rig.model_fields_set]
+        problems += [f"{name}: {line}" for line in size_problems(rig, plan.recipe, given)]
     checks = [lambda: rig_tokens(rig)]
     if rig.recipe is None:  # with a recipe, plan_of loaded the folders
         checks.append(lambda: catalogue(rig.serving_recipe_dirs))

@@ -119,6 +119,11 @@ REFUSED = [
     ("gpu_count", "2"), ("allow_reboot", "yes"), ("allow_reboot", 1), ("driver_branch", 590),
     ("wsl_tdr_delay", 10**9), ("serving_port", 22), ("serving_port", 70000),
     ("sysctl_inotify_max_user_watches", -1), ("models_mirror_port", "8080"),
+    # numbers no rig can take, and keys that contradict the rest of the host data
+    ("power_cap_watts", 10**6), ("power_caps", {"0": 1}), ("serving_max_model_len", 10**12),
+    ("sysctl_inotify_max_user_watches", 2**40), ("verify_needle_fill", True),
+    ("serving_gpu_memory_utilization", "0.9"), ("wsl_tdr_delay", 30),
+    ("driver_version", "595.45.04"), ("driver_repo_trusted", True),
 ]
 #: Values that are accepted and must render inert (as the formats read them back).
 ACCEPTED_ARGS = ["--flag=$(id)", "100%", "a b", 'say "hi"', "back\\slash", "`id`", "$HOME",
