@@ -609,17 +609,17 @@ class Rig(StrictModel):
         if self.driver_repo_uri is not None and self.platform != "debian":
             raise ValueError(f"driver_repo_uri is for platform debian only (platform is "
                              f"{self.platform}); allowed: leave it unset")
-        if self.platform == "wsl2":
-            native = {"driver_version": self.driver_version is not None,
-                      "driver_modprobe_options": bool(self.driver_modprobe_options),
-                      "driver_secure_boot": self.driver_secure_boot == "enroll"}
-            for key in (key for key, given in native.items() if given):
-                raise ValueError(f"{key}: platform wsl2 uses the Windows driver (rigbook "
-                                 "installs no driver there); allowed: leave it unset")
-        else:
-            for key in sorted(k for k in self.model_fields_set if k.startswith("wsl_")):
-                raise ValueError(f"{key} is for platform wsl2 only (platform is "
-                                 f"{self.platform}); allowed: leave it unset")
+        native = {"driver_version": self.driver_version is not None,
+                  "driver_modprobe_options": bool(self.driver_modprobe_options),
+                  "driver_secure_boot": self.driver_secure_boot == "enroll"}
+        native_keys = [key for key, given in native.items() if given]
+        if self.platform == "wsl2" and native_keys:
+            raise ValueError(f"{native_keys[0]}: platform wsl2 uses the Windows driver (rigbook "
+                             "installs no driver there); allowed: leave it unset")
+        wsl_keys = sorted(key for key in self.model_fields_set if key.startswith("wsl_"))
+        if self.platform != "wsl2" and wsl_keys:
+            raise ValueError(f"{wsl_keys[0]} is for platform wsl2 only (platform is "
+                             f"{self.platform}); allowed: leave it unset")
         if self.serving_port is not None and self.serving_port == self.models_mirror_port:
             raise ValueError(f"serving_port and models_mirror_port are both "
                              f"{self.serving_port}: one port, two listeners; allowed: two ports")
