@@ -2,8 +2,9 @@
 
 rigbook uses it for one thing: every host a run selects is checked before pyinfra connects to
 any of them, however the hosts were given (an inventory file, `@local`, an inline host), with
-the run's `--data`, `--limit` and `--exclude` (roles/inventory.py, docs/host-data.md). Run
-pyinfra from the repository root, where this file is.
+the run's `--data`, `--limit` and `--exclude` (roles/inventory.py, docs/preflight.md). pyinfra
+loads it from the folder it runs in (or `--chdir`) only; rigbook's inventory files run the same
+check wherever pyinfra runs, and a deploy whose hosts neither checked refuses to go on.
 """
 
 import sys

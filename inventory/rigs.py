@@ -6,6 +6,7 @@ documented in docs/host-data.md. The addresses are documentation addresses (RFC 
 them with your rigs' before you run a deploy.
 """
 
+from rigbook.inventory import check_before_connecting
 
 dual_3090 = [
     (
@@ -48,3 +49,7 @@ wsl2 = [
         },
     ),
 ]
+
+# Check every host this run selects before pyinfra connects, from whatever folder it runs in
+# (config.py is loaded only from the working folder): last, once the hosts above exist.
+check_before_connecting()

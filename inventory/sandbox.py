@@ -9,6 +9,7 @@ write for a real rig of that kind, except that the driver comes from the local r
 stand-in packages that the sandbox mounts at /srv/rigbook-sim-repo.
 """
 
+from rigbook.inventory import check_before_connecting
 from rigbook.sandbox import REPO_MOUNT, WHEELS_MOUNT, rigs
 
 _SIM_DRIVER = {
@@ -49,3 +50,7 @@ def _rig(entry: dict) -> tuple[str, dict]:
 
 
 sandbox_rigs = [_rig(entry) for entry in rigs()]
+
+# Check every host this run selects before pyinfra connects, from whatever folder it runs in
+# (config.py is loaded only from the working folder): last, once the hosts above exist.
+check_before_connecting()

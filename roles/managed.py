@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import IO
 
 from pyinfra import host, logger, state
-from pyinfra.api import FactBase, FileUploadCommand, OperationError, StringCommand, operation
+from pyinfra.api import (
+    FactBase,
+    FileUploadCommand,
+    OperationError,
+    QuoteString,
+    StringCommand,
+    operation,
+)
 from pyinfra.api.output import format_text
 from pyinfra.api.util import get_file_io
 from pyinfra.facts.files import FileContents
@@ -143,14 +150,21 @@ def text_commands(text: str, dest: str, mode: str | None = "644") -> Iterator:
 
 
 def absent_commands(path: str) -> Iterator:
-    """Remove the file at `path` when there is one."""
+    """Remove the regular file at `path` when there is one. Anything else there (a folder, a
+    link, a device node, a FIFO) is refused: from the read, and again by the removing command
+    itself, which tests what is there in the same shell command that removes it."""
     now = state_of(path)
     if now is None:
         host.noop(f"file {path} does not exist")
         return
-    if now.kind == "directory":
-        raise OperationError(f"{path} is a directory, not a file: rigbook will not remove it")
-    yield StringCommand("rm", "-f", path)
+    if now.kind != "file":
+        raise OperationError(f"{path} is a {now.kind}, not a regular file: rigbook will not "
+                             "remove it")
+    quoted = QuoteString(path)
+    yield StringCommand(
+        "if [ -f", quoted, "] && [ ! -L", quoted, "]; then rm -f --", quoted, "; else echo",
+        QuoteString(f"{path} is not a regular file: rigbook will not remove it"), ">&2; false; fi",
+    )
     runfacts.remember("files", path, None)
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from rigbook.errors import RigbookError
 from rigbook.secrets import looks_secret
@@ -29,6 +30,7 @@ from rigbook.types import (
     RigPath,
     SourceUrl,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictModel,
     http_url,
@@ -42,6 +44,13 @@ PowerProfile = Literal["sweet-spot", "prefill", "stock"]
 
 #: Driver branches rigbook installs: CUDA 13 needs >= 580; 590 is transitional to 595 on Ubuntu.
 DRIVER_BRANCHES = (580, 595)
+
+#: A GPU power limit or cap in watts: from below any card's own minimum to above the largest
+#: board power a workstation or server card has (a range no card can take is refused here; the
+#: card's own range is checked on the rig, docs/power.md).
+Watts = Annotated[StrictInt, Field(ge=50, le=1200)]
+#: Tokens of a context or a prompt: up to 2**24 (16 Mi), beyond any model's context.
+MAX_TOKENS = 2**24
 
 #: Per-card sweet spots (watts), by workload profile and cooling: only the caps the hardware notes
 #: measured (docs/sources.md, "Power sweet spots", quotes each row). A missing cooling has no
@@ -70,6 +79,21 @@ _SYSCTL_VALUE = re.compile(r"[A-Za-z0-9_.,:/-]+( [A-Za-z0-9_.,:/-]+)*")
 #: A power_caps key: a GPU index or an NVIDIA GPU UUID.
 _GPU_KEY = re.compile(
     r"0|[1-9][0-9]?|GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+)
+#: The folders leftovers of rigbook, of NVIDIA's packages and of engine setups live in: the
+#: kernel's (sysctl, modules), apt's, login profiles, udev rules and tmpfiles. `stale_files` may
+#: name a file directly in one of them, or a unit file of /etc/systemd/system or a .conf drop-in
+#: of one of its UNIT.d folders; nothing else (/etc/passwd, /boot, /dev are not leftovers).
+LEFTOVER_FOLDERS = (
+    "/etc/sysctl.d", "/etc/modprobe.d", "/etc/modules-load.d", "/etc/apt/sources.list.d",
+    "/etc/apt/preferences.d", "/etc/apt/apt.conf.d", "/etc/profile.d", "/etc/udev/rules.d",
+    "/etc/tmpfiles.d",
+)
+_FILE_NAME = r"[A-Za-z0-9_@+=:,-][A-Za-z0-9_@+=:,.-]*"
+_UNIT_FILE = r"[A-Za-z0-9_:@-][A-Za-z0-9_:@.-]*\.(service|socket|timer|path|mount|target|slice)"
+_LEFTOVER = re.compile(
+    "(" + "|".join(re.escape(folder) for folder in LEFTOVER_FOLDERS) + f")/{_FILE_NAME}"
+    f"|/etc/systemd/system/{_UNIT_FILE}(\\.d/{_FILE_NAME}\\.conf)?"
 )
 #: Card classes without an NVLink connector (GeForce 40 and 50 series dropped it).
 NO_NVLINK = ("rtx4090", "rtx5090")
@@ -134,7 +158,7 @@ class Rig(StrictModel):
     platform: Platform = Field(description="Operating system family; wsl2 means Ubuntu under WSL2.")
     gpu_class: GpuClass = Field(description="Card class of every GPU in the rig.")
     gpu_count: StrictInt = Field(ge=1, le=8, description="How many GPUs the rig has.")
-    gpu_limits_watts: tuple[StrictInt, StrictInt] | None = Field(
+    gpu_limits_watts: tuple[Watts, Watts] | None = Field(
         None, description="(min, max) power limit of the card; required when gpu_class is other."
     )
     cooling: Cooling = Field("air", description="How the cards are cooled; picks the sweet spot.")
@@ -191,10 +215,10 @@ class Rig(StrictModel):
         description="Named cap: sweet-spot (by card and cooling), prefill (3090: 250 W, 5090: "
         "400 W) or stock.",
     )
-    power_cap_watts: StrictInt | None = Field(
-        None, gt=0, description="One cap for every GPU, in watts; overrides power_profile."
+    power_cap_watts: Watts | None = Field(
+        None, description="One cap for every GPU, in watts; overrides power_profile."
     )
-    power_caps: dict[str, StrictInt] = Field(
+    power_caps: dict[str, Watts] = Field(
         {}, description="Per-GPU caps in watts keyed by GPU index ('0') or UUID; override the rest."
     )
 
@@ -202,10 +226,11 @@ class Rig(StrictModel):
     sysctl_inotify_max_user_watches: StrictInt = Field(
         1048576,
         ge=8192,
+        le=2**24,  # each watch can pin about 1 KiB of kernel memory: 16 GiB at the top
         description="fs.inotify.max_user_watches (an engine died of ENOSPC at 65536).",
     )
     sysctl_inotify_max_user_instances: StrictInt = Field(
-        1024, ge=128, description="fs.inotify.max_user_instances."
+        1024, ge=128, le=65536, description="fs.inotify.max_user_instances."
     )
     sysctl_extra: dict[str, StrictInt | str] = Field(
         {}, description="Other sysctl keys for /etc/sysctl.d/90-rigbook.conf."
@@ -214,8 +239,28 @@ class Rig(StrictModel):
         None, description="/dev/shm tmpfs size (e.g. 64G or 50%); none = leave it as it is."
     )
     stale_files: tuple[RigPath, ...] = Field(
-        (), description="Leftover files to remove, e.g. /etc/sysctl.d/99-vllm-swap.conf."
+        (),
+        description="Leftover files to remove, e.g. /etc/sysctl.d/99-vllm-swap.conf: a file "
+        f"directly in {', '.join(LEFTOVER_FOLDERS)}, a unit file of /etc/systemd/system or a "
+        ".conf drop-in of its UNIT.d folders, never one of rigbook's own (it removes those "
+        "itself). Only a regular file is removed: a folder, link, device or FIFO there is "
+        "refused on the rig.",
     )
+
+    @field_validator("stale_files")
+    @classmethod
+    def _leftovers(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        for path in paths:
+            if not _LEFTOVER.fullmatch(path):
+                raise ValueError(
+                    f"{path} is not in a folder leftovers live in; allowed: a file directly in "
+                    f"{', '.join(LEFTOVER_FOLDERS)}, a unit file of /etc/systemd/system or a "
+                    ".conf drop-in of its UNIT.d folders"
+                )
+            if "rigbook" in path:  # no folder above has it in its name: a file of rigbook's
+                raise ValueError(f"{path} is rigbook's own file: rigbook writes it, or removes "
+                                 "it when a key turns it off; allowed: other leftovers")
+        return paths
 
     # -- WSL2 ---------------------------------------------------------------------------------
     wsl_tdr_delay: StrictInt = Field(60, ge=2, le=600, description="Windows TdrDelay in seconds.")
@@ -225,7 +270,7 @@ class Rig(StrictModel):
     )
     wsl_tdr_disable: StrictBool = Field(False, description="Also set TdrLevel=0 (no TDR at all).")
     wsl_min_memory_gib: StrictInt = Field(
-        24, ge=1,
+        24, ge=1, le=1024,
         description="Least WSL2 memory for model loading.",
     )
 
@@ -305,12 +350,13 @@ class Rig(StrictModel):
     serving_max_model_len: StrictInt | None = Field(
         None,
         ge=256,
+        le=MAX_TOKENS,
         description="Lower the recipe's context on this rig (a card that also drives a display, "
         "e.g. a 4090 at ~23.5 GB usable); the KV estimate shrinks with it. None = the recipe's.",
     )
-    serving_gpu_memory_utilization: float | None = Field(
+    serving_gpu_memory_utilization: StrictFloat | None = Field(
         None,
-        gt=0,
+        ge=0.1,
         le=0.98,
         description="vLLM/SGLang: this rig's share of each card instead of the recipe's (other GPU "
         "consumers on the card). None = the recipe's.",
@@ -348,14 +394,15 @@ class Rig(StrictModel):
         "http://<serving_bind or the rig's SSH address>:<port>.",
     )
     verify_prefill_tokens: StrictInt = Field(
-        15000, ge=16, description="Run option: prompt size (tokens) the prefill step sends."
+        15000, ge=16, le=MAX_TOKENS,
+        description="Run option: prompt size (tokens) the prefill step sends.",
     )
-    verify_needle_depths: tuple[float, ...] = Field(
+    verify_needle_depths: tuple[StrictFloat, ...] = Field(
         (0.1, 0.5, 0.9), min_length=1,
         description="Where the needle sits in its haystack (0 = start, 1 = end), one probe each.",
     )
-    verify_needle_fill: float = Field(
-        0.9, gt=0, le=1, description="Haystack size as a share of the context (max_model_len)."
+    verify_needle_fill: StrictFloat = Field(
+        0.9, ge=0.01, le=1, description="Haystack size as a share of the context (max_model_len)."
     )
     verify_needle_exact: StrictBool = Field(
         True,
@@ -363,7 +410,8 @@ class Rig(StrictModel):
         "must only be accepted and complete (random-weights test models).",
     )
     verify_context_len: StrictInt | None = Field(
-        None, ge=256, description="Context the ladder expects; none = the recipe's max_model_len."
+        None, ge=256, le=MAX_TOKENS,
+        description="Context the ladder expects; none = the recipe's max_model_len.",
     )
     verify_bench_warmups: StrictInt = Field(
         2, ge=0, le=20,
@@ -413,8 +461,9 @@ class Rig(StrictModel):
         "http://10.0.0.5:8090; needs models_mirror_token_file and every model's manifest_sha256); "
         "none = the hub.",
     )
-    models_disk_margin_gib: float = Field(
-        10, ge=0, description="Free space (GiB) a pull must leave on the cache filesystem."
+    models_disk_margin_gib: StrictFloat = Field(
+        10, ge=0, le=10240,
+        description="Free space (GiB) a pull must leave on the cache filesystem.",
     )
     models_token_file: LocalPath | None = Field(
         None,
@@ -524,12 +573,10 @@ class Rig(StrictModel):
     @field_validator("power_caps")
     @classmethod
     def _caps(cls, caps: dict[str, int]) -> dict[str, int]:
-        for gpu, watts in caps.items():
+        for gpu in caps:
             if not _GPU_KEY.fullmatch(gpu):
                 raise ValueError("power_caps keys are a GPU index (0, 1, ...; no leading zero) "
                                  "or a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
-            if watts <= 0:
-                raise ValueError(f"cap for GPU {gpu} must be positive watts")
         return caps
 
     @field_validator("python_find_links")
@@ -561,6 +608,44 @@ class Rig(StrictModel):
             for key, watts in asked.items():
                 if watts is not None and not low <= watts <= high:
                     raise ValueError(f"{key} {watts} W is outside gpu_limits_watts {low}-{high} W")
+        return self
+
+    @model_validator(mode="after")
+    def _pairs(self) -> Rig:
+        """Keys that contradict each other: each names both keys and what is allowed."""
+        branch = self.driver_version.split(".")[0] if self.driver_version else None
+        if branch is not None and branch != str(self.driver_branch):
+            raise ValueError(
+                f"driver_version {self.driver_version} is not of driver_branch "
+                f"{self.driver_branch}; allowed: a {self.driver_branch}.x version, or "
+                f"driver_branch {branch}"
+            )
+        if self.driver_repo_trusted and self.driver_repo_uri is None:
+            raise ValueError("driver_repo_trusted without driver_repo_uri: NVIDIA's repository "
+                             "is always checked with its key; allowed: driver_repo_uri set")
+        if self.driver_repo_uri is not None and self.platform != "debian":
+            raise ValueError(f"driver_repo_uri is for platform debian only (platform is "
+                             f"{self.platform}); allowed: leave it unset")
+        native = {"driver_version": self.driver_version is not None,
+                  "driver_modprobe_options": bool(self.driver_modprobe_options),
+                  "driver_secure_boot": self.driver_secure_boot == "enroll"}
+        native_keys = [key for key, given in native.items() if given]
+        if self.platform == "wsl2" and native_keys:
+            raise ValueError(f"{native_keys[0]}: platform wsl2 uses the Windows driver (rigbook "
+                             "installs no driver there); allowed: leave it unset")
+        wsl_keys = sorted(key for key in self.model_fields_set if key.startswith("wsl_"))
+        if self.platform != "wsl2" and wsl_keys:
+            raise ValueError(f"{wsl_keys[0]} is for platform wsl2 only (platform is "
+                             f"{self.platform}); allowed: leave it unset")
+        if self.serving_port is not None and self.serving_port == self.models_mirror_port:
+            raise ValueError(f"serving_port and models_mirror_port are both "
+                             f"{self.serving_port}: one port, two listeners; allowed: two ports")
+        if self.nvlink and self.gpu_count < 2:
+            raise ValueError("nvlink with gpu_count 1: a bridge joins two cards; allowed: "
+                             "nvlink false, or gpu_count 2 or more")
+        if len(self.power_caps) > self.gpu_count:
+            raise ValueError(f"power_caps names {len(self.power_caps)} GPUs but the rig has "
+                             f"{self.gpu_count} (gpu_count); allowed: at most one cap per GPU")
         return self
 
     def default_cap(self) -> int | None:
@@ -608,6 +693,38 @@ def _shown(value: Any, field: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _bounds(items) -> dict[str, float]:
+    """The ge/gt/le/lt bounds among pydantic metadata and the types they annotate."""
+    found: dict[str, float] = {}
+    for item in items:
+        if isinstance(item, FieldInfo):
+            found |= _bounds(item.metadata)
+            continue
+        for bound in ("ge", "gt", "le", "lt"):
+            if isinstance(getattr(item, bound, None), (int, float)):
+                found[bound] = getattr(item, bound)
+        found |= _bounds(get_args(item))
+    return found
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def range_of(key: str) -> str | None:
+    """What a numeric key of Rig allows, in words ("1 to 8"); None for a key with no range."""
+    field = Rig.model_fields.get(key)
+    bounds = _bounds([*field.metadata, field.annotation]) if field else {}
+    low = (_number(bounds["ge"]) if "ge" in bounds
+           else f"more than {_number(bounds['gt'])}" if "gt" in bounds else None)
+    high = (_number(bounds["le"]) if "le" in bounds
+            else f"less than {_number(bounds['lt'])}" if "lt" in bounds else None)
+    return f"{low} to {high}" if low is not None and high is not None else None
+
+
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
 def _field_error(host: str, error: dict[str, Any], fields: set[str]) -> str:
     loc = [str(part) for part in error["loc"]]
     where = ".".join(loc)
@@ -621,6 +738,8 @@ def _field_error(host: str, error: dict[str, Any], fields: set[str]) -> str:
     if error["type"] == "string_pattern_mismatch":
         field = next((part for part in reversed(loc) if not part.isdigit()), "")
         message = f"allowed: {PATTERN_WORDS.get(field, error['ctx']['pattern'])}"
+    if error["type"] in _BOUND_ERRORS and loc and range_of(loc[0]):
+        message += f"; allowed: {range_of(loc[0])}"
     if not loc:  # the rig as a whole: say what is wrong, never dump its host data
         return f"{host}: {message}"
     if "input" in error and error["type"] != "missing":
@@ -644,5 +763,9 @@ def parse_rig(host: str, data: dict[str, Any]) -> Rig:
 
 
 def rig_of(host) -> Rig:
-    """The validated Rig of a pyinfra host (deploys call this once, then pass the Rig on)."""
+    """The validated Rig of a pyinfra host (deploys call this once, on their first line, then
+    pass the Rig on); a host whose data was not checked before connecting is refused here."""
+    from rigbook.inventory import require_checked  # rigbook.inventory imports this module
+
+    require_checked(host.name)
     return parse_rig(host.name, host.data.dict())

@@ -347,19 +347,24 @@ def shm_live(size: str) -> Iterator:
 _FSTAB_SHM = re.compile(r"^[^#\s]+\s+/dev/shm\s")
 
 
-class PresentPaths(FactBase[list[str]]):
-    """Which of `paths` exist (a file, a folder or a link), one per line."""
+class PresentPaths(FactBase[dict]):
+    """Which of `paths` exist, and what each is: file (a regular one), link, directory or
+    other (a device node, a FIFO, a socket). One line a path: the kind, then the path (last: it
+    may hold spaces)."""
 
-    default = list
+    default = dict
 
     def command(self, paths: tuple[str, ...]) -> StringCommand:
         return StringCommand(
             "for p in", *(QuoteString(path) for path in paths), "; do",
-            '{ [ -e "$p" ] || [ -L "$p" ]; } && echo "$p";', "done; true",
+            'if [ -L "$p" ]; then k=link; elif [ -d "$p" ]; then k=directory;',
+            'elif [ -f "$p" ]; then k=file; elif [ -e "$p" ]; then k=other; else continue; fi;',
+            'printf "%s %s\\n" "$k" "$p";', "done; true",
         )
 
-    def process(self, output: list[str]) -> list[str]:
-        return [line.strip() for line in output if line.strip()]
+    def process(self, output: list[str]) -> dict[str, str]:
+        pairs = (line.split(" ", 1) for line in output if " " in line)
+        return {path: kind for kind, path in pairs}
 
 
 def parse_sysctl_conf(lines: Iterable[str]) -> dict[str, str]:
@@ -510,8 +515,11 @@ def tuning_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     found = _sysctl_findings(rig, facts) + _shm_findings(rig, facts)
     live = (facts.sysctl_live or {}).get("fs.inotify.max_user_watches")
     found += inotify_findings(facts.inotify, live.value if live is not None else None)
-    return found + [drift("tuning", f"leftover {path} is present")
-                    for path in facts.stale_present or ()]
+    for path, kind in (facts.stale_present or {}).items():
+        found.append(drift("tuning", f"leftover {path} is present") if kind == "file" else error(
+            "tuning", f"{path} is a {kind}, not a regular file: rigbook removes regular files "
+            "only; allowed: take it out of stale_files", key="stale_files"))
+    return found
 
 
 def _tuning_reads(rig: Rig, rig_name: str) -> list[Read]:

@@ -18,7 +18,8 @@ refused as one in the middle. The renderers escape for their format on top of th
 - `Requirement`: a Python requirement with a name and one `==` version (`vllm==0.33.0`, or a
   release series `cuda-toolkit==13.0.*`; markers allowed), parsed with `packaging`; never an
   option such as `--index-url`, a URL or a range.
-- `StrictBool` / `StrictInt`: `True` is not 1, `"yes"` is not true.
+- `StrictBool` / `StrictInt` / `StrictFloat`: `True` is not 1, `"yes"` is not true, `"0.9"`
+  is not a number (an integer is a float).
 - `StrictModel`: the base of every model of host data, recipes and status: an unknown key is
   an error (a typo is never ignored) and a validated object is frozen.
 """
@@ -32,11 +33,19 @@ from urllib.parse import urlsplit
 
 from packaging.requirements import InvalidRequirement
 from packaging.requirements import Requirement as Parsed
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
 
 __all__ = [
     "Glob", "HttpUrl", "IpAddress", "Line", "LocalPath", "RepoId", "Requirement", "RigPath",
-    "SourceUrl", "StrictBool", "StrictInt", "StrictModel", "Word",
+    "SourceUrl", "StrictBool", "StrictFloat", "StrictInt", "StrictModel", "Word",
 ]
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -167,6 +176,7 @@ ALLOWS = {
                    "allowed; never an option, URL or range",
     "RepoId": "a Hugging Face repo id, owner/name",
     "int": "an integer: true/false are not numbers",
+    "float": "a number (an integer or a decimal): true/false and text are not numbers",
     "bool": "true or false: 1, 0, \"yes\" are not booleans",
 }
 #: The validator behind each type, for roles/docs.py to name it.

@@ -693,19 +693,37 @@ def api_url(rig, rig_name: str, address: str, bind: str, port: int) -> str:
     return f"http://[{host_}]:{port}" if ":" in host_ else f"http://{host_}:{port}"
 
 
+#: The verify keys whose size must fit the context the ladder expects.
+SIZE_KEYS = ("verify_prefill_tokens", "verify_bench_tokens")
+
+
+def size_problems(rig, recipe, keys=SIZE_KEYS) -> list[str]:
+    """verify's sizes among `keys` against the context the ladder expects (verify_context_len,
+    else the context the rig serves: serving_max_model_len or the recipe's), each with room for
+    an answer. Before connecting only the keys the operator set are checked (the defaults are
+    verify's run options, not a contradiction); verify_plan checks all. verify_context_len
+    itself is a claim the needle step tests against the engine, not a size."""
+    from rigbook.recipes import max_model_len_of
+
+    context = rig.verify_context_len or max_model_len_of(recipe, rig)
+    problems = []
+    for key, low in zip(SIZE_KEYS, (16, 8), strict=True):
+        if key in keys and getattr(rig, key) + ANSWER_TOKENS > context:
+            problems.append(f"{key}: {getattr(rig, key)} does not fit the {context}-token "
+                            f"context of {recipe.name}; allowed: {low}..{context - ANSWER_TOKENS}")
+    return problems
+
+
 def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
     """The target and settings of a rig with a recipe; RigbookError names the field and range."""
-    from rigbook.recipes import bind_of, port_of, recipe_for
+    from rigbook.recipes import bind_of, max_model_len_of, port_of, recipe_for
     from rigbook.serving import read_api_key
 
     recipe = recipe_for(rig, rig_name)
     settings = settings_of(rig)
-    context = settings.context_len or recipe.max_model_len
-    if settings.prefill_tokens + ANSWER_TOKENS > context:
-        raise RigbookError(
-            f"{rig_name}: verify_prefill_tokens: {settings.prefill_tokens} does not fit the "
-            f"{context}-token context of {recipe.name}; allowed: 16..{context - ANSWER_TOKENS}"
-        )
+    problems = size_problems(rig, recipe)
+    if problems:
+        raise RigbookError("\n".join(f"{rig_name}: {problem}" for problem in problems))
     key_file = rig.serving_api_key_file or recipe.api_key_file
     try:
         key = read_api_key(key_file) if key_file else None
@@ -713,7 +731,7 @@ def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
         raise RigbookError(f"{rig_name}: {error}") from None
     url = api_url(rig, rig_name, address, bind_of(recipe, rig), port_of(recipe, rig))
     target = Target(rig=rig_name, recipe=recipe.name, engine=recipe.engine,
-                    served_name=recipe.served_name(), max_model_len=recipe.max_model_len,
+                    served_name=recipe.served_name(), max_model_len=max_model_len_of(recipe, rig),
                     url=url, key=key)
     return target, settings
 

@@ -66,7 +66,7 @@ def test_one_shell_command_reads_every_fact_as_pyinfra_would(tmp_path):
         Read("garbled", Unparsable, "a bad parse"),
     ]
     facts = run_batch(reads)
-    assert facts.paths == [str(present)]
+    assert facts.paths == {str(present): "file"}
     assert facts.file == ["a = 1"]
     assert facts.absent is None  # FileContents keeps its marker from command() to process()
     assert facts.unread == {"broken": "it broke",

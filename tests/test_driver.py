@@ -432,7 +432,8 @@ def test_modprobe_options_content_and_reboot_marker():
     # No options but the file is there: removed, and the module must load again.
     there = file_states({drv.MODPROBE_CONF: "options nvidia NVreg_A=0x00\n"})
     commands, _ = run_op(drv.modprobe_options, {"FileStates": there}, options={})
-    assert shell(commands)[0] == f"rm -f {drv.MODPROBE_CONF}"
+    assert shell(commands)[0].startswith(f"if [ -f {drv.MODPROBE_CONF} ] && [ ! -L ")
+    assert f"then rm -f -- {drv.MODPROBE_CONF} ;" in shell(commands)[0]
     assert reboot.REBOOT_MARKER in shell(commands)[1]
 
 

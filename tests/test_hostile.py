@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,14 @@ REFUSED = [
     ("stale_files", ["etc/x"]), ("stale_files", ["/tmp/$(id)"]), ("stale_files", ["/tmp/a b"]),
     ("stale_files", ["/tmp/`id`"]), ("stale_files", ["/tmp/'x'"]), ("stale_files", ["/"]),
     ("stale_files", ["/etc/ｓhadow"]),  # look-alike: a full-width s
+    # leftovers only in the folders leftovers live in, never rigbook's own
+    ("stale_files", ["/etc/passwd"]), ("stale_files", ["/etc/shadow"]),
+    ("stale_files", ["/boot/vmlinuz"]), ("stale_files", ["/dev/sda"]),
+    ("stale_files", ["/etc/sysctl.d/../passwd"]), ("stale_files", ["/etc/sysctl.d"]),
+    ("stale_files", ["/etc/sysctl.d/"]), ("stale_files", ["/etc/sysctl.d//x.conf"]),
+    ("stale_files", ["/etc/systemd/system/multi-user.target.wants/ssh.service"]),
+    ("stale_files", ["/etc/systemd/system/x.service.d"]), ("stale_files", ["/root/.ssh/x"]),
+    ("stale_files", ["/etc/sysctl.d/90-rigbook.conf"]), ("stale_files", ["/etc/sysctl.d/.x"]),
     ("models_cache", "/var/lib/hf\nLD_PRELOAD=/tmp/x.so"), ("models_cache", "relative/hub"),
     ("models_cache", "/var/lib/../../etc"), ("models_cache", "/var/lib/hf%h"),
     ("models_cache", "/var/lib/hf$HOME"), ("models_cache", "-/var/lib/hf"),
@@ -110,6 +119,11 @@ REFUSED = [
     ("gpu_count", "2"), ("allow_reboot", "yes"), ("allow_reboot", 1), ("driver_branch", 590),
     ("wsl_tdr_delay", 10**9), ("serving_port", 22), ("serving_port", 70000),
     ("sysctl_inotify_max_user_watches", -1), ("models_mirror_port", "8080"),
+    # numbers no rig can take, and keys that contradict the rest of the host data
+    ("power_cap_watts", 10**6), ("power_caps", {"0": 1}), ("serving_max_model_len", 10**12),
+    ("sysctl_inotify_max_user_watches", 2**40), ("verify_needle_fill", True),
+    ("serving_gpu_memory_utilization", "0.9"), ("wsl_tdr_delay", 30),
+    ("driver_version", "595.45.04"), ("driver_repo_trusted", True),
 ]
 #: Values that are accepted and must render inert (as the formats read them back).
 ACCEPTED_ARGS = ["--flag=$(id)", "100%", "a b", 'say "hi"', "back\\slash", "`id`", "$HOME",
@@ -317,3 +331,66 @@ def test_a_wide_bind_through_a_prefix_is_refused_before_the_plan(tmp_path):
     })
     with pytest.raises(RigbookError, match="extra_args: --hos .*--host"):
         serve_plan(rig, "rig1")
+# --- the cwd cases: the check before connecting holds wherever pyinfra runs from ------------
+
+#: Bad data a run from another folder must refuse before connecting (finding 6).
+CWD_BAD = [("gpu_count", "0", "gpu_count: Input should be greater than or equal to 1"),
+           ("coolng", "air", "coolng: unknown key (did you mean cooling?")]
+
+
+def _elsewhere(tmp_path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """pyinfra run from a folder without rigbook's config.py (a fresh one under tmp_path)."""
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir(exist_ok=True)
+    return subprocess.run([PYINFRA, "-y", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), CWD_BAD)
+@pytest.mark.parametrize("how", ["absolute paths", "--chdir to the repository",
+                                 "--chdir to another folder"])
+def test_bad_data_from_another_folder_connects_to_nothing(tmp_path, listener, how, key, value,  # noqa: F811
+                                                          message):
+    """`pyinfra /abs/inventory/rigs.py /abs/deploys/rig.py` from anywhere: the inventory
+    module runs the check itself (config.py is loaded only from the working folder)."""
+    paths = ([str(ROOT / "inventory/rigs.py"), str(ROOT / "deploys/rig.py")]
+             if how != "--chdir to the repository" else ["inventory/rigs.py", "deploys/rig.py"])
+    chdir = {"absolute paths": [], "--chdir to the repository": ["--chdir", str(ROOT)],
+             "--chdir to another folder": ["--chdir", str(tmp_path)]}[how]
+    proc = _elsewhere(tmp_path, *chdir, *paths, "--limit", "rig-5090",
+                      "--data", "ssh_hostname=127.0.0.1", "--data", f"ssh_port={listener.port}",
+                      "--data", f"{key}={value}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"rig-5090: {message}" in proc.stderr, proc.stderr[-3000:]
+    assert listener.connections == 0
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_inventory_of_ones_own_that_calls_the_check_connects_to_nothing(tmp_path, listener):  # noqa: F811
+    inventory = tmp_path / "mine.py"
+    inventory.write_text(
+        f"rigs = [('box-a', {{**{GOOD!r}, 'gpu_count': 0, 'ssh_hostname': '127.0.0.1', "
+        f"'ssh_port': {listener.port}}})]\n\n"
+        "from rigbook.inventory import check_before_connecting\n\ncheck_before_connecting()\n")
+    proc = _elsewhere(tmp_path, str(inventory), str(ROOT / "deploys/rig.py"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "box-a: gpu_count: Input should be greater than or equal to 1" in proc.stderr
+    assert listener.connections == 0
+
+
+@pytest.mark.parametrize("deploy", ["rig.py", "a deploy of one's own that includes rig.py"])
+def test_a_deploy_whose_hosts_were_not_checked_refuses_at_its_first_line(tmp_path, deploy):
+    """Where the check could not run (an inline host, pyinfra run from elsewhere), every rigbook
+    deploy refuses the host before it reads or plans anything, and says how to run it."""
+    path = str(ROOT / "deploys/rig.py")
+    if deploy != "rig.py":
+        path = str(tmp_path / "mine.py")
+        Path(path).write_text("from pyinfra import local\n\n"
+                              f"local.include({str(ROOT / 'deploys/rig.py')!r})\n")
+    data = [arg for key, value in GOOD.items() for arg in ("--data", f"{key}={value}")]
+    proc = _elsewhere(tmp_path, "--dry", "@local", path, *data)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "@local: host data not checked before connecting" in said, said[-3000:]
+    assert "check_before_connecting()" in said and "docs/preflight.md" in said
+    assert "Traceback" not in said and "refused before any change" not in said  # nothing read

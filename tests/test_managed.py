@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import subprocess
 from io import StringIO
 
@@ -107,7 +108,56 @@ def test_another_operation_that_changed_the_rig_makes_the_next_comparison_read_a
 
     commands, fake = run(body, {"FileStates": lambda paths: answers.pop(0)}, ("/etc/x",))
     assert len(fake.asked) == 2
-    assert [describe(c) for c in commands] == ["rm -f /etc/x"]
+    assert [describe(c) for c in commands] == [
+        "if [ -f /etc/x ] && [ ! -L /etc/x ]; then rm -f -- /etc/x ; else echo '/etc/x is not a "
+        "regular file: rigbook will not remove it' >&2; false; fi"]
+
+
+@pytest.mark.parametrize("kind", ["directory", "link", "other"])
+def test_only_a_regular_file_is_removed(kind):
+    def states(paths):
+        return {path: managed.FileState(kind, 0o755) for path in paths}
+
+    with pytest.raises(OperationError, match=f"is a {kind}, not a regular file"):
+        run(lambda: managed.absent_commands("/etc/x"), {"FileStates": states})
+
+
+def _removing(path: str) -> str:
+    """The shell command that removes `path`, read while a regular file was there."""
+    commands, _ = run(lambda: managed.absent_commands(path),
+                      {"FileStates": lambda paths: {p: managed.FileState("file", 0o644, "0" * 64)
+                                                    for p in paths}})
+    return describe(commands[0])
+
+
+@pytest.mark.parametrize("kind", ["directory", "link to a file", "link to nothing", "fifo",
+                                  "device node"])
+def test_what_is_there_when_the_command_runs_is_tested_in_the_same_command(tmp_path, kind):
+    """Between the read and the removal something else may take the path: the command itself
+    refuses anything but a regular file, and leaves it (and a link's target) as it was."""
+    target, path = tmp_path / "target", tmp_path / "left over's"
+    target.write_text("keep")
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device node":
+        if os.geteuid() != 0:
+            pytest.skip("a device node needs root")
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    else:
+        path.symlink_to(target if kind == "link to a file" else tmp_path / "none")
+    done = subprocess.run(["sh", "-c", _removing(str(path))], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    assert "is not a regular file: rigbook will not remove it" in done.stderr
+    assert os.path.lexists(path) and target.read_text() == "keep"
+
+
+def test_a_regular_file_is_removed_by_the_command(tmp_path):
+    path = tmp_path / "99-vllm-swap.conf"
+    path.write_text("vm.swappiness = 10\n")
+    done = subprocess.run(["sh", "-c", _removing(str(path))], capture_output=True, text=True)
+    assert done.returncode == 0 and not path.exists(), done.stderr
 
 
 def test_a_fact_the_preflight_read_is_not_read_again_until_the_rig_changed(monkeypatch):

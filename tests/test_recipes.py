@@ -441,7 +441,7 @@ def _toml(data: dict, prefix: str = "") -> str:
 def test_fit_names_every_mismatch():
     recipe = catalogue()["dual-3090-tp2"]
     rig = Rig.model_validate({
-        "platform": "wsl2", "gpu_class": "a6000", "gpu_count": 1, "nvlink": True,
+        "platform": "wsl2", "gpu_class": "a6000", "gpu_count": 3, "nvlink": True,
         "power_profile": "stock",
         "venvs": [{"name": "vllm-0.33", "engine": "sglang", "packages": ["x==1.0"]}],
     })
@@ -450,7 +450,7 @@ def test_fit_names_every_mismatch():
         "platform is wsl2; the recipe fits ubuntu, debian",
         "venv vllm-0.33 is a sglang venv; the recipe is vllm",
         "gpu_class is a6000; the recipe fits rtx3090, rtx3090ti",
-        "gpu_count is 1; the recipe needs 2",
+        "gpu_count is 3; the recipe needs 2",
         "the recipe is for rigs without NVLink (this rig has nvlink: true)",
     ]
     with pytest.raises(RigbookError) as error:

@@ -149,7 +149,7 @@ def converged_dual(rig: Rig | None = None, gpus=None) -> Facts:
         shm=parse_shm(["mount tmpfs rw,nosuid,nodev,size=2097152k,inode64", "df 2147483648 0",
                        "MemTotal:       24596720 kB"]),
         fstab=["# /etc/fstab: static file system information.", fstab_line("2G")],
-        stale_present=[],
+        stale_present={},
         disks=FreeDisk().process(["/ overlay 63000000000 20000000000 43000000000 32% /"]),
         klog=parse_kernel_log(["##RIGBOOK_KLOG## journalctl", "##RIGBOOK_KLOG_ALL_BOOTS##"]),
     )
@@ -330,7 +330,7 @@ def test_host_tuning_drift():
         shm=parse_shm(["mount tmpfs rw,nosuid,nodev,size=65536k,inode64", "df 67108864 0",
                        "MemTotal:       24596720 kB"]),
         fstab=["tmpfs /dev/shm tmpfs defaults,size=1G 0 0"],
-        stale_present=["/etc/sysctl.d/99-vllm-swap.conf"],
+        stale_present={"/etc/sysctl.d/99-vllm-swap.conf": "file"},
     )
     assert drifts(build_rig_status("rig1", rig, facts)) == [
         ("tuning", None, "/etc/sysctl.d/90-rigbook.conf: fs.inotify.max_user_watches = 524288, "
@@ -833,7 +833,8 @@ def test_free_disk_and_present_paths_run_here(tmp_path):
     (tmp_path / "left over.conf").write_text("vm.swappiness = 10\n")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     paths = (str(tmp_path / "left over.conf"), str(tmp_path / "dangling"), str(tmp_path / "no"))
-    assert PresentPaths().process(run_fact(PresentPaths(), paths=paths)) == list(paths[:2])
+    assert PresentPaths().process(run_fact(PresentPaths(), paths=paths)) == {
+        paths[0]: "file", paths[1]: "link"}
 
 
 def fake_tools(tmp_path: Path, journal_this_boot: list[str] | None, journal_all: list[str],

@@ -383,6 +383,32 @@ def test_the_check_refuses_with_every_reason():
     ]
 
 
+def test_a_leftover_that_is_not_a_regular_file_refuses_the_rig_before_any_change(tmp_path):
+    """Check first: the preflight reads what each leftover is; a folder, a link, a FIFO there
+    refuses the rig before the driver (or anything) changes, instead of failing mid-run."""
+    from rigbook.tuning import PresentPaths
+
+    (tmp_path / "99-vllm-swap.conf").write_text("vm.swappiness = 10\n")
+    (tmp_path / "a folder.conf").mkdir()
+    (tmp_path / "a link.conf").symlink_to(tmp_path / "99-vllm-swap.conf")
+    paths = tuple(str(tmp_path / name) for name in
+                  ("99-vllm-swap.conf", "a folder.conf", "a link.conf", "absent.conf"))
+    present = local_fact(PresentPaths, paths=paths)
+    assert present == {paths[0]: "file", paths[1]: "directory", paths[2]: "link"}
+    cfg = rig(stale_files=["/etc/sysctl.d/99-vllm-swap.conf", "/etc/sysctl.d/x.conf",
+                           "/etc/sysctl.d/y.conf"])
+    facts = tuning_facts(cfg, state(size=2 * GIB), live_ok(cfg))
+    facts.store("stale_present", {"/etc/sysctl.d/99-vllm-swap.conf": "file",
+                                  "/etc/sysctl.d/x.conf": "directory",
+                                  "/etc/sysctl.d/y.conf": "link"})
+    assert refusals(cfg, facts) == [
+        f"rig1: stale_files: /etc/sysctl.d/{name}.conf is a {kind}, not a regular file: rigbook "
+        "removes regular files only; allowed: take it out of stale_files" for name, kind in
+        (("x", "directory"), ("y", "link"))]
+    drifts = [f.reason for f in tuning_findings(cfg, facts, "rig1") if f.level == "drift"]
+    assert "leftover /etc/sysctl.d/99-vllm-swap.conf is present" in drifts
+
+
 def test_the_check_leaves_shm_alone_when_not_asked():
     cfg = rig()  # shm_size None: even a tiny, non-tmpfs /dev/shm is fine
     assert refusals(cfg, tuning_facts(cfg, state(fstype=None, size=None), live_ok(cfg))) == []
