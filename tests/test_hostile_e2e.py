@@ -155,7 +155,9 @@ def test_accepted_hostile_values_are_inert_in_every_other_file_rigbook_writes(sa
         put(rig, DUMP, PRINTER, "755")
         put(rig, MIRROR_TOKEN_PATH, "x" * 32 + "\n", "600")  # the unit's LoadCredential=
         argv = started_argv(rig, "rigbook-hostile-reaper.service", reaper, "/usr/bin/python3")
-        assert argv == [REAPER, *[word for glob in GLOBS for word in ("--pattern", glob)]]
+        # python3 -I -S: the reaper's interpreter reads no environment and no site folder
+        assert argv == ["-I", "-S", REAPER,
+                        *[word for glob in GLOBS for word in ("--pattern", glob)]]
         argv = started_argv(rig, "rigbook-hostile-mirror.service", mirror, "/usr/bin/python3")
         assert argv == [MIRROR_SCRIPT, "--cache", CACHE, "--host", "fd00::5", "--port", "8080"]
 
