@@ -313,24 +313,29 @@ def test_argparse_itself_takes_each_refused_spelling_for_the_owned_flag():
                 assert not any(vars(seen).values()) and rest, (args, seen)
 
 
+def hostile_cpu_rig(recipe_dir):
+    """A rig serving the recipe `hostile-cpu` from recipe_dir (the tiny CPU engine's venv)."""
+    from rigbook.spec import Rig
+
+    return Rig.model_validate({
+        "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "recipe": "hostile-cpu",
+        "serving_recipe_dirs": [str(recipe_dir)],
+        "venvs": [{"name": "tiny-cpu", "engine": "llama-cpp-python", "python": "3.11",
+                   "packages": ["llama-cpp-python[server]==0.3.36"]}],
+        "models": [{"repo": "local/tiny", "revision": "1" * 40}],
+    })
+
+
 def test_a_wide_bind_through_a_prefix_is_refused_before_the_plan(tmp_path):
     """The issue's case: `--hos=0.0.0.0` in a serving_recipe_dirs recipe; the plan reported bind
     127.0.0.1 and asked for no key while the engine listened everywhere."""
     from rigbook.errors import RigbookError
     from rigbook.serving import serve_plan
-    from rigbook.spec import Rig
 
     (tmp_path / "hostile-cpu.toml").write_text(
         recipe_text("llama.cpp", ["--hos=0.0.0.0"]).replace('"tiny-cpu-a"', '"hostile-cpu"'))
-    rig = Rig.model_validate({
-        "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "recipe": "hostile-cpu",
-        "serving_recipe_dirs": [str(tmp_path)],
-        "venvs": [{"name": "tiny-cpu", "engine": "llama-cpp-python", "python": "3.11",
-                   "packages": ["llama-cpp-python[server]==0.3.36"]}],
-        "models": [{"repo": "local/tiny", "revision": "1" * 40}],
-    })
     with pytest.raises(RigbookError, match="extra_args: --hos .*--host"):
-        serve_plan(rig, "rig1")
+        serve_plan(hostile_cpu_rig(tmp_path), "rig1")
 # --- the cwd cases: the check before connecting holds wherever pyinfra runs from ------------
 
 #: Bad data a run from another folder must refuse before connecting (finding 6).

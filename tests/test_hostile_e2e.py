@@ -36,7 +36,7 @@ from rigbook.serving import ENV_PATH, SERVE_HOME, SERVE_USER, render_env, render
 from rigbook.spec import Rig
 from rigbook.tokens import MIRROR_TOKEN_PATH
 from tests.conftest import ROOT, rig_ssh
-from tests.test_hostile import ACCEPTED_ARGS
+from tests.test_hostile import ACCEPTED_ARGS, hostile_cpu_rig
 
 pytestmark = pytest.mark.sandbox
 
@@ -74,14 +74,7 @@ def hostile_plan(tmp_path: Path):
                    f"env = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in ENV.items())} }}\n"
                    "[model]", 1)
     (tmp_path / "hostile-cpu.toml").write_text(recipe)
-    rig = Rig.model_validate({
-        "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "recipe": "hostile-cpu",
-        "serving_recipe_dirs": [str(tmp_path)],
-        "venvs": [{"name": "tiny-cpu", "engine": "llama-cpp-python", "python": "3.11",
-                   "packages": ["llama-cpp-python[server]==0.3.36"]}],
-        "models": [{"repo": "local/tiny", "revision": "1" * 40}],
-    })
-    return serve_plan(rig, "rig1")
+    return serve_plan(hostile_cpu_rig(tmp_path), "rig1")
 
 
 def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox, tmp_path):
