@@ -14,7 +14,7 @@ means a rebuild, not a restart. So rigbook owns the driver:
 The platform branch is chosen once (`plan_driver`), from the host data cross-checked with the
 distribution the rig reports. Versions are pinned by their upstream part with an apt version
 glob (`nvidia-open=580.95.05-*`: apt resolves it against its own candidate list and fails when
-nothing matches, so Ubuntu's 580.95.05-0ubuntu0.24.04.1 and the NVIDIA repository's
+nothing matches, so Ubuntu's 580.178.04-0ubuntu0.24.04.1 and the NVIDIA repository's
 580.95.05-1 need no lookup table) plus an apt preferences pin with the same glob, so that the
 dependencies apt pulls in resolve to the same version instead of the newest one.
 docs/driver.md describes the whole role; docs/runbooks/driver-bump.md the bump.
@@ -41,9 +41,11 @@ from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, NvidiaGpus
 from rigbook.kernel import (
     NOUVEAU_CONF,
     OTHER_SOURCES_PREF,
+    AptPolicy,
     blacklist_nouveau,
     enroll_dkms_key,
     kernel_headers,
+    offers_driver,
     onboard_findings,
     onboard_reads,
     pin_out_sources,
@@ -106,10 +108,6 @@ _LINUX_DRIVER = re.compile(
     r"^(nvidia-(driver|utils|dkms|kernel|headless|compute-utils|open$|smi$)"
     r"|libnvidia-(compute|ml)|libcuda1|cuda-drivers|linux-(modules|objects|signatures)-nvidia-)"
 )
-
-#: Ubuntu releases and the branches their archive carries (docs/sources.md, "Driver branches and
-#: repositories": 580 on jammy and noble, 595 on noble-updates; 595 on jammy is unconfirmed).
-UBUNTU_BRANCHES = {"24.04": (580, 595), "22.04": (580,)}
 
 #: NVIDIA's CUDA repository for Debian 12 (the only release whose path is confirmed:
 #: docs/sources.md, "Driver branches and repositories").
@@ -227,18 +225,7 @@ def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -
         raise RigbookError(
             f"{name}: platform: declared {rig.platform}, but the host reports {reported} {release}"
         )
-    if rig.platform == "ubuntu":
-        branches = UBUNTU_BRANCHES.get(release)
-        if branches is None:
-            raise RigbookError(
-                f"{name}: platform: Ubuntu {release} is not supported; "
-                f"supported: {', '.join(sorted(UBUNTU_BRANCHES))}"
-            )
-        if rig.driver_branch not in branches:
-            raise RigbookError(
-                f"{name}: driver_branch: {rig.driver_branch} is not in Ubuntu {release}'s "
-                f"archive; allowed there: {', '.join(map(str, branches))}"
-            )
+    if rig.platform == "ubuntu":  # which branches and versions: the rig's archive (offered)
         infix = "-server" if rig.driver_server else ""
         flavour = "-open" if rig.driver_open else ""
         packages = (
@@ -774,10 +761,13 @@ def driver_pending(rig: Rig, facts: Facts) -> bool:
     )
 
 
+INSTALLED_READ = Read("installed", DpkgInstalled, "installed packages")
+
+
 def _driver_reads(rig: Rig, rig_name: str) -> list[Read]:
     return [
         GPUS_READ,
-        Read("installed", DpkgInstalled, "installed packages"),
+        INSTALLED_READ,
         Read("holds", AptHolds, "apt holds"),
         Read("loaded", LoadedDriverVersion, "loaded driver module"),
         Read("reboot_marker", RebootMarker, "reboot marker"),
@@ -806,11 +796,46 @@ def _onboard_reads(rig: Rig, rig_name: str) -> list[Read]:
     if rig.platform == "wsl2":
         return []
     loaded = Read("loaded", LoadedDriverVersion, "loaded driver module")
-    return [*onboard_reads((main_package(rig),)), loaded]
+    return [*onboard_reads((main_package(rig),)), loaded, INSTALLED_READ]
+
+
+def offered(rig: Rig, policies: list[AptPolicy]) -> list[str]:
+    """The versions of the driver's metapackage apt would install from, newest first: the
+    configured source's once other sources are pinned out, else every source apt may use."""
+    own = offers_driver(policies, rig, CUDA_REPO)
+    versions = [version for policy in policies if policy.package == main_package(rig)
+                for version in policy.versions if version.origins and version.priority >= 0]
+    return [v.version for v in versions if not own or v.version in own]
+
+
+def archive_finding(rig: Rig, facts: Facts) -> Finding | None:
+    """Ubuntu: a branch or version the rig's own sources do not offer is refused before any
+    change, with what they offer. Its archive keeps only a branch's newest version in -updates
+    (and the release pocket's), so an older exact version is rarely installable. Nothing to say
+    when a driver is installed already (the driver check judges it)."""
+    if rig.platform != "ubuntu" or facts.missing("driver_policy", "installed"):
+        return None
+    if driver_versions(facts.installed or {}):
+        return None
+    versions = offered(rig, facts.driver_policy or [])
+    if any(version_matches(rig, upstream_version(v)) for v in versions):
+        return None
+    package = main_package(rig)
+    if not versions:
+        return error("driver", f"no apt source of this rig offers {package}: run apt-get "
+                     "update, enable the restricted component, or pick a driver_branch its "
+                     "archive carries (apt-cache policy 'nvidia-driver-*-open')",
+                     key="driver_branch")
+    key = "driver_version" if rig.driver_version else "driver_branch"
+    return error("driver", f"{package} {wanted(rig)} is not offered by this rig's apt sources; "
+                 f"they offer {', '.join(versions)}. Allowed: one of those (Ubuntu's archive "
+                 "keeps only a branch's newest version: leave driver_version unset to take it), "
+                 "or an older version from a mirror or snapshot you control", key=key)
 
 
 def _onboard_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
-    return onboard_findings(rig, facts, rig_name, CUDA_REPO)
+    archive = archive_finding(rig, facts)
+    return [*([archive] if archive else []), *onboard_findings(rig, facts, rig_name, CUDA_REPO)]
 
 
 def _onboard(rig: Rig):

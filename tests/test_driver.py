@@ -8,6 +8,7 @@ the deb822 source and the version globs are checked against a real apt on a thro
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import logging
 import os
@@ -27,8 +28,10 @@ from pyinfra.facts.server import LinuxDistribution
 from rigbook import driver as drv
 from rigbook import reboot
 from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
+from rigbook.checks import Facts
 from rigbook.errors import RigbookError
 from rigbook.gpus import GpuProbe, parse_query_csv
+from rigbook.kernel import parse_apt_policy
 from rigbook.render import render as render_template
 from rigbook.spec import Rig
 from rigbook.wsl import WslSignals
@@ -275,14 +278,10 @@ def test_wsl2_gets_no_packages():
     ({}, "ubuntu", NOT_WSL, "x86_64", "declared debian, but the host reports Ubuntu 24.04"),
     ({}, "debian", IN_WSL, "x86_64", "declared debian but this host is WSL2"),
     ({"platform": "wsl2"}, "debian", NOT_WSL, "x86_64", "declared wsl2 but this host is not WSL2"),
-    ({"platform": "ubuntu", "driver_branch": 595}, "jammy", NOT_WSL, "x86_64",
-     "driver_branch: 595 is not in Ubuntu 22.04's archive; allowed there: 580"),
-    ({"platform": "ubuntu"}, "focal", NOT_WSL, "x86_64", "Ubuntu 20.04 is not supported"),
     ({}, "debian", NOT_WSL, "aarch64", "Debian 12 x86_64 only"),
 ])
 def test_platform_mismatches_are_errors_naming_both(data, distro, wsl, arch, message):
-    distros = {"debian": os_release(DEBIAN_12), "ubuntu": ubuntu(), "jammy": ubuntu("22.04"),
-               "focal": ubuntu("20.04")}
+    distros = {"debian": os_release(DEBIAN_12), "ubuntu": ubuntu()}
     with pytest.raises(RigbookError) as error:
         drv.plan_driver(rig(**data), "rig7", distros[distro], wsl, arch)
     assert str(error.value).startswith("rig7: ")
@@ -951,3 +950,70 @@ def test_wsl2_checks_the_windows_driver_and_refuses_a_linux_one():
     broken = GpuProbe(smi=drv.WSL_NVIDIA_SMI, error="No devices were found", exit_code=6)
     commands, fake = run_op(drv.check_wsl, {"DpkgInstalled": {}, "NvidiaGpus": broken})
     assert refusals(commands, fake) == [f"WSL2: {drv.WSL_NVIDIA_SMI} fails: No devices were found"]
+
+
+# --- the Ubuntu plan against Ubuntu's real archive (tests/fixtures/ubuntu-archive) --------
+
+ARCHIVE = Path(__file__).parent / "fixtures" / "ubuntu-archive"
+
+
+def archive_policy(release: str) -> list:
+    return parse_apt_policy((ARCHIVE / f"policy-{release}.txt").read_text().splitlines())
+
+
+def installs(name: str) -> dict[str, str]:
+    """`apt-get -s install`'s Inst lines: package -> the version apt would install."""
+    found = {}
+    for line in (ARCHIVE / name).read_text().splitlines():
+        if line.startswith("Inst "):
+            package, version = line.split()[1], line.split("(", 1)[1].split()[0]
+            found[package] = version
+    return found
+
+
+@pytest.mark.parametrize(("release", "version_id", "branch", "newest"), [
+    ("noble", "24.04", 580, "580.178.04-0ubuntu0.24.04.1"),
+    ("noble", "24.04", 595, "595.99.02-0ubuntu0.24.04.1"),
+    ("resolute", "26.04", 580, "580.178.04-0ubuntu0.26.04.1"),
+    ("resolute", "26.04", 595, "595.99.02-0ubuntu0.26.04.1"),
+])
+def test_the_ubuntu_plan_resolves_against_the_real_archive(release, version_id, branch, newest):
+    r = rig(platform="ubuntu", driver_branch=branch)
+    plan = drv.plan_driver(r, "rig1", ubuntu(version_id), NOT_WSL, "x86_64")
+    facts = Facts(driver_policy=archive_policy(release), installed={})
+    assert drv.offered(r, facts.driver_policy)[0] == newest
+    assert drv.archive_finding(r, facts) is None
+    # what apt resolved for exactly these packages and this glob, on that release's archive
+    upstream = upstream_version(newest)
+    closure = installs(f"install-s-{release}-{branch}-open.txt")
+    for package in plan.packages:
+        assert fnmatch.fnmatch(closure[package], f"{upstream}-*")
+    # every package of the closure that carries the driver's version, or is NVIDIA's, is held
+    # and blacklisted: an upgrade cannot move one part of the driver without the others
+    driver_parts = {name for name, version in closure.items()
+                    if upstream in version or "nvidia" in name}
+    assert {f"nvidia-dkms-{branch}-open", f"nvidia-kernel-common-{branch}",
+            f"nvidia-firmware-{branch}-{upstream}", f"libnvidia-compute-{branch}",
+            "libnvidia-egl-wayland1"} <= driver_parts
+    assert [name for name in driver_parts if not drv.is_driver_package(name)] == []
+
+
+def test_a_version_the_archive_no_longer_carries_is_refused_before_any_change():
+    # apt's own word on the glob rigbook would plan for it ...
+    gone = (ARCHIVE / "install-s-noble-580.95.05-gone.txt").read_text()
+    assert "E: Version '580.95.05-*' for 'nvidia-driver-580-open' was not found" in gone
+    # ... is the preflight's, before anything changes, with what the sources do offer
+    r = rig(platform="ubuntu", driver_version="580.95.05")
+    finding = drv.archive_finding(r, Facts(driver_policy=archive_policy("noble"), installed={}))
+    assert finding.level == "error" and finding.key == "driver_version"
+    assert ("nvidia-driver-580-open 580.95.05 is not offered by this rig's apt sources; they "
+            "offer 580.178.04-0ubuntu0.24.04.1.") in finding.reason
+    # 26.04 still carries its release pocket's 580.142 beside -updates
+    old = rig(platform="ubuntu", driver_version="580.142")
+    assert drv.archive_finding(old, Facts(driver_policy=archive_policy("resolute"),
+                                          installed={})) is None
+    # an installed driver is the driver check's to judge; a source offering nothing is named
+    installed = Facts(driver_policy=archive_policy("noble"), installed={"nvidia-utils-580": "1"})
+    assert drv.archive_finding(r, installed) is None
+    nothing = drv.archive_finding(rig(platform="ubuntu"), Facts(driver_policy=[], installed={}))
+    assert "no apt source of this rig offers nvidia-driver-580-open" in nothing.reason
