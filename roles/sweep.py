@@ -5,7 +5,8 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
 1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any asked cap
    (`sweep_watts`) lies outside any card's own min/max, when no boot unit caps every GPU (the
    caps could not be restored), or when persistence mode is off;
-2. a guard is started on the rig, detached (files/power/sweep_rig.py under `setsid`): it holds
+2. a guard is started on the rig as a unit of its own (files/power/sweep_rig.py under
+   `systemd-run`, outside the SSH login, which logind may kill when it ends): it holds
    a lease that the sweep renews before every request, and once the sweep releases it, or the
    lease lapses because the operator's pyinfra died, it sets every live cap back to what
    nvidia-power-limit.service says, naming in its record each GPU it could not set back
@@ -59,6 +60,7 @@ from rigbook.power import watts as w
 from rigbook.spec import Rig
 from rigbook.tools import TOOLS_PYTHON
 from rigbook.types import StrictModel
+from rigbook.units import outside_login
 from rigbook.verify import (
     BENCH_PROMPTS,
     Client,
@@ -83,6 +85,8 @@ RIG_PROGRAM = FILES / "power" / "sweep_rig.py"
 LEASE_MARGIN_S = 5
 #: The lease is renewed at most this often (s).
 RENEW_EVERY_S = 3
+#: The guard's transient unit (systemd-run): outside the SSH login, gone once it exited.
+GUARD_UNIT = "rigbook-sweep-guard.service"
 #: A `-pl` call on the rig is given up after this long (s); the guard's own default too.
 SMI_TIMEOUT_S = 20
 #: How often the meter samples the draw (s).
@@ -393,6 +397,17 @@ def lease_command(seconds: int | None, folder: str = SWEEP_DIR) -> str:
     return f"{body} > {folder}/lease.tmp && mv {folder}/lease.tmp {folder}/lease"
 
 
+def guard_command(unit: str = UNIT_PATH, folder: str = SWEEP_DIR) -> StringCommand:
+    """Shell that starts the guard as a unit of its own (outside the SSH login: logind with
+    KillUserProcesses=yes kills a login's processes when it ends) and waits until it runs."""
+    guard = outside_login(GUARD_UNIT, "/usr/bin/python3", "-I", f"{folder}/sweep_rig.py", "guard",
+                          "--unit", QuoteString(unit), "--dir", QuoteString(folder),
+                          "--smi-timeout", str(SMI_TIMEOUT_S))
+    return StringCommand("cd", QuoteString(folder), "&&", guard, "2>&1 && for i in $(seq 100); "
+                         "do [ -s guard.pid ] && exit 0; sleep 0.1; done; echo the guard did not "
+                         "start; exit 1")
+
+
 def _lease(host_, seconds: int | None) -> bool:
     return _sh(host_, lease_command(seconds))[0]
 
@@ -436,14 +451,11 @@ class _Sweep:
                                "caps (a step outlived the lease, verify_timeout_s + 5 s)")
 
     def arm(self) -> None:
-        """The lease, then the guard, detached from this SSH session."""
+        """The lease, then the guard: a unit of its own, so it outlives this SSH login even
+        where logind kills a login's processes with it (KillUserProcesses=yes)."""
         _sh(self.host, f"cd {SWEEP_DIR} && rm -f restored.json closed guard.pid")
         self.renew()
-        ok, said = _sh(self.host, f"cd {SWEEP_DIR} && "
-                                  "setsid -f python3 sweep_rig.py guard --unit",
-                       QuoteString(UNIT_PATH), f"--dir {SWEEP_DIR} --smi-timeout {SMI_TIMEOUT_S}"
-                       " </dev/null >/dev/null 2>&1 && for i in $(seq 100); do [ -s guard.pid ] "
-                       "&& exit 0; sleep 0.1; done; echo the guard did not start; exit 1")
+        ok, said = _sh(self.host, guard_command())
         if not ok:
             raise RigbookError(f"could not start the cap guard on the rig: {truncate(said)}")
         self.armed = True

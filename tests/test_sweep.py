@@ -509,3 +509,17 @@ def test_a_complete_restore_sets_nothing_from_the_operator():
     assert undone is None and not rig.logged
     assert not [c for c in rig.commands if "-pl" in c.split()]
     assert restored and rig.caps == {UUID0: 290.0, UUID1: 300.0}
+
+
+def test_the_guard_is_started_as_a_unit_of_its_own_not_in_the_ssh_login():
+    """Issue 29, finding 7: `setsid -f` left the guard in the login's session scope, which
+    logind stops (killing the guard) when the login ends where KillUserProcesses=yes."""
+    from rigbook.sweep import GUARD_UNIT, guard_command
+
+    command = guard_command().get_raw_value()
+    assert "setsid" not in command
+    assert command.startswith(f"cd /run/rigbook-sweep && systemd-run --unit={GUARD_UNIT} "
+                              "--collect --quiet /usr/bin/python3 -I /run/rigbook-sweep/"
+                              "sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit"
+                              ".service --dir /run/rigbook-sweep --smi-timeout 20 ")
+    assert "[ -s guard.pid ] && exit 0" in command  # the sweep goes on only once it runs

@@ -7,8 +7,8 @@ it, as the tools venv's does):
     python3 sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit.service --dir D
     python3 sweep_rig.py meter --dir D --name cap-290 --interval 0.2 --smi /usr/bin/nvidia-smi
 
-guard: started detached (setsid) when the sweep begins, it waits while the lease file
-(D/lease, JSON {"deadline": epoch seconds, "release": bool}) is held, and as soon as the sweep
+guard: started as a unit of its own (systemd-run) when the sweep begins, it waits while the lease
+file (D/lease, JSON {"deadline": epoch seconds, "release": bool}) is held, and as soon as the sweep
 releases it, or its deadline passes because the operator's process died, it sets every GPU's
 live cap back to what the boot unit says (read from the unit at that moment), writes
 D/restored.json and exits. The sweep renews the deadline before every request it sends. It fails
