@@ -181,7 +181,8 @@ def test_the_guard_outlives_the_ssh_login_where_logind_kills_its_processes(sandb
     from rigbook import cap_check
 
     rig, scope = sandbox["rig1"], "rigbook-test-login.scope"
-    folder, missing_unit = SWEEP_DIR, "/run/rigbook-test-no-power.service"
+    # A folder of its own: a sweep's folder may hold its `closed` (no lease is taken then).
+    folder, missing_unit = "/run/rigbook-test-sweep", "/run/rigbook-test-no-power.service"
 
     def in_login(command: str) -> None:
         rig_ssh(rig, f"systemd-run --scope --quiet --unit={scope} -- sh -c {shlex.quote(command)}")
@@ -189,28 +190,28 @@ def test_the_guard_outlives_the_ssh_login_where_logind_kills_its_processes(sandb
     def guard_alive() -> bool:
         return rig_ssh(rig, f'kill -0 "$(cat {folder}/guard.pid)"', check=False).returncode == 0
 
-    rig_ssh(rig, f"mkdir -p -m 700 {folder}")
+    rig_ssh(rig, f"rm -rf {folder} && mkdir -m 700 {folder}")
     for source in (RIG_PROGRAM, Path(cap_check.__file__)):
         ssh_with_input(rig, f"cat > {folder}/{Path(source).name}", Path(source).read_bytes())
     try:
-        rig_ssh(rig, lease_command(600))
+        rig_ssh(rig, lease_command(600, folder))
         in_login(f"cd {folder} && setsid -f /usr/bin/python3 -I sweep_rig.py guard --unit "
                  f"{missing_unit} --dir {folder} </dev/null >/dev/null 2>&1 && for i in "
                  "$(seq 100); do [ -s guard.pid ] && exit 0; sleep 0.1; done; exit 1")
         assert guard_alive()
         rig_ssh(rig, f"systemctl stop {scope}")  # the logout, as logind does it
         assert not guard_alive()  # the finding: killed with the login
-        rig_ssh(rig, lease_command(None))
+        rig_ssh(rig, lease_command(None, folder))
         time.sleep(1)
         assert rig_ssh(rig, f"test -e {folder}/restored.json", check=False).returncode != 0
 
-        rig_ssh(rig, f"rm -f {folder}/guard.pid {folder}/closed && " + lease_command(600))
+        rig_ssh(rig, f"rm -f {folder}/guard.pid {folder}/closed && " + lease_command(600, folder))
         in_login(guard_command(missing_unit, folder).get_raw_value())
         assert guard_alive()
         rig_ssh(rig, f"systemctl stop {scope}", check=False)  # the scope may be gone already
         assert guard_alive()  # in its own unit: the logout did not reach it
         assert rig_ssh(rig, f"systemctl is-active {GUARD_UNIT}").stdout.strip() == "active"
-        rig_ssh(rig, lease_command(None))
+        rig_ssh(rig, lease_command(None, folder))
         record = rig_ssh(rig, f"for i in $(seq 100); do [ -f {folder}/restored.json ] && "
                               f"break; sleep 0.1; done; cat {folder}/restored.json").stdout
         assert json.loads(record)["errors"] == [f"cannot read {missing_unit}: No such file or "
