@@ -143,8 +143,9 @@ class Hub:
     def start(self) -> None:
         ssh(self.rig, f"rm -rf {STUB_DIR} && mkdir -p {STUB_DIR} && "
                       f"(umask 077; cat > {STUB_DIR}/token)", self.token.encode())
-        for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py",
-                       ROOT / "files" / "models" / "pull.py"):
+        models = ROOT / "files" / "models"  # pull.py imports cache.py from beside it
+        for source in (ROOT / "tests" / "hubstub.py", models / "mirror.py", models / "pull.py",
+                       models / "cache.py"):
             ssh(self.rig, f"cat > {STUB_DIR}/{source.name}", source.read_bytes())
         launcher = (
             f"import sys; sys.path.insert(0, {STUB_DIR!r}); import hubstub; "

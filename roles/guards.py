@@ -38,7 +38,7 @@ from pathlib import Path
 from pyinfra import host, state
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.operations import systemd
+from pyinfra.operations import server, systemd
 from pyinfra.operations.util import any_changed
 
 from rigbook import FILES
@@ -63,6 +63,8 @@ REAPER = f"{GUARDS_DIR}/rigbook-shm-reaper"
 WATCH = f"{GUARDS_DIR}/rigbook-xid-watch"
 XID_COPY = f"{GUARDS_DIR}/xid.py"
 SHMGLOB_COPY = f"{GUARDS_DIR}/shmglob.py"
+#: Makes the reaper's quarantine (/dev/shm/.rigbook-quarantine, root 0700) at boot.
+QUARANTINE_TMPFILES = "/etc/tmpfiles.d/rigbook-shm-reaper.conf"
 UNITS_DIR = "/etc/systemd/system"
 REAPER_UNIT = "rigbook-shm-reaper.service"
 WATCH_UNIT = "rigbook-xid-watch.service"
@@ -672,7 +674,8 @@ class ShmVerdict:
     path: str
     size: int
     resident: int
-    action: str  # delete, restore (a leftover of a stopped run put back), keep or refuse
+    action: str  # delete, restore (a leftover of a stopped run put back), keep, refuse, or
+    # stray (something else held the quarantine's name: renamed aside)
     reason: str
     line: str  # the reaper's own log line for it
 
@@ -685,7 +688,8 @@ class ReapPlan:
 
 
 #: The dry run's words for what a real run changes, and what the deploy says while it runs.
-_DOING = {"delete": ("would reap", "reaping"), "restore": ("would restore", "restoring")}
+_DOING = {"delete": ("would reap", "reaping"), "restore": ("would restore", "restoring"),
+          "stray": ("would set aside", "setting aside")}
 
 
 def reaper_args(patterns: Iterable[str]) -> list:
@@ -795,6 +799,13 @@ def _install_reaper(rig: Rig):
         src=str(SHMGLOB_SOURCE), dest=SHMGLOB_COPY, mode="644")
     script = put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
                  dest=REAPER, mode="755")
+    boot = put(name="Make the reaper's quarantine at every boot (tmpfiles.d, root 0700)",
+               src=str(SOURCES / "rigbook-shm-reaper.tmpfiles.conf"), dest=QUARANTINE_TMPFILES,
+               mode="644")
+    server.shell(name="Make the reaper's quarantine now (tmpfiles.d changed)",
+                 commands=[StringCommand("systemd-tmpfiles", "--create",
+                                         QuoteString(QUARANTINE_TMPFILES))],
+                 _if=boot.did_change)
     unit = template(
         name=f"Write {REAPER_UNIT}", src=str(SOURCES / f"{REAPER_UNIT}.j2"),
         dest=f"{UNITS_DIR}/{REAPER_UNIT}", mode="644", patterns=rig.guards_shm_patterns,

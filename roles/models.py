@@ -69,8 +69,10 @@ from rigbook.units import service
 MODELS_DIR = "/opt/rigbook/models"
 PULL_SCRIPT = f"{MODELS_DIR}/pull.py"
 PULL_SOURCE = FILES / "models" / "pull.py"
-#: ModelCache's program, sent with `python3 -c` (standard library only, read-only).
+#: ModelCache's program, sent with `python3 -c` (standard library only, read-only); pull.py
+#: imports its `untrusted` from the copy beside it.
 CACHE_SOURCE = FILES / "models" / "cache.py"
+CACHE_COPY = f"{MODELS_DIR}/cache.py"
 #: rigbook's hub mirror (files/models/mirror.py) and its unit, where models_mirror_port is set.
 MIRROR_SCRIPT = f"{MODELS_DIR}/mirror.py"
 MIRROR_SOURCE = FILES / "models" / "mirror.py"
@@ -143,6 +145,7 @@ class CacheState:
     cache: str
     exists: bool
     repos: Mapping[str, CachedRepo]  # by repo id
+    untrusted: str | None = None  # why another user (the engine's) could change it
 
 
 class ModelCache(FactBase[CacheState]):
@@ -205,7 +208,9 @@ def parse_cache(text: str) -> CacheState:
             incomplete=tuple((name, int(size)) for name, size in entry.get("incomplete", ())),
         )
         repos[repo.repo] = repo
-    return CacheState(data["cache"], bool(data["exists"]), repos)
+    untrusted = data.get("untrusted", "the cache probe did not say who can write the cache")
+    return CacheState(data["cache"], bool(data["exists"]), repos,
+                      None if untrusted is None else str(untrusted))
 
 
 # --- completeness -----------------------------------------------------------------------------
@@ -651,6 +656,8 @@ def models(rig: Rig) -> None:
         directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
         put(name=f"Install {PULL_SCRIPT}", src=str(PULL_SOURCE), dest=PULL_SCRIPT,
             mode="644")
+        put(name=f"Install {CACHE_COPY} (pull.py's cache check)", src=str(CACHE_SOURCE),
+            dest=CACHE_COPY, mode="644")
         directory(name=f"Create the HF cache {rig.models_cache}", path=rig.models_cache,
                   mode="755")
         sent = (fleet if rig.models_endpoint else hub).token
@@ -702,6 +709,11 @@ def model_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     if facts.missing("cache") or facts.cache is None:
         return facts.missing("cache")
     cache, found = facts.cache, []
+    if cache.untrusted:  # pull.py would refuse it too; an engine must not load from it
+        found.append(error("models", f"models_cache {rig.models_cache}: {cache.untrusted}, so "
+                           "another user (the engine's) could change what root writes there or "
+                           "what the engines load; allowed: a folder only root can write, e.g. "
+                           "the default /var/lib/rigbook/hf/hub", key="models_cache"))
     for spec, source in wanted_models(rig, rig_name):
         state, status = model_state(cache, spec)
         if state == "complete":

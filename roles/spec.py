@@ -95,6 +95,10 @@ _LEFTOVER = re.compile(
     "(" + "|".join(re.escape(folder) for folder in LEFTOVER_FOLDERS) + f")/{_FILE_NAME}"
     f"|/etc/systemd/system/{_UNIT_FILE}(\\.d/{_FILE_NAME}\\.conf)?"
 )
+#: Folders that belong to a user other than root on every rig: the serving user's home
+#: (roles/serving.py's SERVE_HOME), login homes, users' runtime folders. A models_cache in one
+#: could be changed by that user; every other path is checked on the rig (roles/models.py).
+USER_WRITABLE = ("/var/lib/rigbook-serve", "/home", "/run/user")
 #: Card classes without an NVLink connector (GeForce 40 and 50 series dropped it).
 NO_NVLINK = ("rtx4090", "rtx5090")
 #: sysctl keys with their own host-data field, so sysctl_extra may not set them.
@@ -246,6 +250,18 @@ class Rig(StrictModel):
         "itself). Only a regular file is removed: a folder, link, device or FIFO there is "
         "refused on the rig.",
     )
+
+    @field_validator("models_cache")
+    @classmethod
+    def _cache_only_root_writes(cls, path: str) -> str:
+        inside = next((top for top in USER_WRITABLE if path == top or path.startswith(top + "/")),
+                      None)
+        if inside:
+            raise ValueError(f"{path} is in {inside}, which another user (the engine's, or a "
+                             "login) can write: root's pulls and the engines' loads would trust "
+                             "it; allowed: a folder only root can write, e.g. the default "
+                             "/var/lib/rigbook/hf/hub")
+        return path
 
     @field_validator("stale_files")
     @classmethod
@@ -453,7 +469,11 @@ class Rig(StrictModel):
     # -- models (Hugging Face cache) ----------------------------------------------------------
     models_cache: RigPath = Field(
         "/var/lib/rigbook/hf/hub",
-        description="HF_HUB_CACHE on the rig: models are pulled into it and served from it.",
+        description="HF_HUB_CACHE on the rig: models are pulled into it and served from it. "
+        "Only root may be able to write it: a path in /var/lib/rigbook-serve (the engine's "
+        "home), /home or /run/user is refused before connecting; on the rig, a folder above or "
+        "in it that is not root's or is open to others' writes, or a link outside the "
+        "snapshots, is refused by the preflight.",
     )
     models_endpoint: HttpUrl | None = Field(
         None,

@@ -5,10 +5,13 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
 1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any asked cap
    (`sweep_watts`) lies outside any card's own min/max, when no boot unit caps every GPU (the
    caps could not be restored), or when persistence mode is off;
-2. a guard is started on the rig, detached (files/power/sweep_rig.py under `setsid`): it holds
+2. a guard is started on the rig as a unit of its own (files/power/sweep_rig.py under
+   `systemd-run`, outside the SSH login, which logind may kill when it ends): it holds
    a lease that the sweep renews before every request, and once the sweep releases it, or the
    lease lapses because the operator's pyinfra died, it sets every live cap back to what
-   nvidia-power-limit.service says;
+   nvidia-power-limit.service says, naming in its record each GPU it could not set back
+   (a hung or missing nvidia-smi); where that record is missing or leaves a GPU out, the sweep
+   sets those caps itself and fails the rig;
 3. per cap: the live cap of every GPU (`nvidia-smi -i UUID -pl W`, never the unit), then the
    verify bench of roles/verify.py (decode at 1 stream, at verify_bench_concurrency where the
    engine allows it, prefill) while a meter on the rig samples the draw through NVML (nvidia-smi
@@ -57,6 +60,7 @@ from rigbook.power import watts as w
 from rigbook.spec import Rig
 from rigbook.tools import TOOLS_PYTHON
 from rigbook.types import StrictModel
+from rigbook.units import outside_login
 from rigbook.verify import (
     BENCH_PROMPTS,
     Client,
@@ -81,6 +85,10 @@ RIG_PROGRAM = FILES / "power" / "sweep_rig.py"
 LEASE_MARGIN_S = 5
 #: The lease is renewed at most this often (s).
 RENEW_EVERY_S = 3
+#: The guard's transient unit (systemd-run): outside the SSH login, gone once it exited.
+GUARD_UNIT = "rigbook-sweep-guard.service"
+#: A `-pl` call on the rig is given up after this long (s); the guard's own default too.
+SMI_TIMEOUT_S = 20
 #: How often the meter samples the draw (s).
 METER_INTERVAL_S = 0.2
 
@@ -389,6 +397,17 @@ def lease_command(seconds: int | None, folder: str = SWEEP_DIR) -> str:
     return f"{body} > {folder}/lease.tmp && mv {folder}/lease.tmp {folder}/lease"
 
 
+def guard_command(unit: str = UNIT_PATH, folder: str = SWEEP_DIR) -> StringCommand:
+    """Shell that starts the guard as a unit of its own (outside the SSH login: logind with
+    KillUserProcesses=yes kills a login's processes when it ends) and waits until it runs."""
+    guard = outside_login(GUARD_UNIT, "/usr/bin/python3", "-I", f"{folder}/sweep_rig.py", "guard",
+                          "--unit", QuoteString(unit), "--dir", QuoteString(folder),
+                          "--smi-timeout", str(SMI_TIMEOUT_S))
+    return StringCommand("cd", QuoteString(folder), "&&", guard, "2>&1 && for i in $(seq 100); "
+                         "do [ -s guard.pid ] && exit 0; sleep 0.1; done; echo the guard did not "
+                         "start; exit 1")
+
+
 def _lease(host_, seconds: int | None) -> bool:
     return _sh(host_, lease_command(seconds))[0]
 
@@ -421,6 +440,7 @@ class _Sweep:
         self.ladder.client = LeasedClient(target, settings.timeout_s, self.renew)
         self.points: list[SweepPoint] = []
         self.armed = False
+        self.undone: str | None = None  # what the guard's restore left undone (guard_undone)
 
     def log(self, line: str) -> None:
         logger.info(f"{self.host.print_prefix}sweep {line}")
@@ -431,12 +451,11 @@ class _Sweep:
                                "caps (a step outlived the lease, verify_timeout_s + 5 s)")
 
     def arm(self) -> None:
-        """The lease, then the guard, detached from this SSH session."""
-        _sh(self.host, f"rm -f {SWEEP_DIR}/restored.json {SWEEP_DIR}/closed")
+        """The lease, then the guard: a unit of its own, so it outlives this SSH login even
+        where logind kills a login's processes with it (KillUserProcesses=yes)."""
+        _sh(self.host, f"cd {SWEEP_DIR} && rm -f restored.json closed guard.pid")
         self.renew()
-        ok, said = _sh(self.host, f"cd {SWEEP_DIR} && "
-                                  "setsid -f python3 sweep_rig.py guard --unit",
-                       QuoteString(UNIT_PATH), f"--dir {SWEEP_DIR} </dev/null >/dev/null 2>&1")
+        ok, said = _sh(self.host, guard_command())
         if not ok:
             raise RigbookError(f"could not start the cap guard on the rig: {truncate(said)}")
         self.armed = True
@@ -534,12 +553,25 @@ class _Sweep:
                           workloads=results)
 
     def release(self) -> tuple[bool, str]:
-        """Release the lease, wait for the guard's restore, read the caps back against the unit."""
+        """Release the lease, wait for the guard's restore, read the caps back against the unit.
+        Where the guard's record is missing or leaves a GPU out, this side sets those GPUs to
+        the unit's caps itself and `self.undone` says what the guard did not do."""
         said = "no guard: no cap was set"
         if self.armed:
             _lease(self.host, None)
-            said = _sh(self.host, f"for i in $(seq 600); do [ -f {SWEEP_DIR}/restored.json ] "
-                                  f"&& break; sleep 0.1; done; cat {SWEEP_DIR}/restored.json")[1]
+            tries = 10 * (SMI_TIMEOUT_S * len(self.unit) + 30)  # the guard's worst case
+            said = _sh(self.host, f"cd {SWEEP_DIR} && for i in $(seq {tries}); do [ -f "
+                                  "restored.json ] && break; kill -0 \"$(cat guard.pid)\" || "
+                                  "break; sleep 0.1; done 2>/dev/null; cat restored.json")[1]
+            left = guard_left(said, self.unit)
+            if left:
+                self.undone = "the cap guard did not restore " + "; ".join(
+                    f"{uuid} ({truncate(why)})" for uuid, why in left)
+                self.host.log_styled(f"{self.host.name}: {self.undone}; setting {UNIT_NAME}'s "
+                                     "caps from here", fg="red", log_func=logger.error)
+            for uuid, _ in left:
+                _sh(self.host, f"timeout -k 5 {SMI_TIMEOUT_S}", QuoteString(self.smi), "-i",
+                    QuoteString(uuid), "-pl", f"{self.unit[uuid]:g}")
         live = self.live()
         wrong = {u: v for u, want in self.unit.items() if not same_w(v := live.get(u), want)}
         if wrong:
@@ -547,6 +579,24 @@ class _Sweep:
                            f"restore ({truncate(said)}); deploys/power_cap.py sets them again")
         return True, "live caps as " + UNIT_NAME + " says: " + ", ".join(
             f"{u} {w(v)} W" for u, v in self.unit.items())
+
+
+def guard_left(said: str, unit: dict[str, float]) -> list[tuple[str, str]]:
+    """The unit's GPUs the guard's restore record (restored.json, as `said`) does not name as
+    restored, each with why: a missing record, one that does not parse, or one that is not
+    complete leaves every GPU it does not name restored."""
+    try:
+        record = json.loads(said)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("restored"), list):
+        return [(uuid, "no restore record: the guard died or hung") for uuid in unit]
+    named = record.get("not_restored")
+    named = named if isinstance(named, dict) else {}
+    complete = record.get("complete") is True
+    return [(uuid, str(named.get(uuid, "not in its record" if complete else
+                                 "its record is incomplete")))
+            for uuid in unit if uuid not in record["restored"] or not complete]
 
 
 def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path | None) -> bool:
@@ -576,9 +626,14 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
             rig=host.name, recipe=target.recipe, engine=target.engine, url=target.url,
             driver=probe.driver_version, caps_asked_w=rig.sweep_watts, started=started,
             seconds=round(time.monotonic() - clock, 3), points=tuple(sweep.points),
-            error=failure, unit_caps_w=restore_to, restored=restored, restore_detail=detail,
+            error=failure or sweep.undone, unit_caps_w=restore_to, restored=restored,
+            restore_detail=detail,
         )
         path = save_sweep(run, root)
+    if sweep.undone:  # loud even when this side then set the caps: the guard failed its job
+        host.log_styled(f"{host.name}: sweep FAILED: {sweep.undone}; after setting them from "
+                        f"here: {detail}", fg="red", log_func=logger.error)
+        return False
     if not restored:
         host.log_styled(f"{host.name}: caps NOT restored: {detail}", fg="red",
                         log_func=logger.error)

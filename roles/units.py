@@ -54,6 +54,17 @@ class UnitStates(FactBase[dict]):
                 for i, b in enumerate(blocks)}
 
 
+def outside_login(unit: str, *argv) -> StringCommand:
+    """`argv` started as a transient service of its own (systemd-run), not in the SSH login.
+
+    What `setsid` starts stays in the login's cgroup (its session scope): on a rig whose logind
+    has KillUserProcesses=yes, logind stops that scope when the login ends, and so kills it. A
+    unit of its own outlives the login; --collect drops the unit once it exited, failed or not.
+    systemd-run refuses a unit of that name that is still there (another run's).
+    """
+    return StringCommand("systemd-run", f"--unit={unit}", "--collect", "--quiet", *argv)
+
+
 def _read(units: tuple[str, ...]) -> dict[str, UnitState]:
     states = host.get_fact(UnitStates, units=units)
     if not states:  # no systemctl: nothing runs, as pyinfra's systemd facts say

@@ -451,6 +451,26 @@ def names_and_actions(verdicts) -> list[tuple[str, str]]:
     return sorted((Path(v.path).name, v.action) for v in verdicts)
 
 
+def test_an_open_file_is_matched_by_device_and_inode_whatever_its_name_now(
+        shm, tmp_path, holders):
+    """Issue 29, finding 7: fds were matched by basename only. A real process opens a buffer
+    as staging.tmp, which then gets its final name by link + unlink (a rename that replaces
+    nothing): /proc/PID/fd/N reads `.../staging.tmp (deleted)`, and the buffer, still open,
+    counted as unheld and was deleted."""
+    staging = leak(shm, "staging.tmp", 4096)
+    proc = RealProc(tmp_path / "proc")
+    pid = proc.add(holders.start(staging, "fd"))
+    final = shm / "vllm_offload_renamed.mmap"
+    os.link(staging, final)
+    staging.unlink()
+    assert os.readlink(f"/proc/{pid}/fd/3").endswith("/staging.tmp (deleted)")
+    verdicts = reap(shm, proc)
+    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    assert [(v.action, v.reason) for v in verdicts] == [
+        ("keep", f"held by PID {pid} ({comm}, fd 3)")]
+    assert final.read_bytes()[:4] == b"kv!!"
+
+
 def test_real_holders_keep_their_files_a_leak_is_reaped_and_the_quarantine_is_left_empty(
         shm, tmp_path, holders):
     held, leaked = leak(shm, "vllm_offload_held.mmap", 4096), leak(shm, size=4096)
@@ -644,32 +664,64 @@ def test_leftovers_of_a_stopped_run_go_back_under_their_names_first(shm, tmp_pat
 
 
 @pytest.mark.parametrize("kind", ["link", "file", "mode", "owner"])
-def test_a_quarantine_that_is_not_this_users_0700_folder_is_refused(shm, tmp_path, kind):
-    """Whoever can write into the quarantine could swap the file that gets deleted."""
+def test_a_stray_quarantine_is_set_aside_and_the_reaper_goes_on(shm, tmp_path, kind):
+    """Issue 29, finding 7: `mkdir /dev/shm/.rigbook-quarantine` by another user (or a link, a
+    file, a folder of the wrong mode) used to stop the reaper for good (exit 1, "must be a
+    folder of uid 0"). Whoever can write into the quarantine could swap the file that gets
+    deleted, so the stray is never used: it is renamed aside, unread, and reported, and the run
+    reaps with a folder of its own."""
     path = leak(shm, size=4096)
     proc = FakeProc(tmp_path / "proc")
     proc.process(3, "python3", [])
     aside, elsewhere = shm / reaper.QUARANTINE, tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
+    (elsewhere / path.name).write_bytes(b"planted")  # what a followed link would "recover"
     if kind == "link":
         aside.symlink_to(elsewhere)
     elif kind == "file":
         aside.write_text("")
     else:
         aside.mkdir(mode=0o700)
+        (aside / "vllm_offload_planted.mmap").write_bytes(b"planted")
         if kind == "mode":
             aside.chmod(0o755)
         elif os.geteuid() == 0:
             os.chown(aside, 65534, 65534)
         else:
             pytest.skip("giving a folder to another user needs root")
-    for dry in ([], ["--dry-run"]):
-        done = subprocess.run([sys.executable, str(REAPER), "--dir", str(shm), "--proc",
-                               str(proc.root), *dry], capture_output=True, text=True)
-        assert done.returncode == reaper.EXIT_ERROR and done.stdout == "", done
-        assert done.stderr.startswith("rigbook-shm-reaper: ") and str(aside) in done.stderr
-        assert done.stderr.rstrip().endswith("nothing was deleted")
-    assert path.exists() and list(elsewhere.iterdir()) == []
+    before = os.lstat(aside).st_ino
+    dry = subprocess.run([sys.executable, str(REAPER), "--dir", str(shm), "--proc",
+                          str(proc.root), "--dry-run"], capture_output=True, text=True)
+    assert dry.returncode == 0, dry
+    assert dry.stderr.startswith(f"would set aside {aside} (") and os.lstat(aside).st_ino == before
+    assert f"would reap {path} (" in dry.stdout
+    done = subprocess.run([sys.executable, str(REAPER), "--dir", str(shm), "--proc",
+                           str(proc.root)], capture_output=True, text=True)
+    assert done.returncode == 0, done
+    assert done.stderr.startswith(f"set aside {aside} (") and "remove it" in done.stderr
+    assert f"reaped {path} (" in done.stdout and not path.exists()
+    (stray,) = [name for name in os.listdir(shm) if name.startswith(".rigbook-quarantine.")]
+    assert os.lstat(shm / stray).st_ino == before  # renamed, not followed or emptied
+    assert not (shm / "vllm_offload_planted.mmap").exists()  # nothing of it was put back
+    st = os.lstat(aside)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.geteuid() and os.listdir(aside) == []
+    assert (elsewhere / path.name).read_bytes() == b"planted"
+
+
+def test_an_unprivileged_run_that_cannot_move_a_stray_refuses_and_deletes_nothing(
+        shm, tmp_path, monkeypatch):
+    path = leak(shm, size=4096)
+    proc = FakeProc(tmp_path / "proc")
+    proc.process(3, "python3", [])
+    (shm / reaper.QUARANTINE).write_text("")
+
+    def refused(*_, **__):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(reaper.os, "rename", refused)
+    with pytest.raises(reaper.Unsafe, match="cannot be set aside .Operation not permitted"):
+        reap(shm, proc)
+    assert path.exists()
 
 
 def test_the_quarantine_is_made_0700_whatever_the_umask_and_runs_take_turns(
@@ -778,7 +830,7 @@ def test_guards_defaults():
 
 def verdict(action: str, path: str = "/dev/shm/vllm_offload_1.mmap") -> ShmVerdict:
     words = {"delete": "would reap", "keep": "kept", "refuse": "refused",
-             "restore": "would restore"}
+             "restore": "would restore", "stray": "would set aside"}
     return ShmVerdict(path, 2**31, 2**31, action, "why",
                       f"{words[action]} {path} (2.0 GiB, 2147483648 bytes): why")
 
@@ -798,6 +850,15 @@ def test_reap_runs_the_reaper_to_put_back_a_leftover_of_a_stopped_run():
     (note,) = [c for c in commands if isinstance(c, FunctionCommand)]
     assert note.args == ("restoring /dev/shm/vllm_offload_1.mmap (2.0 GiB, 2147483648 bytes): "
                          "why",)
+
+
+def test_reap_runs_the_reaper_to_set_a_stray_quarantine_aside():
+    stray = verdict("stray", "/dev/shm/.rigbook-quarantine")
+    commands, _ = run_op(reap_shm, {"ShmReapPlan": ReapPlan(True, (stray,))},
+                         patterns=("vllm_offload_*.mmap",))
+    assert shell(commands) == [f"python3 {guards.REAPER} --pattern 'vllm_offload_*.mmap'"]
+    (note,) = [c for c in commands if isinstance(c, FunctionCommand)]
+    assert note.args[0].startswith("setting aside /dev/shm/.rigbook-quarantine (")
 
 
 def test_reap_is_no_change_when_everything_is_held_or_nothing_matches():

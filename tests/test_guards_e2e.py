@@ -119,7 +119,9 @@ def clean() -> None:
     """Leave the rig as the guards deploy made it: default sources, no test files or units."""
     ssh(f"systemctl stop rigbook-test-holder {STAND_IN} 2>/dev/null; "
         f"rm -rf {FEED_DROPIN} {STAND_IN_PATH} {STAND_IN_PATH}.d {ALL_BOOTS} {THIS_BOOT} "
-        f"{GPU_LOST_MARK} /dev/shm/vllm_offload_* {TEST_DIR}; systemctl daemon-reload; "
+        f"{GPU_LOST_MARK} /dev/shm/vllm_offload_* {QUARANTINE}.stray-* {TEST_DIR}; "
+        "systemd-tmpfiles --create /etc/tmpfiles.d/rigbook-shm-reaper.conf; "
+        "systemctl daemon-reload; "
         f"systemctl reset-failed {REAPER_UNIT} {STAND_IN} 2>/dev/null; "
         f"systemctl restart {WATCH_UNIT}", check=False)
 
@@ -146,6 +148,8 @@ def guarded(sandbox, tmp_path_factory):
     assert ssh(f"systemctl is-active {WATCH_UNIT}").stdout.strip() == "active"
     assert ssh(f"systemctl is-enabled {WATCH_UNIT}").stdout.strip() == "enabled"
     assert exists(SERVE_DROPIN)
+    # The quarantine is root's from the install on (tmpfiles.d, as every boot makes it).
+    assert ssh(f"stat -c '%u %a %F' {QUARANTINE}").stdout.strip() == "0 700 directory"
     write(f"{TEST_DIR}/holder.py", HOLDER)
     try:
         yield str(deploy)
@@ -247,6 +251,26 @@ def test_reaper_fails_closed_reaps_leaks_and_keeps_held_buffers(guarded):
         REAPER_UNIT)
 
     ssh("systemctl stop rigbook-test-holder")
+
+
+def test_a_stray_quarantine_made_by_another_user_is_set_aside_and_the_reaper_goes_on(guarded):
+    """Issue 29, finding 7: `mkdir /dev/shm/.rigbook-quarantine` as nobody (while root's was
+    missing) stopped every later run ("must be a folder of uid 0"). Now the unit renames it
+    aside, unread, says so, and reaps; the quarantine is root's 0700 again."""
+    ssh(f"rm -rf {QUARANTINE} && runuser -u nobody -- mkdir -m 777 {QUARANTINE} && "
+        f"runuser -u nobody -- truncate -s 1M {QUARANTINE}/vllm_offload_planted.mmap && "
+        "truncate -s 1M /dev/shm/vllm_offload_stray_case.mmap")
+    done = ssh(f"systemctl start {REAPER_UNIT}", check=False)
+    log = journal(REAPER_UNIT)
+    assert done.returncode == 0, log
+    assert f"set aside {QUARANTINE} (" in log and "uid 65534" in log, log
+    assert "reaped /dev/shm/vllm_offload_stray_case.mmap (" in log, log
+    assert not exists("/dev/shm/vllm_offload_stray_case.mmap")
+    assert not exists("/dev/shm/vllm_offload_planted.mmap")  # nothing of the stray put back
+    assert ssh(f"stat -c '%u %a %F' {QUARANTINE}").stdout.strip() == "0 700 directory"
+    strays = ssh(f"stat -c '%u %n' {QUARANTINE}.stray-*").stdout.split()
+    assert strays[0] == "65534", strays
+    ssh(f"rm -rf {QUARANTINE}.stray-*")
 
 
 def rigbook_status() -> FleetStatus:

@@ -58,6 +58,9 @@ REFUSED = [
     ("models_cache", "/var/lib/hf\nLD_PRELOAD=/tmp/x.so"), ("models_cache", "relative/hub"),
     ("models_cache", "/var/lib/../../etc"), ("models_cache", "/var/lib/hf%h"),
     ("models_cache", "/var/lib/hf$HOME"), ("models_cache", "-/var/lib/hf"),
+    # a cache the engine's user (or a login) can write: root's pulls and the engines trust it
+    ("models_cache", "/var/lib/rigbook-serve/hub"), ("models_cache", "/var/lib/rigbook-serve"),
+    ("models_cache", "/home/alice/.cache/huggingface/hub"), ("models_cache", "/run/user/1000"),
     ("models_endpoint", "http://mirror:8080/\n"), ("models_endpoint", "https://u:p@mirror/"),
     ("models_endpoint", "file:///etc"), ("models_endpoint", "http://"),
     ("models_token_file", "hf_abcdefghijklmnopqrstuvwxyz012345"),

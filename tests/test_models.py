@@ -9,6 +9,7 @@ installed from the wheelhouse into a throwaway venv).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -26,10 +27,12 @@ from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.command import FileUploadCommand
 
 from rigbook import FILES
+from rigbook.checks import Facts
 from rigbook.errors import RigbookError
 from rigbook.models import (
     CacheState,
     ModelCache,
+    model_findings,
     model_snapshot,
     parse_cache,
     parse_pull_output,
@@ -1503,3 +1506,80 @@ def test_ssh_address_fact_and_the_mirror_check():
     bound = rig(models_mirror_port=8090, models_mirror_token_file="t",
                 models_mirror_bind="10.0.0.5")
     assert run_checks(bound, "rig1", CHECKS, Facts()) == []  # nothing to read
+
+
+# --- a cache another user could change (issue 29, finding 7) -----------------------------------
+
+
+@pytest.mark.parametrize("plant", ["link", "engine-owned"])
+def test_pull_follows_no_link_and_refuses_a_cache_another_user_can_change(
+        hf_python, hub, tmp_path, plant):
+    """pull.py runs as root. A lock it opens in the cache, planted as a link by a user who can
+    write there (the engine's, with the cache in its home), made root create a file elsewhere.
+    Now a link outside the snapshots, or a folder of another user, refuses the pull before it
+    writes anything; and every file it writes is opened without following a link."""
+    if os.geteuid() != 0 and plant == "engine-owned":
+        pytest.skip("giving a folder to another user needs root")
+    cache, repo, victim = tmp_path / "hub", tiny_repo(), tmp_path / "victim"
+    locks = cache / ".locks"
+    locks.mkdir(parents=True)
+    (locks / f"rigbook-{repo_folder(repo.repo_id)}.lock").symlink_to(victim)
+    if plant == "engine-owned":
+        (locks / f"rigbook-{repo_folder(repo.repo_id)}.lock").unlink()
+        os.chown(locks, 65534, 65534)
+    rc, result, proc = run_pull(hf_python, hub, cache, repo)
+    assert (rc, result["status"]) == (2, "refused"), proc.stderr
+    why = ("is a link where the cache has none" if plant == "link"
+           else f"{locks} belongs to uid 65534")
+    assert why in result["message"] and "allowed: a cache only root can write" in (
+        result["message"])
+    assert not victim.exists() and not (cache / repo_folder(repo.repo_id)).exists()
+    assert requests(hub) == []  # refused before connecting to anything
+
+
+def test_pull_opens_no_link_it_writes_through(tmp_path):
+    """The open itself: a link where a lock or a download goes is an error, not followed."""
+    pull = load_pull()
+    victim, lock = tmp_path / "victim", tmp_path / "x.lock"
+    lock.symlink_to(victim)
+    with pytest.raises(OSError) as raised:
+        open(lock, "a", opener=pull.no_follow)
+    assert raised.value.errno == errno.ELOOP and not victim.exists()
+    (tmp_path / "taken.incomplete").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        open(tmp_path / "taken.incomplete", "wb", opener=pull.new_file)
+
+
+def test_the_preflight_refuses_a_cache_the_engines_user_can_write(tmp_path):
+    """On the rig: the cache fact says who could change the cache, and the models check
+    refuses it with the key (a path under another user's folder, or open to others' writes)."""
+    cache = tmp_path / "hub"
+    make_repo(cache, "org/model", COMMIT, FILES_A)
+    assert read_cache(cache).untrusted is None
+    spec = {"repo": "org/model", "revision": COMMIT}
+    (cache / "models--org--model" / "snapshots").chmod(0o777)
+    state = read_cache(cache)
+    assert state.untrusted == (f"{cache}/models--org--model/snapshots is writable by others "
+                               "(mode 0777)")
+    (finding,) = [f for f in model_findings(rig(models=[spec]), Facts(cache=state), "rig1")
+                  if f.key == "models_cache"]
+    assert finding.level == "error" and "allowed: a folder only root can write" in (
+        finding.message("rig1"))
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        os.chown(home, 65534, 65534)  # the engine's user's home, say
+        assert read_cache(home / "hub").untrusted == f"{home} belongs to uid 65534"
+    assert parse_cache('{"cache": "/c", "exists": false, "repos": []}').untrusted == (
+        "the cache probe did not say who can write the cache")  # an old probe: fail closed
+
+
+def test_a_cache_in_a_users_folder_is_refused_before_connecting():
+    from rigbook.serving import SERVE_HOME
+    from rigbook.spec import USER_WRITABLE
+
+    assert SERVE_HOME in USER_WRITABLE
+    for path in (f"{SERVE_HOME}/hub", "/home/alice/hf", "/run/user/1000/hub"):
+        with pytest.raises(RigbookError, match="models_cache: .*which another user"):
+            rig(models_cache=path)
+    assert rig(models_cache="/srv/hf").models_cache == "/srv/hf"

@@ -163,8 +163,9 @@ def rig_with_stub(sandbox):
     FLEET_TOKEN_FILE.chmod(0o600)
     rig_ssh(rig, f"rm -rf {CACHE} /etc/rigbook/secrets /opt/rigbook/models {STUB_DIR}; "
                  f"mkdir -p {STUB_DIR} && (umask 077; echo {MIRROR_TOKEN} > {STUB_DIR}/token)")
-    for source in (ROOT / "tests" / "hubstub.py", ROOT / "files" / "models" / "mirror.py",
-                   ROOT / "files" / "models" / "pull.py"):
+    models = ROOT / "files" / "models"  # pull.py imports cache.py from beside it
+    for source in (ROOT / "tests" / "hubstub.py", models / "mirror.py", models / "pull.py",
+                   models / "cache.py"):
         text = base64.b64encode(source.read_bytes()).decode()
         rig_ssh(rig, f"echo {text} | base64 -d > {STUB_DIR}/{source.name}")
     stub = Stub(rig)

@@ -408,3 +408,118 @@ def test_a_lease_is_not_renewed_once_the_guard_has_closed(tmp_path):
     (tmp_path / "closed").touch()
     assert run(30) != 0
     assert run(None) == 0 and json.loads((tmp_path / "lease").read_text()) == {"release": True}
+
+
+def test_a_hung_or_missing_nvidia_smi_restores_the_rest_and_names_what_it_did_not(rigside):
+    """Issue 29, finding 4: one GPU's -pl hangs. The guard gives it up after its timeout, sets
+    the other GPU back, and always writes a record naming each GPU; a missing nvidia-smi too."""
+    folder, smi, log, unit = rigside
+    smi.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n"
+                   f"case \"$*\" in *{UUID0}*) exec sleep 600;; esac\n")
+    began = time.monotonic()  # no lease at all reads as released
+    guard = start(folder, "guard", "--unit", str(unit), "--dir", str(folder), "--smi-timeout", "1")
+    assert guard.wait(timeout=20) == 1 and time.monotonic() - began < 10
+    assert log.read_text().splitlines() == [f"-i {UUID0} -pl 290", f"-i {UUID1} -pl 300.5"]
+    record = json.loads((folder / "restored.json").read_text())
+    assert record["ok"] is False and record["complete"] is True
+    assert record["restored"] == [UUID1] and list(record["not_restored"]) == [UUID0]
+    assert "timed out after 1 s" in record["not_restored"][UUID0]
+
+    unit.write_text(f"[Service]\nExecStart=-{folder}/no-such-smi -i {UUID0} -pl 290\n")
+    guard = start(folder, "guard", "--unit", str(unit), "--dir", str(folder))
+    assert guard.wait(timeout=20) == 1
+    record = json.loads((folder / "restored.json").read_text())
+    assert record["restored"] == [] and "no-such-smi" in record["not_restored"][UUID0]
+
+    unit.unlink()  # no unit to read: nothing is named restored, the record says why
+    guard = start(folder, "guard", "--unit", str(unit), "--dir", str(folder))
+    assert guard.wait(timeout=20) == 1
+    record = json.loads((folder / "restored.json").read_text())
+    assert not record["ok"] and record["restored"] == [] and "cannot read" in record["errors"][0]
+
+
+class Rig:
+    """The rig as _Sweep.release sees it: the guard's record as `cat` shows it, a live cap per
+    GPU that `-pl` sets, and the red lines logged."""
+
+    name = print_prefix = "rig1"
+
+    def __init__(self, record: str, live: dict[str, float]) -> None:
+        self.record, self.caps, self.commands, self.logged = record, live, [], []
+
+    def run_shell_command(self, command):
+        from types import SimpleNamespace
+
+        text = command.get_raw_value()
+        self.commands.append(text)
+        words = text.split()
+        if "-pl" in words:
+            self.caps[words[words.index("-i") + 1].strip("'")] = float(words[-1])
+        said = self.record if "restored.json" in text and "seq" in text else ""
+        return True, SimpleNamespace(stdout_lines=said.splitlines(), stderr_lines=[])
+
+    def get_fact(self, _):
+        return GpuProbe(smi=SMI, gpus=tuple(rtx3090(i, uuid, limit) for i, (uuid, limit)
+                                            in enumerate(self.caps.items())))
+
+    def log_styled(self, text, **_):
+        self.logged.append(text)
+
+
+def release(record: str) -> tuple[Rig, tuple[bool, str], str | None]:
+    from rigbook.sweep import _Sweep
+
+    unit = {UUID0: 290.0, UUID1: 300.0}
+    try:  # what the guard says it restored is at the unit's cap, the rest at the swept 250 W
+        done = json.loads(record).get("restored", [])
+    except ValueError:
+        done = []
+    rig = Rig(record, {uuid: watts if uuid in done else 250.0 for uuid, watts in unit.items()})
+    sweep = object.__new__(_Sweep)
+    sweep.host, sweep.smi, sweep.gpus, sweep.armed, sweep.undone = rig, SMI, DUAL, True, None
+    sweep.unit = unit
+    return rig, sweep.release(), sweep.undone
+
+
+@pytest.mark.parametrize(("record", "left", "why"), [
+    ("", [UUID0, UUID1], "no restore record"),  # the guard died: no record at all
+    ("{not json", [UUID0, UUID1], "no restore record"),
+    (json.dumps({"restored": [UUID1], "not_restored": {UUID0: "timed out after 20 s"},
+                 "complete": True, "ok": False}), [UUID0], "timed out after 20 s"),
+    (json.dumps({"restored": [UUID1], "not_restored": {}, "complete": True}), [UUID0],
+     "not in its record"),
+    (json.dumps({"restored": [UUID0, UUID1], "complete": False}), [UUID0, UUID1], "incomplete"),
+])
+def test_a_missing_or_incomplete_restore_is_done_from_the_operator_and_fails(record, left, why):
+    """Issue 29, finding 4: the operator's side sets the caps the guard left, and says so."""
+    rig, (restored, detail), undone = release(record)
+    set_here = [c for c in rig.commands if "-pl" in c.split()]
+    assert [c.split()[c.split().index("-i") + 1] for c in set_here] == left
+    assert all(c.startswith("timeout -k 5 20 ") for c in set_here)  # a hung call is given up
+    assert undone is not None and why in undone and all(u in undone for u in left)
+    assert f"rig1: {undone}; setting nvidia-power-limit.service's caps from here" in rig.logged
+    assert restored, detail  # read back from the rig: the unit's caps, set from here
+    assert rig.caps == {UUID0: 290.0, UUID1: 300.0}
+
+
+def test_a_complete_restore_sets_nothing_from_the_operator():
+    record = json.dumps({"restored": [UUID0, UUID1], "not_restored": {}, "complete": True,
+                         "ok": True})
+    rig, (restored, _), undone = release(record)
+    assert undone is None and not rig.logged
+    assert not [c for c in rig.commands if "-pl" in c.split()]
+    assert restored and rig.caps == {UUID0: 290.0, UUID1: 300.0}
+
+
+def test_the_guard_is_started_as_a_unit_of_its_own_not_in_the_ssh_login():
+    """Issue 29, finding 7: `setsid -f` left the guard in the login's session scope, which
+    logind stops (killing the guard) when the login ends where KillUserProcesses=yes."""
+    from rigbook.sweep import GUARD_UNIT, guard_command
+
+    command = guard_command().get_raw_value()
+    assert "setsid" not in command
+    assert command.startswith(f"cd /run/rigbook-sweep && systemd-run --unit={GUARD_UNIT} "
+                              "--collect --quiet /usr/bin/python3 -I /run/rigbook-sweep/"
+                              "sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit"
+                              ".service --dir /run/rigbook-sweep --smi-timeout 20 ")
+    assert "[ -s guard.pid ] && exit 0" in command  # the sweep goes on only once it runs

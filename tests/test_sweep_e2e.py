@@ -15,7 +15,9 @@ The figures are the simulator's (sandbox/simulated/README.md), not measurements.
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -27,9 +29,17 @@ from rigbook import cli
 from rigbook.cap_check import unit_caps
 from rigbook.gpus import parse_query_csv, query_args
 from rigbook.power import UNIT_PATH
-from rigbook.sweep import LEASE_MARGIN_S, SWEEP_DIR, load_sweeps
+from rigbook.sweep import (
+    GUARD_UNIT,
+    LEASE_MARGIN_S,
+    RIG_PROGRAM,
+    SWEEP_DIR,
+    guard_command,
+    lease_command,
+    load_sweeps,
+)
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
-from tests.standins import place_model, wheelhouse_for_llama
+from tests.standins import place_model, ssh_with_input, wheelhouse_for_llama
 from tests.test_sandbox import OLD, install_driver
 from tests.test_serving_e2e import CONVERGE, KEY, data_args
 from tests.tinymodel import FILE, revision_of, write_tiny_gguf
@@ -158,3 +168,58 @@ def test_a_killed_sweep_leaves_the_units_caps_once_the_guard_runs(served, tmp_pa
     assert live(rig) == caps
     assert rig_ssh(rig, "pgrep -f 'sweep_rig[.]py' || true").stdout.strip() == ""
     assert Path(tmp_path / "results").exists() is False  # the killed run stored nothing
+
+
+def test_the_guard_outlives_the_ssh_login_where_logind_kills_its_processes(sandbox):
+    """Issue 29, finding 7. logind with KillUserProcesses=yes stops a login's session scope when
+    the login ends, which kills every process in it (what `setsid` starts stays there). The
+    rigs' logins are no logind sessions (no pam_systemd), so a transient scope stands in for
+    one and `systemctl stop` of it for the logout: the guard started the old way (setsid -f)
+    dies with it and writes no record; started as the sweep starts it now (a unit of its own),
+    it lives on, and restores when the lease is released. No cap is touched: the unit it reads
+    does not exist, so its record says so."""
+    from rigbook import cap_check
+
+    rig, scope = sandbox["rig1"], "rigbook-test-login.scope"
+    # A folder of its own: a sweep's folder may hold its `closed` (no lease is taken then).
+    folder, missing_unit = "/run/rigbook-test-sweep", "/run/rigbook-test-no-power.service"
+
+    def in_login(command: str) -> None:
+        rig_ssh(rig, f"systemd-run --scope --quiet --unit={scope} -- sh -c {shlex.quote(command)}")
+
+    def guard_alive() -> bool:
+        return rig_ssh(rig, f'kill -0 "$(cat {folder}/guard.pid)"', check=False).returncode == 0
+
+    rig_ssh(rig, f"rm -rf {folder} && mkdir -m 700 {folder}")
+    for source in (RIG_PROGRAM, Path(cap_check.__file__)):
+        ssh_with_input(rig, f"cat > {folder}/{Path(source).name}", Path(source).read_bytes())
+    try:
+        rig_ssh(rig, lease_command(600, folder))
+        in_login(f"cd {folder} && setsid -f /usr/bin/python3 -I sweep_rig.py guard --unit "
+                 f"{missing_unit} --dir {folder} </dev/null >/dev/null 2>&1 && for i in "
+                 "$(seq 100); do [ -s guard.pid ] && exit 0; sleep 0.1; done; exit 1")
+        assert guard_alive()
+        rig_ssh(rig, f"systemctl stop {scope}")  # the logout, as logind does it
+        assert not guard_alive()  # the finding: killed with the login
+        rig_ssh(rig, lease_command(None, folder))
+        time.sleep(1)
+        assert rig_ssh(rig, f"test -e {folder}/restored.json", check=False).returncode != 0
+
+        rig_ssh(rig, f"rm -f {folder}/guard.pid {folder}/closed && " + lease_command(600, folder))
+        in_login(guard_command(missing_unit, folder).get_raw_value())
+        assert guard_alive()
+        rig_ssh(rig, f"systemctl stop {scope}", check=False)  # the scope may be gone already
+        assert guard_alive()  # in its own unit: the logout did not reach it
+        assert rig_ssh(rig, f"systemctl is-active {GUARD_UNIT}").stdout.strip() == "active"
+        rig_ssh(rig, lease_command(None, folder))
+        record = rig_ssh(rig, f"for i in $(seq 100); do [ -f {folder}/restored.json ] && "
+                              f"break; sleep 0.1; done; cat {folder}/restored.json").stdout
+        assert json.loads(record)["errors"] == [f"cannot read {missing_unit}: No such file or "
+                                                "directory"]
+        time.sleep(0.5)  # --collect: the unit is gone once the guard exited, failed or not
+        state = rig_ssh(rig, f"systemctl show -p LoadState --value {GUARD_UNIT}").stdout.strip()
+        assert state == "not-found"
+    finally:
+        rig_ssh(rig, f"systemctl stop {scope} {GUARD_UNIT} 2>/dev/null; "
+                     f"systemctl reset-failed {GUARD_UNIT} 2>/dev/null; rm -rf {folder}",
+                check=False)

@@ -4,18 +4,85 @@ Sent as `python3 -c <this file> CACHE` (standard library only, nothing of rigboo
 Prints one JSON object (sorted keys): per models--ORG--NAME folder its refs, each snapshot's
 file sizes, the blobs' total and .incomplete leftovers, and rigbook's manifests (the
 `rigbook/` folder pull.py writes), each with the sha256 of its bytes (what an operator pins as
-manifest_sha256 for the rigs that pull it from this rig's mirror). Read-only, no network.
+manifest_sha256 for the rigs that pull it from this rig's mirror); and `untrusted`: why another
+user (the engine's) could change the cache, or null. Read-only, no network. pull.py imports
+`untrusted` from its copy beside it.
 """
 
 import hashlib
 import json
 import os
+import stat
 import sys
+
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def _loose(where: str, st: os.stat_result, sticky_ok: bool = False) -> str | None:
+    """Why another user could change `where` (this user's, no group or other write), or None.
+    A sticky folder (/tmp) may be written by others above the cache when the next folder down
+    is this user's: nobody else can rename or remove that one."""
+    if st.st_uid != os.geteuid():
+        return f"{where} belongs to uid {st.st_uid}"
+    if st.st_mode & _OTHERS_WRITE and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        return f"{where} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def untrusted(cache: str) -> str | None:
+    """Why a user other than this one (root on a rig) could change what pull.py writes or the
+    engines load under `cache`, or None: every folder above it (as written and as resolved)
+    must be this user's and closed to others' writes; in it, every folder and file too, and a
+    link only in a repo's snapshots or blobs (where huggingface_hub's layout has them; Xet's
+    blobs are links into the cache's shared store). Nothing is followed."""
+    paths = {os.path.abspath(cache), os.path.realpath(cache)}
+    for path in paths:
+        parts = path.split(os.sep)[1:]
+        above = ["/" + "/".join(parts[:i]) for i in range(len(parts) + 1)]
+        for i, folder in enumerate(above[:-1]):
+            try:
+                st = os.stat(folder)
+            except FileNotFoundError:
+                break
+            except OSError as error:
+                return f"cannot read {folder}: {error.strerror}"
+            below = above[i + 1]
+            try:
+                next_mine = os.stat(below).st_uid == os.geteuid()
+            except OSError:
+                next_mine = False  # to be made by this user: a stranger could take the name
+            why = _loose(folder, st, sticky_ok=next_mine)
+            if why:
+                return why
+    real = os.path.realpath(cache)
+    if not os.path.isdir(real):
+        return None
+    why = _loose(real, os.lstat(real))
+    if why:
+        return why
+    for root, folders, files in os.walk(real):
+        for name in [*folders, *files]:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone meanwhile
+            if stat.S_ISLNK(st.st_mode):
+                if os.path.relpath(path, real).split(os.sep)[1:2] not in (["snapshots"],
+                                                                           ["blobs"]):
+                    return (f"{path} is a link where the cache has none (only a repo's "
+                            "snapshots and, with Xet, its blobs do)")
+                continue
+            why = _loose(path, st)
+            if why:
+                return why
+    return None
 
 
 def main(argv: list[str]) -> None:
     cache = argv[1]
-    out = {"cache": cache, "exists": os.path.isdir(cache), "repos": []}
+    out = {"cache": cache, "exists": os.path.isdir(cache), "repos": [],
+           "untrusted": untrusted(cache)}
     names = sorted(os.listdir(cache)) if out["exists"] else []
     for name in names:
         top = os.path.join(cache, name)

@@ -48,7 +48,10 @@ The token, if one is needed, is read from the file HF_TOKEN_PATH names (the HF t
 hub, the fleet's mirror token for --endpoint): it is never an argument of this script, never
 printed, and sent only to the hub or mirror itself, never to where it redirects elsewhere (the
 hub's storage). The cache is written 0644 / 0755 whatever the caller's umask: the
-engines' user and the mirror's read it.
+engines' user and the mirror's read it. A cache another user could change (cache.py's
+`untrusted`: a folder above or in it that is not root's or is open to others' writes, a link
+outside a repo's snapshots and blobs) is refused before anything is written, and every file
+pull.py opens to write (locks, downloads, the manifest) is opened without following a link.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ from contextlib import contextmanager
 from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import quote, urljoin, urlsplit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cache import untrusted  # noqa: E402  (files/models/cache.py, copied beside this file)
 
 EXIT = {"complete": 0, "refused": 2, "partial": 3, "error": 4}
 MANIFEST_VERSION = 2
@@ -94,6 +100,17 @@ TIMEOUT = 60
 #: Seconds of progress samples a rate is taken over.
 RATE_WINDOW = 30.0
 GIB = 1024**3
+
+
+def no_follow(path: str, flags: int) -> int:
+    """open()'s opener for everything pull.py writes in the cache: a link there (planted, to
+    make root write elsewhere) is an error, never followed."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def new_file(path: str, flags: int) -> int:
+    """no_follow for a file of this run's own (a download, a manifest): it must not exist."""
+    return no_follow(path, flags | os.O_EXCL)
 
 
 def repo_folder(repo: str) -> str:
@@ -350,7 +367,7 @@ def remove_dead_leftovers(cache: Path, folder: str) -> list[dict]:
         etag = leftover.name.split(".", 1)[0]
         lock_path = cache / ".locks" / folder / f"{etag}.lock"
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "a") as lock:
+        with open(lock_path, "a", opener=no_follow) as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -444,7 +461,7 @@ def stream(url: str, token: str | None, target: Path, meta: dict) -> tuple[str, 
     # comes round again only once hashed (fresh ones cost page faults, which halve the rate).
     ring = [memoryview(bytearray(min(READ_CHUNK, size))) for _ in range(HASH_QUEUE + 2)]
     reads = 0
-    with target.open("wb") as out, hashing(hashes) as feed:
+    with open(target, "wb", opener=new_file) as out, hashing(hashes) as feed:
         for _ in range(ATTEMPTS):
             try:
                 with get(url, token, {"Range": f"bytes={written}-"} if written else None) as rsp:
@@ -481,7 +498,7 @@ def fetch(url: str, token: str | None, repo_dir: Path, lock_dir: Path, link: Pat
     blob.parent.mkdir(parents=True, exist_ok=True)
     lock_dir.mkdir(parents=True, exist_ok=True)
     temporary = blob.with_name(f"{etag}.{os.urandom(4).hex()}.incomplete")
-    with open(lock_dir / f"{etag}.lock", "a") as lock:
+    with open(lock_dir / f"{etag}.lock", "a", opener=no_follow) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             sha256, mismatch = stream(url, token, temporary, meta)
@@ -665,8 +682,13 @@ def pull(args: argparse.Namespace) -> dict:
     manifest_path = repo_dir / "rigbook" / f"{args.revision}.json"
     result = {"repo": args.repo, "revision": args.revision, "cache": str(cache)}
 
+    why = untrusted(str(cache))
+    if why:  # before the first write: a folder another user writes could redirect root's
+        return {**result, "status": "refused", "message": (
+            f"{cache}: {why}, so another user (the engine's) could make root write elsewhere "
+            "or change what the engines load; allowed: a cache only root can write")}
     (cache / ".locks").mkdir(parents=True, exist_ok=True)
-    with open(cache / ".locks" / f"rigbook-{folder}.lock", "a") as lock:
+    with open(cache / ".locks" / f"rigbook-{folder}.lock", "a", opener=no_follow) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another pull of this repo: wait for it
         try:
             files = expected_files(args)
@@ -728,8 +750,9 @@ def pull(args: argparse.Namespace) -> dict:
             args.repo, args.revision, args.allow, args.ignore,
             {path: {**meta, "sha256": hashes[path]} for path, meta in files.items()})
         manifest_path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = manifest_path.with_suffix(".json.tmp")
-        temporary.write_bytes(manifest)
+        temporary = manifest_path.with_suffix(f".{os.urandom(4).hex()}.tmp")
+        with open(temporary, "wb", opener=new_file) as out:
+            out.write(manifest)
         os.replace(temporary, manifest_path)
         return {**result, "status": "complete",
                 "manifest_sha256": hashlib.sha256(manifest).hexdigest()}

@@ -7,11 +7,15 @@ it, as the tools venv's does):
     python3 sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit.service --dir D
     python3 sweep_rig.py meter --dir D --name cap-290 --interval 0.2 --smi /usr/bin/nvidia-smi
 
-guard: started detached (setsid) when the sweep begins, it waits while the lease file
-(D/lease, JSON {"deadline": epoch seconds, "release": bool}) is held, and as soon as the sweep
+guard: started as a unit of its own (systemd-run) when the sweep begins, it waits while the lease
+file (D/lease, JSON {"deadline": epoch seconds, "release": bool}) is held, and as soon as the sweep
 releases it, or its deadline passes because the operator's process died, it sets every GPU's
 live cap back to what the boot unit says (read from the unit at that moment), writes
-D/restored.json and exits. The sweep renews the deadline before every request it sends.
+D/restored.json and exits. The sweep renews the deadline before every request it sends. It fails
+closed: a hung, failing or missing nvidia-smi costs only its GPU (each call has --smi-timeout s),
+and the record is always written, naming every GPU restored or not (with why):
+{"ok", "complete", "caps", "restored": [uuid], "not_restored": {uuid: why}, "errors", "at"}.
+D/guard.pid holds its process id while it runs.
 
 meter: samples each GPU's power draw (W) and, where the card has one, its total-energy counter
 (mJ since the driver loaded) until D/<name>.stop appears or the lease lapses, then writes
@@ -30,6 +34,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cap_check import unit_caps  # noqa: E402  (copied beside this file)
 
+#: A `-pl` call that has not answered in this long (s) is given up: its GPU is named not restored.
+SMI_TIMEOUT_S = 20
+
 
 def read_json(path: str) -> dict | None:
     try:
@@ -40,11 +47,15 @@ def read_json(path: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def write_json(path: str, data: dict) -> None:
+def write_text(path: str, text: str) -> None:
     """Written whole, then renamed: a reader never sees half a file."""
     with open(path + ".tmp", "w") as handle:
-        json.dump(data, handle)
+        handle.write(text)
     os.replace(path + ".tmp", path)
+
+
+def write_json(path: str, data: dict) -> None:
+    write_text(path, json.dumps(data))
 
 
 def lease_over(directory: str, now: float) -> bool:
@@ -56,33 +67,68 @@ def lease_over(directory: str, now: float) -> bool:
     return not isinstance(deadline, (int, float)) or now > deadline
 
 
-def restore(unit: str) -> dict:
-    """Every cap line of the boot unit run again: the live caps become the unit's."""
+def set_cap(smi: str, uuid: str, watts: float, timeout: float) -> str | None:
+    """`nvidia-smi -i UUID -pl W`; None when it took, else why not. A hung call is killed and
+    given up after `timeout` (never waited on again: a card stuck in the driver may not die)."""
+    try:
+        child = subprocess.Popen([smi, "-i", uuid, "-pl", f"{watts:g}"], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as error:
+        return f"cannot run {smi}: {error.strerror or error}"
+    try:
+        said, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return f"{smi} -pl {watts:g} timed out after {timeout:g} s"
+    if child.returncode != 0:
+        lines = said.strip().splitlines()
+        return (f"{smi} -pl {watts:g} exited {child.returncode}: "
+                f"{lines[0] if lines else 'no output'}")
+    return None
+
+
+def restore(unit: str, timeout: float) -> dict:
+    """Every cap line of the boot unit run again: the live caps become the unit's. Each GPU is
+    named, restored or not (with why); an error of one GPU does not stop the others."""
+    record: dict = {"ok": False, "complete": False, "caps": {}, "restored": [],
+                    "not_restored": {}, "errors": []}
     try:
         with open(unit) as handle:
             smi, caps = unit_caps(handle.read())
     except OSError as error:
-        return {"ok": False, "caps": {}, "errors": [f"cannot read {unit}: {error.strerror}"]}
-    errors = []
+        record["errors"].append(f"cannot read {unit}: {error.strerror}")
+        return record
+    record["caps"] = caps
     for uuid, watts in caps.items():
-        done = subprocess.run([smi, "-i", uuid, "-pl", f"{watts:g}"], capture_output=True,
-                              text=True, timeout=60, check=False)
-        if done.returncode != 0:
-            said = (done.stdout + done.stderr).strip().splitlines()
-            errors.append(f"{uuid}: {smi} -pl {watts:g} exited {done.returncode}: "
-                          f"{said[0] if said else 'no output'}")
-    return {"ok": not errors and bool(caps), "caps": caps, "errors": errors,
-            "at": time.time()}
+        try:
+            why = set_cap(smi, uuid, watts, timeout)
+        except Exception as error:  # noqa: BLE001  (any failure names this GPU, the rest go on)
+            why = f"{type(error).__name__}: {error}"
+        if why is None:
+            record["restored"].append(uuid)
+        else:
+            record["not_restored"][uuid] = why
+            record["errors"].append(f"{uuid}: {why}")
+    record.update(ok=bool(caps) and not record["not_restored"], complete=True)
+    return record
 
 
-def guard(unit: str, directory: str, poll: float) -> int:
+def guard(unit: str, directory: str, poll: float, timeout: float) -> int:
+    write_text(os.path.join(directory, "guard.pid"), f"{os.getpid()}\n")  # the sweep waits on it
     while not lease_over(directory, time.time()):
         time.sleep(poll)
     # Closed first: the sweep renews no lease and sets no cap past this file (a step it set
     # meanwhile it sets back itself).
     open(os.path.join(directory, "closed"), "w").close()
-    result = restore(unit)
-    write_json(os.path.join(directory, "restored.json"), result)
+    result = {"ok": False, "complete": False, "caps": {}, "restored": [], "not_restored": {},
+              "errors": ["the guard stopped before it restored anything"]}
+    try:
+        result = restore(unit, timeout)
+    except Exception as error:  # noqa: BLE001  (the record is written whatever went wrong)
+        result["errors"].append(f"{type(error).__name__}: {error}")
+    finally:
+        result["at"] = time.time()
+        write_json(os.path.join(directory, "restored.json"), result)
     return 0 if result["ok"] else 1
 
 
@@ -151,6 +197,7 @@ def main(argv: list[str]) -> int:
     g.add_argument("--unit", required=True)
     g.add_argument("--dir", required=True)
     g.add_argument("--poll", type=float, default=0.5)
+    g.add_argument("--smi-timeout", type=float, default=SMI_TIMEOUT_S)
     m = modes.add_parser("meter")
     m.add_argument("--dir", required=True)
     m.add_argument("--name", required=True)
@@ -158,7 +205,7 @@ def main(argv: list[str]) -> int:
     m.add_argument("--smi", required=True)
     args = parser.parse_args(argv)
     if args.mode == "guard":
-        return guard(args.unit, args.dir, args.poll)
+        return guard(args.unit, args.dir, args.poll, args.smi_timeout)
     return meter(args.dir, args.name, args.interval, args.smi)
 
 
