@@ -78,3 +78,125 @@ def test_a_pull_that_fills_the_disk_stops_and_says_what_to_free(hub_url, tmp_pat
     assert line.endswith(f"PARTIAL snapshot, not complete: {said['message']}")
     assert "dropped" not in line and "run again to finish" not in line
 
+
+# --- connections that cannot hang (roles/link.py) -----------------------------------------------
+
+
+RIG = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1}
+
+
+class _Client:
+    def __init__(self, transport):
+        self.transport = transport
+
+    def get_transport(self):
+        return self.transport
+
+
+class _Host:
+    """What link reads of a pyinfra host: its name and its connector's paramiko client."""
+
+    def __init__(self, name, transport):
+        self.name = name
+        self.connector = argparse.Namespace(client=_Client(transport))
+
+
+def test_a_rigs_connection_gets_keepalives_and_a_bound_on_silence(tmp_path):
+    """On a real TCP connection (loopback): the SSH keepalive interval and TCP_USER_TIMEOUT
+    that the kernel will drop the connection after, read back from the socket."""
+    import socket
+
+    import paramiko
+    from pyinfra.api import Config, Inventory, State
+
+    from rigbook import link
+    from rigbook.spec import parse_rig
+
+    server = socket.create_server(("127.0.0.1", 0))
+    sock = socket.create_connection(server.getsockname())
+    transport = paramiko.Transport(sock)
+    try:
+        state = State(Inventory((["rig1"], {})), Config())
+        host = _Host("rig1", transport)
+        rig = parse_rig("rig1", {**RIG, "link_keepalive": 3, "link_lost_after": 20})
+        link.bound(state, host, rig)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 20_000
+        assert transport.packetizer._Packetizer__keepalive_interval == 3
+        link.bound(state, host, rig)  # a second deploy of the run: one callback, not two
+        assert [type(h) for h in state.callback_handlers] == [link.Reconnects]
+        assert link.lost(host)  # never started: not an active connection
+        assert link.lost_text(host) == (
+            "lost the connection to rig1: no answer within 23 s (link_keepalive 3 s + "
+            "link_lost_after 20 s), or the rig closed it")
+        assert not link.lost(argparse.Namespace(name="local", connector=object()))  # @local
+    finally:
+        transport.close()
+        sock.close()
+        server.close()
+
+
+@pytest.mark.parametrize("data, problem", [
+    ({"link_keepalive": 0}, "link_keepalive"), ({"link_keepalive": 301}, "link_keepalive"),
+    ({"link_lost_after": 4}, "link_lost_after"), ({"link_lost_after": "45"}, "link_lost_after"),
+    ({"link_lost_after": 3601}, "link_lost_after"), ({"link_keepalive": True}, "link_keepalive"),
+])
+def test_link_bounds_outside_their_ranges_are_refused(data, problem):
+    from rigbook.errors import RigbookError
+    from rigbook.spec import parse_rig
+
+    with pytest.raises(RigbookError, match=problem):
+        parse_rig("rig1", {**RIG, **data})
+    assert parse_rig("rig1", RIG).link_keepalive + parse_rig("rig1", RIG).link_lost_after == 60
+
+
+# --- the table that ends a fleet run (roles/fleet.py) -------------------------------------------
+
+
+def test_the_retry_command_is_the_run_for_the_failed_rigs_only():
+    from rigbook.fleet import retry_command
+
+    argv = ["/venv/bin/pyinfra", "-y", "inventory/rigs.py", "deploys/rig.py", "--limit", "gpu",
+            "--exclude=rig9", "--data", "allow_reboot=true", "--limit=rig7", "--exclude", "x"]
+    assert retry_command(argv, ["rig2", "rig4"]) == (
+        "pyinfra -y inventory/rigs.py deploys/rig.py --data allow_reboot=true "
+        "--limit rig2 --limit rig4")
+    assert retry_command(["pyinfra", "inv.py", "my deploy.py"], ["rig1"]) == (
+        "pyinfra inv.py 'my deploy.py' --limit rig1")
+
+
+def test_the_closing_table_names_each_failed_rig_with_its_reason():
+    from pyinfra.api import Config, Inventory, State
+
+    from rigbook import fleet
+    from rigbook.checks import error
+    from rigbook.preflight import refusal_reason
+
+    state = State(Inventory((["rig1", "rig2", "rig3", "rig4"], {})), Config())
+    assert fleet.table(state, ["pyinfra", "inv.py", "d.py"]) is None  # nothing failed
+    rig1, rig2, rig3, rig4 = state.inventory
+    state.activated_hosts.update(state.inventory)
+    state.failed_hosts.update({rig2, rig3, rig4})
+    fleet.watch(state)  # rig2..4 never connected: unreachable
+    fleet.note(state, "rig3", "operation \"Install the driver\" failed")
+    fleet.note(state, "rig3", "a later reason is not kept")
+    state2 = State(Inventory((["rig9"], {})), Config())
+    fleet.note(state2, "rig9", "another run's rig")
+    reason = refusal_reason([error("power", "400 W is above the card's 350 W", "power_limit_w"),
+                             error("driver", "installed 590", "driver_version")])
+    assert reason == ("refused by the preflight (power_limit_w, driver_version): "
+                      "power_limit_w: 400 W is above the card's 350 W (and 1 more)")
+    assert fleet.table(state, ["pyinfra", "inv.py", "d.py", "--limit", "all"]) == "\n".join([
+        "--> rigbook: 3 of 4 rig(s) failed:",
+        f"    rig2  {fleet.UNREACHABLE}",
+        f"    rig3  {fleet.UNREACHABLE}",
+        f"    rig4  {fleet.UNREACHABLE}",
+        "    retry just these: pyinfra inv.py d.py --limit rig2 --limit rig3 --limit rig4",
+    ])
+    state3 = State(Inventory((["rig1", "rig2"], {})), Config())
+    state3.activated_hosts.update(state3.inventory)
+    fleet.watch(state3)
+    state3.failed_hosts.update(state3.inventory)
+    fleet.note(state3, "rig1", 'operation "Install the driver" failed')
+    fleet.note(state3, "rig1", "a later reason is not kept")
+    assert fleet.table(state3, ["pyinfra", "inv.py", "d.py"]).splitlines()[1:3] == [
+        '    rig1  operation "Install the driver" failed', f"    rig2  {fleet.UNKNOWN}"]
