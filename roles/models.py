@@ -411,6 +411,8 @@ def pull_message(spec: ModelSpec, result: dict | None, stderr: str = "") -> str:
         )
     if status == "refused":
         return f"{where}: pull refused: {result.get('message', '?')}"
+    if status == "partial" and result.get("disk_full"):
+        return f"{where}: PARTIAL snapshot, not complete: {result['disk_full']['message']}"
     if status == "partial":
         parts = []
         if result.get("missing"):

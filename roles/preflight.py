@@ -25,8 +25,9 @@ from collections.abc import Iterable
 
 from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, operation
-from pyinfra.context import ctx_host
+from pyinfra.context import ctx_host, ctx_state
 
+from rigbook import fleet, link
 from rigbook.checks import REFUSING, Check, Finding, read_facts, reads_of, run_checks, unique
 from rigbook.driver import DRIVER, driver_pending
 from rigbook.facts import usable
@@ -42,13 +43,22 @@ def refusal_text(rig_name: str, findings: Iterable[Finding],
     return f"{headline}:\n{lines}"
 
 
-def _fail_now(message: str) -> None:
+def _fail_now(message: str, reason: str) -> None:
     """Fail the current rig while the deploy is planned: no operation is planned for it, the
-    run (and --dry) exits non-zero, and no prompt stops the other rigs."""
+    run (and --dry) exits non-zero, and no prompt stops the other rigs. `reason`: its line in
+    the run's closing table (roles/fleet.py)."""
     host.log_styled(message, fg="red", log_func=logger.error)
     this = ctx_host.get()  # the Host itself: `host` is pyinfra's context proxy
+    fleet.note(ctx_state.get(), this.name, reason)
     state.failed_hosts.add(this)
     state.active_hosts.discard(this)
+
+
+def refusal_reason(findings: list[Finding]) -> str:
+    """A refusal in the closing table: the keys of its findings, the first one's text."""
+    keys = ", ".join(dict.fromkeys(finding.key for finding in findings if finding.key))
+    more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
+    return f"refused by the preflight ({keys or 'no key'}): {findings[0].text}{more}"
 
 
 def _other_rigs_go_on(state) -> bool:
@@ -68,15 +78,22 @@ def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
     """Check the whole rig for the roles of this deploy (each role's CHECKS); False when the
     rig is refused, and then the deploy must plan nothing for it."""
     no_prompt_mid_run(state)
+    fleet.watch(ctx_state.get())
+    link.bound(ctx_state.get(), ctx_host.get(), rig)
     checks = unique(check for group in groups for check in group)
     facts = read_facts(state, host, reads_of(rig, host.name, checks))
+    if link.lost(ctx_host.get()):
+        lost = link.lost_text(ctx_host.get())
+        _fail_now(f"{lost}, while the preflight read its facts: nothing was changed",
+                  f"{lost}, during the preflight")
+        return False
     deferred: tuple[Check, ...] = ()
     if DRIVER in checks and not usable(facts.probe) and driver_pending(rig, facts):
         deferred = tuple(check for check in checks if check.gpus)
         checks = tuple(check for check in checks if not check.gpus)
     refusing = [f for f in run_checks(rig, host.name, checks, facts) if f.level in REFUSING]
     if refusing:
-        _fail_now(refusal_text(host.name, refusing))
+        _fail_now(refusal_text(host.name, refusing), refusal_reason(refusing))
         return False
     _DEFERRED.pop(host.name, None)
     if deferred:

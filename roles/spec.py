@@ -213,6 +213,24 @@ class Rig(StrictModel):
         False, description="A deploy may reboot the rig when a change needs it."
     )
 
+    # -- the SSH link (roles/link.py) ---------------------------------------------------------
+    link_keepalive: Annotated[StrictInt, Field(ge=1, le=300)] = Field(
+        15,
+        description=(
+            "Seconds between SSH keepalives while nothing else is sent to the rig: a rig that "
+            "stops answering leaves one unacknowledged (docs/faults-fleet.md)."
+        ),
+    )
+    link_lost_after: Annotated[StrictInt, Field(ge=5, le=3600)] = Field(
+        45,
+        description=(
+            "Seconds that data sent to the rig may stay unacknowledged before its connection "
+            "counts as lost (TCP_USER_TIMEOUT): the rig fails with 'lost the connection to "
+            "RIG' at most link_keepalive + link_lost_after seconds after it stopped answering, "
+            "and the other rigs go on."
+        ),
+    )
+
     # -- power --------------------------------------------------------------------------------
     power_profile: PowerProfile = Field(
         "sweet-spot",

@@ -57,6 +57,7 @@ pull.py opens to write (locks, downloads, the manifest) is opened without follow
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import hashlib
 import http.client
@@ -138,6 +139,25 @@ def existing_parent(path: str) -> str:
 def free_bytes(path: str) -> int:
     stat = os.statvfs(existing_parent(path))
     return stat.f_bavail * stat.f_frsize
+
+
+class DiskFull(Exception):
+    """The cache's filesystem is full (ENOSPC, or EDQUOT: a quota): no retry helps, only space.
+    Not an OSError, so that nothing takes it for a dropped connection."""
+
+
+def write_or_full(out, chunk, name: str, written: int, size: int) -> None:
+    """All of `chunk` to `out`, an unbuffered file (a buffered one meets a full disk again when
+    it is closed, and that error would replace this one); a full disk raises DiskFull naming
+    the byte and the filesystem."""
+    try:
+        while chunk:
+            chunk = chunk[out.write(chunk):]
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskFull(f"no space left on {mount_point(name)} ([Errno {error.errno}] "
+                       f"{os.strerror(error.errno)}) writing byte {written} of {size}") from None
 
 
 class Hashes:
@@ -453,7 +473,7 @@ def stream(url: str, token: str | None, target: Path, meta: dict) -> tuple[str, 
     """Write the body of `url` to `target`, hashed as it is written: Hashes.check.
 
     A connection that drops is resumed with a Range request (ATTEMPTS GETs in all); an error
-    answer is not retried.
+    answer is not retried, nor a full disk (DiskFull).
     """
     hashes, size, written = Hashes(meta), meta["size"], 0
     dropped: Exception | None = None
@@ -461,7 +481,7 @@ def stream(url: str, token: str | None, target: Path, meta: dict) -> tuple[str, 
     # comes round again only once hashed (fresh ones cost page faults, which halve the rate).
     ring = [memoryview(bytearray(min(READ_CHUNK, size))) for _ in range(HASH_QUEUE + 2)]
     reads = 0
-    with open(target, "wb", opener=new_file) as out, hashing(hashes) as feed:
+    with open(target, "wb", buffering=0, opener=new_file) as out, hashing(hashes) as feed:
         for _ in range(ATTEMPTS):
             try:
                 with get(url, token, {"Range": f"bytes={written}-"} if written else None) as rsp:
@@ -475,7 +495,7 @@ def stream(url: str, token: str | None, target: Path, meta: dict) -> tuple[str, 
                         if not count:
                             break  # the connection closed early: resumed below
                         feed(chunk[:count])
-                        out.write(chunk[:count])
+                        write_or_full(out, chunk[:count], str(target), written, size)
                         written += count
             except (OSError, http.client.HTTPException) as error:
                 dropped = error
@@ -533,8 +553,12 @@ def download(args: argparse.Namespace, missing: dict[str, dict]):
     errors: dict[str, str] = {}
     hashed: dict[str, str] = {}
     bad: dict[str, dict] = {}
+    full: list[str] = []
 
     def one(path: str) -> None:
+        if full:  # the disk is full: the other files would only fill it again
+            errors[path] = "not started: the disk is full"
+            return
         meta = missing[path]
         try:
             if meta["size"] > HTTP_LIMIT:
@@ -547,6 +571,9 @@ def download(args: argparse.Namespace, missing: dict[str, dict]):
                                      cache / ".locks" / repo_dir.name, snapshot / path, meta)
         except Exception as error:  # every failure is reported per file, the others go on
             errors[path] = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            if isinstance(error, DiskFull) or getattr(error, "errno", None) in (
+                    errno.ENOSPC, errno.EDQUOT):  # hf_hub_download's own OSError
+                full.append(path)
             return
         if mismatch is None:
             hashed[path] = sha256
@@ -555,7 +582,20 @@ def download(args: argparse.Namespace, missing: dict[str, dict]):
 
     with ThreadPoolExecutor(max_workers=max(1, min(args.workers, len(missing)))) as pool:
         list(pool.map(one, sorted(missing)))
-    return errors, hashed, bad
+    return errors, hashed, bad, full
+
+
+def disk_full(cache: str, missing: dict[str, dict], full: list[str]) -> dict:
+    """What a pull that filled the disk says: where, the bytes the snapshot still needs and
+    the bytes free there now (the partial files were removed)."""
+    need = sum(meta["size"] for meta in missing.values())
+    free, fs = free_bytes(cache), mount_point(cache)
+    return {"filesystem": fs, "need_bytes": need, "free_bytes": free, "files": sorted(full),
+            "message": (f"the disk is full: no space left on {fs} (ENOSPC, [Errno 28]) while "
+                        f"writing {', '.join(sorted(full))}; not retried. The snapshot still "
+                        f"needs {gib(need)}, {gib(free)} is free on {fs} (cache {cache}): free "
+                        f"at least {gib(max(need - free, 0))} there, or move models_cache to a "
+                        "larger disk, then run again")}
 
 
 def report(kind: str, **fields) -> None:
@@ -726,7 +766,7 @@ def pull(args: argparse.Namespace) -> dict:
         if missing:
             report("download", files=len(missing), bytes=progress.total)
         with reporting(progress, args.progress_every):
-            errors, hashed, bad_downloads = download(args, missing)
+            errors, hashed, bad_downloads, full = download(args, missing)
         download_seconds = time.monotonic() - downloading
         downloaded = sorted(p for p in missing if p not in errors and p not in bad_downloads)
         vouched = {**(read_manifest(manifest_path) or {}).get("files", {}),
@@ -743,6 +783,9 @@ def pull(args: argparse.Namespace) -> dict:
         )
         if absent or wrong or bad:
             manifest_path.unlink(missing_ok=True)
+            if full:
+                still = {path: files[path] for path in absent + [item["path"] for item in wrong]}
+                result["disk_full"] = disk_full(str(cache), still, full)
             return {**result, "status": "partial", "missing": absent, "wrong_size": wrong,
                     "bad_hash": bad, "errors": errors}
 
