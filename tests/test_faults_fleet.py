@@ -4,6 +4,7 @@ of failed rigs (issue 30, items 4-6). tests/test_faults_fleet_e2e.py has them on
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 from pathlib import Path
 
@@ -31,10 +32,17 @@ def hub_url(tmp_path):
     server.server_close()
 
 
-def test_a_write_to_a_full_disk_is_named_and_not_retried(hub_url):
+def onto_dev_full(pull, monkeypatch):
+    """/dev/full exists, so pull's own O_EXCL (a download never opens a file that is there)
+    would refuse it: the stand-in for a full filesystem opens it without O_EXCL."""
+    monkeypatch.setattr(pull, "new_file", lambda path, flags: os.open(path, flags & ~os.O_EXCL))
+
+
+def test_a_write_to_a_full_disk_is_named_and_not_retried(hub_url, monkeypatch):
     """/dev/full answers every write with ENOSPC, as a full filesystem does."""
     hub, endpoint = hub_url
     pull = load_pull()
+    onto_dev_full(pull, monkeypatch)
     meta = tiny_repo().file("model.safetensors").entry().manifest_entry()
     with pytest.raises(pull.DiskFull) as raised:
         pull.stream(resolve_url(endpoint), None, Path("/dev/full"), meta)
@@ -50,6 +58,7 @@ def test_a_pull_that_fills_the_disk_stops_and_says_what_to_free(hub_url, tmp_pat
     the others are not started, and pull's message names the filesystem and the bytes."""
     hub, endpoint = hub_url
     pull, repo = load_pull(), tiny_repo()
+    onto_dev_full(pull, monkeypatch)
     stream = pull.stream
     monkeypatch.setattr(pull, "stream", lambda url, token, target, meta: stream(
         url, token, Path("/dev/full"), meta))
