@@ -26,15 +26,16 @@ from rich.console import Console
 
 from rigbook import venvs as venvs_role
 from rigbook.apt import AptHolds, DpkgInstalled
-from rigbook.checks import Facts, every_check, reads_of
+from rigbook.checks import REFUSING, Facts, every_check, reads_of, run_checks
 from rigbook.disks import FreeDisk
 from rigbook.errors import RigbookError
-from rigbook.facts import NvidiaGpus, RunningDriverFact, mismatch_finding
+from rigbook.facts import GPUS, NvidiaGpus, RunningDriverFact, mismatch_finding
 from rigbook.gpus import Gpu, GpuProbe
 from rigbook.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_kernel_log
 from rigbook.inventory import select_hosts as limit_hosts
 from rigbook.models import ModelCache
 from rigbook.power import PowerUnitFile, desired_caps, render_unit, unit_caps
+from rigbook.preflight import refusal_text
 from rigbook.reboot import LoadedDriverVersion
 from rigbook.render import render as render_template
 from rigbook.serving import ENV_PATH as SERVE_ENV_PATH
@@ -394,6 +395,20 @@ def test_nvidia_smis_mismatch_is_a_driver_mismatch_with_its_own_state():
                          "367.44 module (or reinstall the 367.35 user-space packages); nothing "
                          "serves until then")]
     assert fleet_exit_code([status, both]) == 4
+
+
+def test_every_gpu_deploys_preflight_refuses_a_mismatch_with_the_steps():
+    """The GPU check (power, venvs, serving, sweep, verify all run it) refuses on it."""
+    log = real("klog/syslog-hash012-mismatch-535-530.txt").splitlines()
+    facts = converged_dual().replace(running=RunningDriverFact().process(
+        ["##RIGBOOK_KLOG##", *log]), probe=NvidiaGpus().process(smi_output(
+            SMI, real("smi-errors/version-mismatch-550.txt").splitlines(), rc=18)))
+    refusing = [f for f in run_checks(dual_3090(), "rig1", [GPUS], facts)
+                if f.level in REFUSING]
+    assert refusal_text("rig1", refusing) == (
+        "refused before any change, nothing was changed:\n  - rig1: driver user-space "
+        "535.54.03, kernel module 530.30.02: reboot to load the 535.54.03 module (or reinstall "
+        "the 530.30.02 user-space packages); nothing serves until then")
 
 
 def test_a_logged_mismatch_of_another_client_or_a_reloaded_module():
