@@ -4,11 +4,13 @@ The driver reports every GPU fault to the kernel log as one Xid line::
 
     NVRM: Xid (PCI:0000:01:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
 
-`journalctl -k` (short format) puts the time, the host (or not) and ``kernel:`` before it,
-`dmesg` the seconds since boot in brackets (``dmesg -T`` and ``--ctime`` a date), syslog both;
-old drivers write ``Xid (0000:01:00)`` without ``PCI:``. `parse_xid_line` reads all of these,
-and only these: a line where ``NVRM: Xid`` stands inside another message (a USB product string,
-say) is not an Xid. A GPU that fell off the bus is also reported without an Xid (``NVRM: GPU
+`journalctl -k` puts the time, the host (or not) and ``kernel:`` before it, `dmesg` its
+stamps (every --time-format, --decode's facility, --raw's level), syslog both, and rsyslog
+escapes a multi-line message's newlines as ``#012``; old drivers write ``Xid (0000:01:00)``
+without ``PCI:``. `split_prefix` is the one grammar of those prefixes, for the Xids, the
+kernel's API mismatch (`parse_mismatches`) and the loaded module (`parse_module`) alike: a line
+where ``NVRM: Xid`` stands inside another message (a USB product string, say) is not an Xid.
+A GPU that fell off the bus is also reported without an Xid (``NVRM: GPU
 at 0000:01:00.0 has fallen off the bus.``, and the open module's three-line ``The NVIDIA GPU
 ... has fallen off the bus``): `parse_xid_lines` reads those as Xid 79 (`fallen`).
 
