@@ -158,9 +158,6 @@ class NvidiaDriverVersion(ShortFactBase[str | None]):
         return data.driver_version if data is not None else None
 
 
-_NVRM = re.compile(r"^NVRM version: .*?\s(\d+\.\d+(?:\.\d+)?)\s")
-
-
 class LoadedNvidiaModule(FactBase[str | None]):
     """
     The version of the loaded nvidia kernel module, from /proc/driver/nvidia/version.
@@ -178,10 +175,9 @@ class LoadedNvidiaModule(FactBase[str | None]):
         return "! test -r /proc/driver/nvidia/version || cat /proc/driver/nvidia/version"
 
     def process(self, output: list[str]) -> str | None:
-        for line in output:
-            match = _NVRM.match(line + " ")
-            if match:
-                return match.group(1)
+        for module in map(parse_module, output):
+            if module is not None:
+                return module.version
         raise FactProcessError(f"no NVRM version line in /proc/driver/nvidia/version: {output!r}")
 
 
@@ -252,11 +248,12 @@ def mismatch_finding(probe: GpuProbe | None, running: RunningDriver | None) -> F
     nvml_version = _NVML_VERSION.search(probe.error or "") if nvml and probe else None
     client = logged.client if logged else nvml_version.group(1) if nvml_version else None
     user = client or "(version not printed)"
-    loaded = module or "(not read)"
+    reinstall = f"the {module} user-space packages" if module else (
+        "the user-space packages of the loaded module")
     return Finding(
         "mismatch", "driver",
-        f"driver user-space {user}, kernel module {loaded}: reboot to load the {user} module "
-        f"(or reinstall the {loaded} user-space packages); nothing serves until then",
+        f"driver user-space {user}, kernel module {module or '(not read)'}: reboot to load the "
+        f"{user} module (or reinstall {reinstall}); nothing serves until then",
     )
 
 

@@ -381,8 +381,8 @@ def test_nvidia_smis_mismatch_is_a_driver_mismatch_with_its_own_state():
     assert status.state == "driver-mismatch" and status.exit_code == 4
     assert drifts(status, "mismatch") == [
         ("driver", None, "driver user-space 570.124, kernel module (not read): reboot to load "
-                         "the 570.124 module (or reinstall the (not read) user-space packages); "
-                         "nothing serves until then")]
+                         "the 570.124 module (or reinstall the user-space packages of the loaded "
+                         "module); nothing serves until then")]
     assert drifts(status, "gone") == []  # the one finding says it, not a second one
     assert status.gpus == [] and "DRIVER MISMATCH" in table_text(status)
     # the kernel's own word gives both versions: a captured journal of the same event
