@@ -626,8 +626,9 @@ def gather(
 def status(inventory_file: str, limit: list[str] | None, as_json: bool) -> int:
     """`rigbook status INVENTORY [--limit NAME ...] [--json]`; returns the exit status.
 
-    0: every rig as declared; 1: drift; 2: a rig unreachable or a GPU gone. Progress and one
-    line per unreachable rig go to stderr; the table (or the JSON) to stdout.
+    0: every rig as declared; 1: drift; 2: a rig unreachable or a GPU gone; 4: a driver
+    mismatch. Progress and one line per unreachable rig go to stderr; the table (or the JSON)
+    to stdout.
     """
     err = Console(stderr=True)
     fleet = gather(inventory_file, limit, err)
