@@ -29,15 +29,17 @@ from pyinfra.api.facts import get_fact
 from rigbook.runfacts import seed
 from rigbook.spec import Rig
 
-Level = Literal["error", "gone", "drift", "warn"]
-#: What a preflight refuses a rig on: a value the rig cannot take, or a GPU that is gone.
-REFUSING: tuple[Level, ...] = ("error", "gone")
+Level = Literal["error", "mismatch", "gone", "drift", "warn"]
+#: What a preflight refuses a rig on: a value the rig cannot take, a driver whose user space and
+#: loaded kernel module disagree (only a reboot or a reinstall mends it), or a GPU that is gone.
+REFUSING: tuple[Level, ...] = ("error", "mismatch", "gone")
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One thing about a rig: refused (error), unusable (gone), not as declared (drift) or worth
-    a look (warn). `key` is the host-data key it concerns, when one does."""
+    """One thing about a rig: refused (error), a driver user space / kernel module mismatch,
+    unusable (gone), not as declared (drift) or worth a look (warn). `key` is the host-data key
+    it concerns, when one does."""
 
     level: Level
     area: str

@@ -2,7 +2,8 @@
 
 One function per sub-command; each sub-command group registers itself in `build_parser`, so a
 new group (`status`, ...) is one more `add_*_commands` call. Exit codes: 0 as declared, 1 drift,
-2 a rig unreachable or a GPU gone, 3 a usage or configuration error (roles/errors.py).
+2 a rig unreachable or a GPU gone, 3 a usage or configuration error (roles/errors.py), 4 a driver
+whose user space and loaded kernel module disagree (status).
 """
 
 from __future__ import annotations

@@ -18,13 +18,21 @@ Grouped by concern:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from pyinfra.api import FactBase, ShortFactBase
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook.checks import Check, Facts, Finding, Read, drift, error
-from rigbook.gpus import Gpu, GpuProbe, parse_query_csv, query_args
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.gpus import Gpu, GpuProbe, parse_query_csv, query_args, smi_failure
 from rigbook.spec import Rig
+from rigbook.xid import (
+    MISMATCH_PATTERN,
+    Mismatch,
+    Module,
+    current_mismatch,
+    parse_module,
+)
 
 # --- GPU layer -----------------------------------------------------------------------------
 
@@ -150,9 +158,6 @@ class NvidiaDriverVersion(ShortFactBase[str | None]):
         return data.driver_version if data is not None else None
 
 
-_NVRM = re.compile(r"^NVRM version: .*?\s(\d+\.\d+(?:\.\d+)?)\s")
-
-
 class LoadedNvidiaModule(FactBase[str | None]):
     """
     The version of the loaded nvidia kernel module, from /proc/driver/nvidia/version.
@@ -170,11 +175,99 @@ class LoadedNvidiaModule(FactBase[str | None]):
         return "! test -r /proc/driver/nvidia/version || cat /proc/driver/nvidia/version"
 
     def process(self, output: list[str]) -> str | None:
-        for line in output:
-            match = _NVRM.match(line + " ")
-            if match:
-                return match.group(1)
+        for module in map(parse_module, output):
+            if module is not None:
+                return module.version
         raise FactProcessError(f"no NVRM version line in /proc/driver/nvidia/version: {output!r}")
+
+
+_KLOG_MARK = "##RIGBOOK_KLOG##"
+
+
+@dataclass(frozen=True)
+class RunningDriver:
+    """The kernel module that runs (None: not loaded) and this boot's API mismatch, if any."""
+
+    module: Module | None = None
+    mismatch: Mismatch | None = None
+
+
+class RunningDriverFact(FactBase[RunningDriver]):
+    """
+    The loaded module's flavour and version (/proc/driver/nvidia/version, rigbook.xid's
+    parse_module) and the kernel's API mismatch of this boot (``journalctl -k -b 0``, else
+    dmesg; rigbook.xid's current_mismatch). Output::
+
+        NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build ...
+        ##RIGBOOK_KLOG##
+        Aug 26 14:08:07 rig1 kernel: NVRM: API mismatch: the client has the version 580.173.02,
+                                     NVRM: but this kernel module has the version 580.159.04.
+    """
+
+    @staticmethod
+    def default() -> RunningDriver:
+        return RunningDriver()
+
+    def command(self) -> str:
+        journal = "journalctl -k -b 0 -o short -q --no-pager"
+        return (
+            "head -n 1 /proc/driver/nvidia/version 2>/dev/null; "
+            f"echo '{_KLOG_MARK}'; "
+            f'if [ -n "$({journal} -n 1 2>/dev/null)" ]; then {journal} 2>/dev/null; '
+            f"else dmesg 2>/dev/null; fi | grep -E '{MISMATCH_PATTERN}' | tail -n 200; true"
+        )
+
+    def process(self, output: list[str]) -> RunningDriver:
+        at = output.index(_KLOG_MARK) if _KLOG_MARK in output else len(output)
+        module = next((m for m in map(parse_module, output[:at]) if m), None)
+        return RunningDriver(module, current_mismatch(output[at + 1:]))
+
+
+#: nvidia-smi's mismatch message may name NVML's version: "NVML library version: 570.124".
+_NVML_VERSION = re.compile(r"NVML library version: (\d+(?:\.\d+){1,3})")
+
+
+def mismatch_finding(probe: GpuProbe | None, running: RunningDriver | None) -> Finding | None:
+    """One finding for a driver whose user space and loaded kernel module disagree, from the
+    kernel's API mismatch (both versions) or nvidia-smi's "Driver/library version mismatch"
+    (the module from /proc/driver/nvidia/version, NVML's version where it prints it)."""
+    running = running or RunningDriver()
+    nvml = probe is not None and not probe.ok and smi_failure(probe.error or "") == (
+        "version-mismatch")
+    logged = running.mismatch
+    module = running.module.version if running.module else (logged.module if logged else None)
+    if logged is not None and logged.module != module:
+        logged = None  # the log names another module than the one that runs now
+    if logged is None and not nvml:
+        return None
+    if logged is not None and probe is not None and probe.ok:
+        who = f"{logged.process} (pid {logged.pid})" if logged.process else "a client"
+        return warn("driver", f"{who} has driver user-space {logged.client} against kernel "
+                    f"module {module} (kernel log, {logged.when or 'this boot'}); nvidia-smi "
+                    "works: restart that client")
+    nvml_version = _NVML_VERSION.search(probe.error or "") if nvml and probe else None
+    client = logged.client if logged else nvml_version.group(1) if nvml_version else None
+    user = client or "(version not printed)"
+    reinstall = f"the {module} user-space packages" if module else (
+        "the user-space packages of the loaded module")
+    return Finding(
+        "mismatch", "driver",
+        f"driver user-space {user}, kernel module {module or '(not read)'}: reboot to load the "
+        f"{user} module (or reinstall {reinstall}); nothing serves until then",
+    )
+
+
+def flavour_finding(rig: Rig, running: RunningDriver | None) -> Finding | None:
+    """Drift when the module that runs is not the flavour `driver_open` asks for."""
+    module = running.module if running else None
+    if module is None or rig.platform == "wsl2":
+        return None
+    wanted = "open" if rig.driver_open else "proprietary"
+    if module.flavour == wanted:
+        return None
+    return drift("driver", f"the {module.flavour} kernel module {module.version} runs; "
+                 f"driver_open: {str(rig.driver_open).lower()} asks for the {wanted} one "
+                 "(/proc/driver/nvidia/version)", key="driver_open")
 
 
 # --- the GPU check -------------------------------------------------------------------------
@@ -189,6 +282,7 @@ CLASS_NAMES = {
 }
 
 GPUS_READ = Read("probe", NvidiaGpus, "GPUs (nvidia-smi)")
+RUNNING_READ = Read("running", RunningDriverFact, "loaded module and API mismatch (kernel log)")
 
 
 def usable(probe: GpuProbe | None) -> bool:
@@ -208,9 +302,12 @@ def count_finding(rig: Rig, gpus: tuple[Gpu, ...]) -> Finding | None:
 
 def gpu_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     """The GPU layer as nvidia-smi shows it against gpu_count and gpu_class."""
-    if facts.missing("probe"):
-        return facts.missing("probe")
+    if facts.missing("probe", "running"):
+        return facts.missing("probe", "running")
     probe = facts.probe
+    mismatch = mismatch_finding(probe, facts.running)
+    if mismatch is not None and mismatch.level == "mismatch":
+        return [mismatch]  # nvidia-smi's own failure says the same, in fewer words
     if probe is None:
         where = f"{WSL_NVIDIA_SMI} (update the Windows driver)" if (
             rig.platform == "wsl2") else "nvidia-smi (no driver installed?)"
@@ -220,7 +317,7 @@ def gpu_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     if not probe.gpus:
         return [Finding("gone", "gpu", f"{probe.smi} lists no GPUs")]
     count = count_finding(rig, probe.gpus)
-    found = [count] if count else []
+    found = [f for f in (count, mismatch, flavour_finding(rig, facts.running)) if f]
     pattern = CLASS_NAMES.get(rig.gpu_class)
     for gpu in probe.gpus:
         if pattern is not None and not pattern.search(gpu.name):
@@ -230,5 +327,5 @@ def gpu_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
 
 
 #: Shared by every role whose checks need the GPUs (power, venvs, serving) and by status.
-GPUS = Check("GPUs", lambda rig, name: [GPUS_READ], gpu_findings, gpus=True)
+GPUS = Check("GPUs", lambda rig, name: [GPUS_READ, RUNNING_READ], gpu_findings, gpus=True)
 CHECKS = (GPUS,)

@@ -139,9 +139,27 @@ class DkmsModule:
 
 
 @dataclass(frozen=True)
+class DkmsError:
+    """One "Error! ..." of dkms, with the module, version and kernel its next line names (None
+    where dkms does not say: "File:  does not exist." names no path)."""
+
+    message: str
+    module: str | None = None
+    version: str | None = None
+    kernel: str | None = None
+
+    @property
+    def text(self) -> str:
+        named = [f"module {self.module} {self.version}" if self.module else None,
+                 f"kernel {self.kernel}" if self.kernel else None]
+        what = ", ".join(n for n in named if n) or "dkms names no module"
+        return f"{self.message} ({what})"
+
+
+@dataclass(frozen=True)
 class DkmsStatus:
     modules: tuple[DkmsModule, ...] = ()
-    errors: tuple[str, ...] = ()
+    errors: tuple[DkmsError, ...] = ()
 
 
 # dkms >= 3: "nvidia/580.95.05, 6.8.0-45-generic, x86_64: installed (note)";
@@ -155,20 +173,35 @@ _DKMS_OLD = re.compile(
     r"(?P<module>[^\s,/:]+), (?P<version>[^\s,:]+)(, (?P<kernel>[^\s,]+), (?P<arch>[^\s,:]+))?"
     r": (?P<state>[A-Za-z-]+)(?P<note>.*)"
 )
+#: The module tree a follow-up line names: "File: /var/lib/dkms/M/V/source/dkms.conf does not
+#: exist.", "Consult /var/lib/dkms/M/V/build/make.log for more information."
+_DKMS_TREE = re.compile(
+    r"(?:File:|Consult) /var/lib/dkms/(?P<module>[^/\s]+)/(?P<version>[^/\s]+)/"
+)
+_DKMS_KERNEL = re.compile(r"on kernel: (?P<kernel>\S+) \((?P<arch>[^)\s]+)\)")
 
 
 def parse_dkms_status(lines: Iterable[str]) -> DkmsStatus:
     """`dkms status`, old (comma) and new (slash) formats, with its notes ("(WARNING! Diff
-    between built and installed module!)", "(original_module exists)") and its errors
-    ("Error! Could not locate dkms.conf file." is kept without its "Error! " prefix)."""
+    between built and installed module!)", "(original_module exists)") and its errors, each
+    with what its next line names ("Error! Could not locate dkms.conf file." + "File:
+    /var/lib/dkms/nvidia/390.48/source/dkms.conf does not exist."; "Error! Bad return status
+    for module build on kernel: K (x86_64)" + "Consult /var/lib/dkms/nvidia/V/build/make.log")."""
     modules: list[DkmsModule] = []
-    errors: list[str] = []
+    errors: list[DkmsError] = []
     for raw in lines:
         line = raw.strip()
         if not line:
             continue
         if line.startswith("Error!"):
-            errors.append(line.removeprefix("Error!").strip())
+            message = line.removeprefix("Error!").strip()
+            kernel = _DKMS_KERNEL.search(message)
+            errors.append(DkmsError(message, kernel=kernel["kernel"] if kernel else None))
+            continue
+        tree = _DKMS_TREE.match(line)
+        if tree and errors and errors[-1].module is None:
+            last = errors[-1]
+            errors[-1] = DkmsError(last.message, tree["module"], tree["version"], last.kernel)
             continue
         found = _DKMS_NEW.fullmatch(line) or _DKMS_OLD.fullmatch(line)
         if found:
@@ -645,8 +678,8 @@ def onboard_findings(rig: Rig, facts: Facts, rig_name: str, default_repo: str) -
     for kernel in unbuilt_kernels(kernels, dkms):
         found.append(drift("driver", f"kernel {kernel} has no nvidia module built by DKMS: "
                            "booting it gives no driver (dkms status)"))
-    for message in dkms.errors:
-        found.append(warn("driver", f"dkms status: {message}"))
+    for failure in dkms.errors:
+        found.append(warn("driver", f"dkms status: {failure.text}"))
     policies = facts.driver_policy or []
     targets = pin_targets(policies, rig, default_repo)
     for uri, offered in other_sources(policies, rig, default_repo).items():

@@ -101,6 +101,8 @@ _LEFTOVER = re.compile(
 USER_WRITABLE = ("/var/lib/rigbook-serve", "/home", "/run/user")
 #: Card classes without an NVLink connector (GeForce 40 and 50 series dropped it).
 NO_NVLINK = ("rtx4090", "rtx5090")
+#: Card classes that the proprietary kernel module does not drive (NVIDIA's open module only).
+OPEN_ONLY = ("rtx5090",)
 #: sysctl keys with their own host-data field, so sysctl_extra may not set them.
 _SYSCTL_OWN = {
     "fs.inotify.max_user_watches": "sysctl_inotify_max_user_watches",
@@ -355,6 +357,14 @@ class Rig(StrictModel):
         if twice:
             raise ValueError(f"venvs names {', '.join(twice)} more than once")
         return venvs
+
+    @model_validator(mode="after")
+    def _driver_flavour(self) -> Rig:
+        """RTX 50 cards (Blackwell) run only on NVIDIA's open kernel module."""
+        if self.gpu_class in OPEN_ONLY and not self.driver_open and self.platform != "wsl2":
+            raise ValueError(f"driver_open: false with gpu_class {self.gpu_class}: RTX 50 cards "
+                             "run only on NVIDIA's open kernel module; allowed: true")
+        return self
 
     @model_validator(mode="after")
     def _python_packages(self) -> Rig:

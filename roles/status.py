@@ -16,7 +16,8 @@ Three layers, so tests feed real captured output to the same code:
 - showing (roles/status_table.py, `--json`): a rich table, or `FleetStatus` as JSON.
 
 Exit status: 0 every rig as declared, 1 drift, 2 a rig unreachable or a GPU gone (nvidia-smi
-fails, Xid 79 / 154 since the last boot, or the Xid watch's GPU-lost mark is set).
+fails, Xid 79 / 154 since the last boot, or the Xid watch's GPU-lost mark is set), 4 a driver
+whose user space and loaded kernel module disagree (the kernel's API mismatch).
 docs/status.md explains every column.
 
 GPU facts come from nvidia-smi (rigbook.facts.NvidiaGpus). GPU health (roles/health.py) comes from
@@ -70,8 +71,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 # --- the status model ----------------------------------------------------------------------
 
-Level = Literal["warn", "drift", "gone"]
-RigState = Literal["as-declared", "drift", "gpu-gone", "unreachable"]
+Level = Literal["warn", "drift", "gone", "mismatch"]
+RigState = Literal["as-declared", "drift", "gpu-gone", "unreachable", "driver-mismatch"]
 VenvCondition = Literal[
     "current", "stale", "incompatible", "spec-changed", "missing", "not-rigbook", "unknown"
 ]
@@ -260,7 +261,8 @@ class RigStatus(StrictModel):
 
     @property
     def exit_code(self) -> int:
-        return {"as-declared": 0, "drift": 1, "gpu-gone": 2, "unreachable": 2}[self.state]
+        return {"as-declared": 0, "drift": 1, "gpu-gone": 2, "unreachable": 2,
+                "driver-mismatch": 4}[self.state]
 
 
 class FleetStatus(StrictModel):
@@ -279,11 +281,13 @@ def state_of(findings: Iterable[Finding], reachable: bool = True) -> RigState:
     if not reachable:
         return "unreachable"
     levels = {finding.level for finding in findings}
+    if "mismatch" in levels:  # it names why the GPUs are gone, and the one way back
+        return "driver-mismatch"
     return "gpu-gone" if "gone" in levels else "drift" if "drift" in levels else "as-declared"
 
 
 def fleet_exit_code(rigs: Iterable[RigStatus]) -> int:
-    """0 all as declared, 1 drift, 2 a rig unreachable or a GPU gone."""
+    """0 all as declared, 1 drift, 2 a rig unreachable or a GPU gone, 4 a driver mismatch."""
     return max((rig.exit_code for rig in rigs), default=0)
 
 
@@ -622,8 +626,9 @@ def gather(
 def status(inventory_file: str, limit: list[str] | None, as_json: bool) -> int:
     """`rigbook status INVENTORY [--limit NAME ...] [--json]`; returns the exit status.
 
-    0: every rig as declared; 1: drift; 2: a rig unreachable or a GPU gone. Progress and one
-    line per unreachable rig go to stderr; the table (or the JSON) to stdout.
+    0: every rig as declared; 1: drift; 2: a rig unreachable or a GPU gone; 4: a driver
+    mismatch. Progress and one line per unreachable rig go to stderr; the table (or the JSON)
+    to stdout.
     """
     err = Console(stderr=True)
     fleet = gather(inventory_file, limit, err)

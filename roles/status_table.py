@@ -29,13 +29,14 @@ if TYPE_CHECKING:  # roles/status.py imports this module
         VenvStatus,
     )
 
-_RANK = {"warn": 0, "drift": 1, "gone": 2}
-_STYLE = {"warn": "yellow", "drift": "red", "gone": "bold red"}
+_RANK = {"warn": 0, "drift": 1, "gone": 2, "mismatch": 3}
+_STYLE = {"warn": "yellow", "drift": "red", "gone": "bold red", "mismatch": "bold red"}
 _STATE_TEXT = {
     "as-declared": ("as declared", "green"),
     "drift": ("DRIFT", "red"),
     "gpu-gone": ("GPU GONE", "bold red"),
     "unreachable": ("UNREACHABLE", "bold red"),
+    "driver-mismatch": ("DRIVER MISMATCH", "bold red"),
 }
 COLUMNS = (
     "rig", "state", "GPU", "driver", "persist.", "cap W\nwant/unit/live", "tuning", "WSL TDR",
@@ -190,7 +191,7 @@ def _serving_cell(rig: RigStatus) -> Text:
 
 
 def _mark(level: str) -> str:
-    return {"warn": "!", "drift": "x", "gone": "X"}[level]
+    return {"warn": "!", "drift": "x", "gone": "X", "mismatch": "M"}[level]
 
 
 def findings_text(fleet: FleetStatus) -> Text:

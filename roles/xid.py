@@ -4,11 +4,13 @@ The driver reports every GPU fault to the kernel log as one Xid line::
 
     NVRM: Xid (PCI:0000:01:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
 
-`journalctl -k` (short format) puts the time, the host (or not) and ``kernel:`` before it,
-`dmesg` the seconds since boot in brackets (``dmesg -T`` and ``--ctime`` a date), syslog both;
-old drivers write ``Xid (0000:01:00)`` without ``PCI:``. `parse_xid_line` reads all of these,
-and only these: a line where ``NVRM: Xid`` stands inside another message (a USB product string,
-say) is not an Xid. A GPU that fell off the bus is also reported without an Xid (``NVRM: GPU
+`journalctl -k` puts the time, the host (or not) and ``kernel:`` before it, `dmesg` its
+stamps (every --time-format, --decode's facility, --raw's level), syslog both, and rsyslog
+escapes a multi-line message's newlines as ``#012``; old drivers write ``Xid (0000:01:00)``
+without ``PCI:``. `split_prefix` is the one grammar of those prefixes, for the Xids, the
+kernel's API mismatch (`parse_mismatches`) and the loaded module (`parse_module`) alike: a line
+where ``NVRM: Xid`` stands inside another message (a USB product string, say) is not an Xid.
+A GPU that fell off the bus is also reported without an Xid (``NVRM: GPU
 at 0000:01:00.0 has fallen off the bus.``, and the open module's three-line ``The NVIDIA GPU
 ... has fallen off the bus``): `parse_xid_lines` reads those as Xid 79 (`fallen`).
 
@@ -168,13 +170,63 @@ _PID = re.compile(r"\bpid='?(\d+)'?")
 _NAME = re.compile(r"\bname=([^,]+)")
 #: Xid 154's message: "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)".
 _RECOVERY = re.compile(r"\bto 0x([0-9A-Fa-f]+)(?: \(([^)]*)\))?")
-#: What may stand before "NVRM:" on a kernel-log line: nothing, dmesg's [time], or a journal or
-#: syslog prefix "<time> [<host>] kernel:" (then perhaps dmesg's [time] again).
+
+# --- the one prefix grammar of kernel-log lines ---------------------------------------------
+_CLOCK = r"\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?"
+_ZONE = r"(?:Z|[+-]\d{2}:?\d{2})"
+#: dmesg --time-format iso, journalctl -o short-iso(-precise), rsyslog's RFC 3339 stamps.
+_ISO = rf"\d{{4}}-\d{{2}}-\d{{2}}[T ]{_CLOCK}{_ZONE}?"
+_WORD = r"[^\W\d_]{2,}\.?"  # a month or day name in any locale: "Nov", "sep", "июл", "févr."
+#: journalctl short / short-precise / syslog ("Nov 15 12:02:03[.470068]"), short-iso, and
+#: short-full ("Fri 2024-11-15 12:02:03 UTC").
+_JOURNAL_TIME = (rf"{_WORD}\s+\d{{1,2}}\s+{_CLOCK}|{_ISO}"
+                 rf"|{_WORD}\s+\d{{4}}-\d{{2}}-\d{{2}}\s+{_CLOCK}(?:\s+[A-Z]{{2,5}})?")
+#: dmesg's stamps: [seconds] (raw), [seconds <delta>] (delta), [+seconds] (reltime after the
+#: first line), [Dec22 12:26] (reltime's first), [Fri Dec 22 12:26:24 2023] (ctime, -T), iso.
+_SECONDS = r"\[\s*\+?\d+\.\d+(?:\s*<\s*\d+\.\d+>)?\s*\]"
+_STAMP = (rf"{_SECONDS}|\[{_WORD}\s*\d{{1,2}}\s+\d{{2}}:\d{{2}}\]"
+          rf"|\[{_WORD}\s+{_WORD}\s+\d{{1,2}}\s+{_CLOCK}\s+\d{{4}}\]|{_ISO}")
+#: dmesg --decode / -x: "kern  :warn  : ", "syslog:err   : ".
+_FACILITY = r"[a-z0-9]+\s*:\s*[a-z]+\s*:\s"
 _PREFIX = re.compile(
-    r"^\s*(?:\[(?P<dmesg>[^\]]*)\]\s*"
-    r"|(?:(?P<when>.*?\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?(?:[+-]\d{2}:?\d{2}|Z)?)(?:\s+\S+)?\s+)?"
-    r"kernel:\s*(?:\[[^\]]*\]\s*)?)?$"
+    rf"\s*(?:(?P<journal>{_JOURNAL_TIME})(?:\s+\S+)?\s+kernel:\s*(?:{_SECONDS}\s*)?"
+    rf"|kernel:\s*(?:{_SECONDS}\s*)?"
+    rf"|(?:{_FACILITY})?(?:<\d+>)?(?P<stamps>(?:(?:{_STAMP})\s*)*))"
 )
+_FIRST_STAMP = re.compile(rf"\[\s*(?P<inner>[^\]]*?)\s*\]|(?P<iso>{_ISO})")
+#: rsyslog writes a multi-line kernel message as one line, each newline escaped as "#012".
+_ESCAPED_NEWLINE = re.compile(r"#012(?=\s*NVRM:)")
+
+
+def split_prefix(line: str) -> tuple[str | None, str]:
+    """(time as printed, message) of one kernel-log line, whatever printed it: dmesg (every
+    --time-format, --decode / -x, --raw levels), journalctl (short, short-precise, short-iso,
+    short-full, with or without the host, any locale's month names), syslog, or nothing at
+    all. The message is what follows the prefix; a line with no real prefix before its text
+    (NVRM quoted inside another message) keeps that text in the message, so that a reader that
+    wants "NVRM:" first does not take it."""
+    text = line.rstrip("\r\n")
+    match = _PREFIX.match(text)
+    assert match is not None  # every alternative can match the empty string's prefix
+    if match.group("journal"):
+        when: str | None = match.group("journal")
+    else:
+        first = _FIRST_STAMP.match(match.group("stamps") or "")
+        when = (first.group("inner") or first.group("iso")) if first else None
+    return when or None, text[match.end():]
+
+
+def log_messages(lines: list[str]) -> list[tuple[str | None, str, str]]:
+    """(time, message, the line as printed) for every message of a kernel log; a syslog line
+    with rsyslog's "#012" escapes gives one message per escaped line, all with its time."""
+    found = []
+    for raw in lines:
+        text = raw.rstrip("\r\n")
+        first, *more = _ESCAPED_NEWLINE.split(text)
+        when, message = split_prefix(first)
+        found.append((when, message, text))
+        found.extend((when, piece.strip(), text) for piece in more)
+    return found
 
 
 @dataclass(frozen=True)
@@ -233,28 +285,19 @@ def _normal(address: str) -> str | None:
     return None if address == "..." else address.lower().split(".", 1)[0]
 
 
-def _when(prefix: str) -> str | None | bool:
-    """The time a log line carries before 'NVRM:', as printed; None when it has none; False
-    when the text before 'NVRM:' is no log prefix (NVRM quoted inside another message)."""
-    match = _PREFIX.match(prefix)
-    if not match:
-        return False
-    when = match.group("dmesg") if match.group("dmesg") is not None else match.group("when")
-    return when.strip() or None if when is not None else None
-
-
 def parse_xid_line(line: str) -> Xid | None:
     """The Xid in one kernel-log line, or None when the line is not an Xid line.
 
     ``[ 12.5] NVRM: Xid (PCI:0000:01:00): 79, pid=7, GPU has fallen off the bus.`` gives
     ``Xid(code=79, pci="0000:01:00", when="12.5", pid=7, message="pid=7, GPU has ...")``.
     """
-    text = line.rstrip("\r\n")
-    match = _XID.search(text)
+    when, message = split_prefix(line)
+    return _xid(when, message, line.rstrip("\r\n").strip())
+
+
+def _xid(when: str | None, text: str, line: str) -> Xid | None:
+    match = _XID.match(text)
     if not match:
-        return None
-    when = _when(text[: match.start()])
-    if when is False:
         return None
     message = (match.group("message") or "").strip()
     pid = _PID.search(message)
@@ -266,7 +309,7 @@ def parse_xid_line(line: str) -> Xid | None:
         when=when,
         pid=int(pid.group(1)) if pid else None,
         process=name.group(1).strip() if name else None,
-        line=text.strip(),
+        line=line,
     )
 
 
@@ -274,19 +317,19 @@ def parse_xid_lines(lines: list[str]) -> list[Xid]:
     """Every Xid in a kernel log, in order, fallen-off-the-bus reports without an Xid as Xid 79
     (the open module's spans three lines: the GPU's address on the first); other lines skipped."""
     faults: list[Xid] = []
-    named: tuple[re.Match, str, int] | None = None  # the last "NVRM: ... GPU <pci>" line
-    for number, raw in enumerate(lines):
-        text = raw.rstrip("\r\n")
-        xid = parse_xid_line(text)
+    named: tuple[re.Match, str, str | None, int] | None = None  # the last "NVRM: GPU <pci>"
+    for number, (when, message, text) in enumerate(log_messages(lines)):
+        xid = _xid(when, message, text.strip())
         if xid is not None:
             faults.append(xid)
             continue
-        match = _FALLEN.search(text)
-        if match and _when(text[: match.start()]) is not False:
-            named = (match, text, number)
-        if named and "fallen off the bus" in text and number - named[2] <= 2:
+        match = _FALLEN.match(message)
+        if match:
+            named = (match, text, when, number)
+        if named and "fallen off the bus" in message and number - named[3] <= 2:
             address, first = named[0], named[1]
             pci = _normal(address.group("pci"))
+            fallen_when = named[2]
             named = None
             if faults and (faults[-1].code, faults[-1].pci, faults[-1].fallen) == (79, pci, False):
                 continue  # the same event as the Xid 79 line just before it
@@ -296,9 +339,95 @@ def parse_xid_lines(lines: list[str]) -> list[Xid]:
             faults.append(Xid(
                 code=79, pci=pci, fallen=True, line=line,
                 message=f"GPU {address.group('pci')} has fallen off the bus",
-                when=_when(first[: address.start()]) or None,
+                when=fallen_when,
             ))
     return faults
+
+
+# --- the kernel's driver/library API mismatch, and the module it loaded ----------------------
+
+_VERSION = r"\d+(?:\.\d+){1,3}"
+#: Old wording ("the client has the version X, but this kernel module has the version Y.") and
+#: the newer one naming the client ("the client 'kwin_wayland' (pid 1005) has the version X,
+#: but this kernel module has the version Y."), over one to five NVRM lines.
+_MISMATCH = re.compile(
+    r"NVRM: API mismatch: the client (?:'(?P<process>[^']*)' \(pid (?P<pid>\d+)\) )?"
+    rf"has the version (?P<client>{_VERSION}), but this kernel module has the version "
+    rf"(?P<module>{_VERSION})\."
+)
+#: /proc/driver/nvidia/version's first line and the kernel's "NVRM: loading" line.
+_MODULE = re.compile(
+    r"NVRM(?: version:|: loading) NVIDIA UNIX (?:(?P<open>Open )Kernel Module for (?P<arch>\S+)"
+    rf"|(?P<arch_p>\S+) Kernel Module)\s+(?P<version>{_VERSION})(?:\s|$)"
+)
+#: The lines of both, for a grep on the rig (continuations of the mismatch included).
+MISMATCH_PATTERN = ("NVRM: (API mismatch|has the version|this kernel module|the version|"
+                    "make sure|kernel module and|components have|have the same|loading NVIDIA)")
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The kernel's word that a client's user-space driver is not the loaded module's version."""
+
+    client: str  # the user-space driver's version
+    module: str  # the loaded kernel module's version
+    process: str | None = None  # the newer wording names the client process and its pid
+    pid: int | None = None
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Module:
+    """The kernel module that runs: "open" (NVIDIA's open module) or "proprietary"."""
+
+    flavour: str
+    version: str
+    arch: str
+
+
+def parse_module(line: str) -> Module | None:
+    """The module of /proc/driver/nvidia/version's first line or of an "NVRM: loading" line."""
+    match = _MODULE.match(split_prefix(line)[1])
+    if not match:
+        return None
+    return Module("open" if match.group("open") else "proprietary", match.group("version"),
+                  match.group("arch") or match.group("arch_p"))
+
+
+def _driver_events(lines: list[str]) -> list[Mismatch | Module]:
+    """The API mismatches and module loads of a kernel log, in order."""
+    found: list[Mismatch | Module] = []
+    parts: list[str] = []
+    when: str | None = None
+    for at, message, _ in log_messages(lines):
+        module = parse_module(message)
+        if module is not None:
+            found.append(module)
+        if message.startswith("NVRM: API mismatch:"):
+            parts, when = [message], at
+        elif parts and message.startswith("NVRM:") and len(parts) < 5:
+            parts.append(message.removeprefix("NVRM:"))
+        else:
+            parts = []
+            continue
+        match = _MISMATCH.match(" ".join(" ".join(parts).split()))
+        if match:
+            pid = match.group("pid")
+            found.append(Mismatch(match.group("client"), match.group("module"),
+                                  match.group("process"), int(pid) if pid else None, when))
+            parts = []
+    return found
+
+
+def parse_mismatches(lines: list[str]) -> list[Mismatch]:
+    """Every API mismatch of a kernel log, in order, in each wording and log format."""
+    return [event for event in _driver_events(lines) if isinstance(event, Mismatch)]
+
+
+def current_mismatch(lines: list[str]) -> Mismatch | None:
+    """A boot's last API mismatch, unless a module was loaded after it (reloaded by hand)."""
+    events = _driver_events(lines)
+    return events[-1] if events and isinstance(events[-1], Mismatch) else None
 
 
 def _pci_parts(address: str) -> tuple[int, int, int] | None:

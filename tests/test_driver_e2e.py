@@ -17,13 +17,14 @@ build that fails, and connections that drop while a slow one runs (the stand-in'
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
 import pytest
 
 from rigbook.driver import BLACKLIST, BUMP_LOGS, BUMP_SCRIPT, PERSISTENCED_DROPIN, PREFERENCES
-from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
+from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 
 pytestmark = pytest.mark.sandbox
 
@@ -116,6 +117,19 @@ def test_driver_install_hold_bump_refuse(sandbox):
     assert versions(rig1) == {name: f"{NEW}-1" for name in PACKAGES}
     assert holds(rig1) >= set(PACKAGES)
     assert rig_ssh(rig1, "nvidia-smi -L", check=False).returncode != 0
+    # status and every GPU deploy's preflight say it as one finding, in its own state (issue
+    # 35); the sandbox has no /proc/driver/nvidia/version, so the module is "not read"; step 5
+    # reboots the rig out of this state.
+    seen = rigbook("status", SANDBOX_INVENTORY, "--json", "--limit", "rig1", check=False)
+    assert seen.returncode == 4, seen.stdout + seen.stderr
+    (status,) = json.loads(seen.stdout)["rigs"]
+    line = ("driver user-space 580.159, kernel module (not read): reboot to load the 580.159 "
+            "module")
+    assert status["state"] == "driver-mismatch"
+    assert [f["level"] for f in status["findings"] if line in f["reason"]] == ["mismatch"]
+    refused = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
+    assert refused.returncode != 0 and line in refused.stderr, refused.explain()
+    assert refused.changed() == {}, refused.explain()
 
     # 5. The bump with leave to reboot: the rig reboots into the new driver, still held.
     bump = run_pyinfra(SANDBOX_INVENTORY, BUMP, "--limit", "rig1",

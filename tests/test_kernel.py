@@ -62,7 +62,10 @@ def test_dkms_status_as_published(name, want):
     status = kern.parse_dkms_status(lines(name))
     assert [{k: asdict(m)[k] for k in ("module", "version", "kernel", "state")}
             for m in status.modules] == want["modules"]
-    assert list(status.errors) == ([want["error"]] if want.get("error") else [])
+    assert [e.message for e in status.errors][:1] == ([want["error"]] if want.get("error") else [])
+    # each error with the module, version and kernel it names (issue 35)
+    assert [{k: asdict(e)[k] for k in ("module", "version", "kernel")}
+            for e in status.errors] == want.get("errors", [])
 
 
 @pytest.mark.parametrize("name, want", _of("lsmod"), ids=[n for n, _ in _of("lsmod")])
@@ -413,3 +416,21 @@ def test_pin_out_sources():
 def test_expected_json_lists_the_new_readings():
     data = json.loads((REAL / "expected.json").read_text())["files"]
     assert data["secureboot/lsmod-grep-nouv-loaded-gdev.txt"]["loaded"][0] == "nouveau"
+
+
+def test_each_dkms_error_names_its_module_version_and_kernel():
+    """The warning says which module is broken (issue 35: the "File:" line was dropped)."""
+    stale = kern.parse_dkms_status(lines("secureboot/dkms-status-error-no-dkms-conf.txt"))
+    (found,) = findings(dkms=kern.DkmsStatus(BUILT.modules, stale.errors))
+    assert found.level == "warn"
+    assert found.reason == ("dkms status: Could not locate dkms.conf file. (module nvidia "
+                            "390.48)")
+    build = kern.parse_dkms_status(lines("secureboot/dkms-install-bad-return-580-two-kernels.txt"))
+    assert [f.reason for f in findings(dkms=kern.DkmsStatus(BUILT.modules, build.errors))] == [
+        "dkms status: Bad return status for module build on kernel: 7.0.9-1-cachyos (x86_64) "
+        "(module nvidia 580.119.02, kernel 7.0.9-1-cachyos)",
+        "dkms status: Bad return status for module build on kernel: 7.1.0-rc3-2-cachyos-rc "
+        "(x86_64) (module nvidia 580.119.02, kernel 7.1.0-rc3-2-cachyos-rc)"]
+    evdi = "secureboot/dkms-status-error-empty-file-evdi-added.txt"
+    unnamed = kern.parse_dkms_status(lines(evdi))
+    assert unnamed.errors[0].text == "Could not locate dkms.conf file. (dkms names no module)"

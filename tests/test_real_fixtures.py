@@ -16,7 +16,13 @@ import pytest
 from rigbook.gpus import csv_header, pl_range, smi_failure
 from rigbook.venvs import parse_smi_header
 from rigbook.wsl import WslSignals, platform_problem
-from rigbook.xid import GONE_ACTIONS, parse_xid_lines
+from rigbook.xid import (
+    GONE_ACTIONS,
+    parse_mismatches,
+    parse_module,
+    parse_xid_lines,
+    split_prefix,
+)
 from tests.conftest import ROOT
 
 REAL = ROOT / "tests" / "fixtures" / "real"
@@ -54,6 +60,42 @@ def test_kernel_logs_as_the_field_prints_them(name, want):
     for fault in faults:  # every reset- or reboot-bound code takes the GPU out of service
         assert fault.gone == (fault.fallen or fault.action in GONE_ACTIONS or (
             fault.code == 154 and "to 0x0 " not in fault.message))
+
+
+KLOG = readings("klog/")
+
+
+@pytest.mark.parametrize("name, want", KLOG, ids=[n for n, _ in KLOG])
+def test_the_kernels_api_mismatch_in_every_wording_and_format(name, want):
+    """The user-space and module versions, the client the newer wording names, and the time."""
+    found = parse_mismatches((REAL / name).read_text().splitlines())
+    assert [vars(m) for m in found] == want.get("mismatches", [])
+
+
+@pytest.mark.parametrize("name, want", KLOG, ids=[n for n, _ in KLOG])
+def test_the_loaded_modules_flavour_from_its_loading_line(name, want):
+    modules = [parse_module(line) for line in (REAL / name).read_text().splitlines()]
+    loaded = [{"flavour": m.flavour, "version": m.version} for m in modules if m]
+    assert loaded == ([want["loaded"]] if want.get("loaded") else [])
+
+
+MESSAGES = [(n, w) for n, w in KLOG if "messages" in w]
+
+
+@pytest.mark.parametrize("name, want", MESSAGES, ids=[n for n, _ in MESSAGES])
+def test_every_prefix_gives_the_message_that_follows_it(name, want):
+    """dmesg's stacked --time-format stamps, --raw levels, localised journal months."""
+    lines = (REAL / name).read_text().splitlines()
+    assert [split_prefix(line)[1] for line in lines] == want["messages"]
+
+
+PROC = readings("proc-version/")
+
+
+@pytest.mark.parametrize("name, want", PROC, ids=[n for n, _ in PROC])
+def test_proc_driver_version_gives_the_flavour_that_runs(name, want):
+    first = (REAL / name).read_text().splitlines()[0]
+    assert vars(parse_module(first)) == want
 
 
 @pytest.mark.parametrize("name, want", readings("smi-table/"),

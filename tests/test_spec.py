@@ -243,6 +243,9 @@ CONTRADICTIONS = [
      "nvlink with gpu_count 1: a bridge joins two cards"),
     ({"power_caps": {f"GPU-{i}0000000-0000-0000-0000-000000000000": 300 for i in range(3)}},
      "power_caps names 3 GPUs but the rig has 2"),
+    ({"gpu_class": "rtx5090", "power_profile": "stock", "driver_open": False},
+     "driver_open: false with gpu_class rtx5090: RTX 50 cards run only on NVIDIA's open kernel "
+     "module; allowed: true"),
 ]
 
 

@@ -26,15 +26,16 @@ from rich.console import Console
 
 from rigbook import venvs as venvs_role
 from rigbook.apt import AptHolds, DpkgInstalled
-from rigbook.checks import Facts, every_check, reads_of
+from rigbook.checks import REFUSING, Facts, every_check, reads_of, run_checks
 from rigbook.disks import FreeDisk
 from rigbook.errors import RigbookError
-from rigbook.facts import NvidiaGpus
+from rigbook.facts import GPUS, NvidiaGpus, RunningDriverFact, mismatch_finding
 from rigbook.gpus import Gpu, GpuProbe
 from rigbook.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_kernel_log
 from rigbook.inventory import select_hosts as limit_hosts
 from rigbook.models import ModelCache
 from rigbook.power import PowerUnitFile, desired_caps, render_unit, unit_caps
+from rigbook.preflight import refusal_text
 from rigbook.reboot import LoadedDriverVersion
 from rigbook.render import render as render_template
 from rigbook.serving import ENV_PATH as SERVE_ENV_PATH
@@ -62,6 +63,7 @@ from rigbook.venvs import MANIFEST, LiveDriver, VenvBuilds, build_name, smoke_in
 from rigbook.wsl import RegProbe, WindowsProfile, WslSignals
 from tests.opkit import local_fact
 from tests.test_models import FILES_A, make_repo
+from tests.test_real_fixtures import REAL
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
@@ -153,6 +155,11 @@ def converged_dual(rig: Rig | None = None, gpus=None) -> Facts:
         disks=FreeDisk().process(["/ overlay 63000000000 20000000000 43000000000 32% /"]),
         klog=parse_kernel_log(["##RIGBOOK_KLOG## journalctl", "##RIGBOOK_KLOG_ALL_BOOTS##"]),
     )
+
+
+def real(name: str) -> str:
+    """A published output from tests/fixtures/real/ (SOURCES.md gives its URL)."""
+    return (REAL / name).read_text()
 
 
 def drifts(status: RigStatus, level: str = "drift") -> list[tuple[str, str | None, str]]:
@@ -365,16 +372,73 @@ def test_low_disk_is_a_warning():
 # --- GPU gone ------------------------------------------------------------------------------
 
 
-def test_nvidia_smi_failing_is_gpu_gone():
+def test_nvidia_smis_mismatch_is_a_driver_mismatch_with_its_own_state():
+    """Issue 35: one finding, its own state and exit code, whatever says it (nvidia-smi's NVML
+    error, the kernel's API mismatch) - on published outputs."""
     mismatch = NvidiaGpus().process(smi_output(
-        SMI, ["Failed to initialize NVML: Driver/library version mismatch",
-              "NVML library version: 580.159"], rc=18))
+        SMI, real("smi-errors/version-mismatch-570.txt").splitlines(), rc=18))
     status = build_rig_status("rig1", dual_3090(), converged_dual().replace(probe=mismatch))
-    assert status.state == "gpu-gone" and status.exit_code == 2
-    assert drifts(status, "gone") == [
-        ("gpu", None, "/usr/bin/nvidia-smi fails: Failed to initialize NVML: Driver/library "
-                      "version mismatch\nNVML library version: 580.159")]
-    assert status.gpus == [] and "GPU GONE" in table_text(status)
+    assert status.state == "driver-mismatch" and status.exit_code == 4
+    assert drifts(status, "mismatch") == [
+        ("driver", None, "driver user-space 570.124, kernel module (not read): reboot to load "
+                         "the 570.124 module (or reinstall the user-space packages of the loaded "
+                         "module); nothing serves until then")]
+    assert drifts(status, "gone") == []  # the one finding says it, not a second one
+    assert status.gpus == [] and "DRIVER MISMATCH" in table_text(status)
+    # the kernel's own word gives both versions: a captured journal of the same event
+    log = real("klog/journal-host-aligned-mismatch-367.txt").splitlines()
+    running = RunningDriverFact().process(["##RIGBOOK_KLOG##", *log])
+    both = build_rig_status("rig1", dual_3090(), converged_dual().replace(
+        probe=mismatch, running=running))
+    assert drifts(both, "mismatch") == [
+        ("driver", None, "driver user-space 367.44, kernel module 367.35: reboot to load the "
+                         "367.44 module (or reinstall the 367.35 user-space packages); nothing "
+                         "serves until then")]
+    assert fleet_exit_code([status, both]) == 4
+
+
+def test_every_gpu_deploys_preflight_refuses_a_mismatch_with_the_steps():
+    """The GPU check (power, venvs, serving, sweep, verify all run it) refuses on it."""
+    log = real("klog/syslog-hash012-mismatch-535-530.txt").splitlines()
+    facts = converged_dual().replace(running=RunningDriverFact().process(
+        ["##RIGBOOK_KLOG##", *log]), probe=NvidiaGpus().process(smi_output(
+            SMI, real("smi-errors/version-mismatch-550.txt").splitlines(), rc=18)))
+    refusing = [f for f in run_checks(dual_3090(), "rig1", [GPUS], facts)
+                if f.level in REFUSING]
+    assert refusal_text("rig1", refusing) == (
+        "refused before any change, nothing was changed:\n  - rig1: driver user-space "
+        "535.54.03, kernel module 530.30.02: reboot to load the 535.54.03 module (or reinstall "
+        "the 530.30.02 user-space packages); nothing serves until then")
+
+
+def test_a_logged_mismatch_of_another_client_or_a_reloaded_module():
+    """nvidia-smi works and a client (nvidia-powerd) logged a mismatch: a warning naming it; the
+    module named in the log no longer runs (reloaded since): nothing."""
+    log = real("klog/journal-host-aligned-mismatch-nvidia-powerd-575.txt").splitlines()
+    proc = real("proc-version/open-565-ubuntu-2404.txt").splitlines()
+    running = RunningDriverFact().process(["##RIGBOOK_KLOG##", *log])
+    assert running.mismatch.process == "nvidia-powerd" and running.module is None
+    status = build_rig_status("rig1", dual_3090(), converged_dual().replace(running=running))
+    assert status.state == "as-declared"
+    assert [r for a, _, r in drifts(status, "warn") if a == "driver"] == [
+        "nvidia-powerd (pid 849) has driver user-space 570.133.07 against kernel module "
+        "575.51.02 (kernel log, Apr 19 12:34:42); nvidia-smi works: restart that client"]
+    other = RunningDriverFact().process([*proc, "##RIGBOOK_KLOG##", *log])
+    assert other.module.version == "565.57.01"
+    assert mismatch_finding(None, other) is None
+
+
+def test_the_module_that_runs_against_driver_open():
+    """/proc/driver/nvidia/version as published: the open module where driver_open asks for
+    the proprietary one is drift on that key; the flavour it asks for is nothing."""
+    proc = real("proc-version/open-565-ubuntu-2404.txt").splitlines()
+    running = RunningDriverFact().process([*proc, "##RIGBOOK_KLOG##"])
+    status = build_rig_status("rig1", dual_3090(driver_open=False),
+                              converged_dual().replace(running=running))
+    assert ("driver", None, "the open kernel module 565.57.01 runs; driver_open: false asks for "
+            "the proprietary one (/proc/driver/nvidia/version)") in drifts(status)
+    same = build_rig_status("rig1", dual_3090(), converged_dual().replace(running=running))
+    assert not [r for _, _, r in drifts(same) if "kernel module" in r]
 
 
 def test_no_nvidia_smi_is_drift():

@@ -123,6 +123,13 @@ def test_minimal_line_and_function_in_the_address():
         "NVRM: Xid (PCI:0000:66:00): abc, pid=2280636",
         "Nov 29 10:11:12 rig1 kernel: usb 1-1: new high-speed USB device number 2",
         "",
+        # NVRM quoted after something that is no kernel-log prefix (issue 35: only after a
+        # real prefix): another program's message, a user's echo, a stamp that is not dmesg's
+        "Nov 29 10:11:12 rig1 sudo[77]: NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off",
+        "Nov 29 10:11:12 rig1 kernel: usb 1-1: Product: NVRM: Xid (PCI:0000:01:00): 79, x",
+        "[drm] NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.",
+        "kern  :warn  : echo NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.",
+        "2024-11-15 NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.",
     ],
 )
 def test_other_lines_are_not_xids(line):
