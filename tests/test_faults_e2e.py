@@ -100,7 +100,7 @@ def test_a_venv_build_outlives_its_killed_operator_and_restarts_what_uses_it(san
     services = (USER_UNIT,)
     killed = None
     try:
-        first = run_pyinfra(REBUILD, "--limit", "rig1",
+        first = run_pyinfra(SANDBOX_INVENTORY, REBUILD, "--limit", "rig1",
                             *venvs_data(f"{SLOW}==1.0", services=services))
         assert first.returncode == 0, first.explain()
         old = live_build(rig)
@@ -111,6 +111,7 @@ def test_a_venv_build_outlives_its_killed_operator_and_restarts_what_uses_it(san
 
         # one package added; pyinfra SIGKILLed while the new build runs its smoke test
         wanted = venvs_data(f"{SLOW}==1.0", f"{EXTRA}==1.0", services=services)
+        rig_ssh(rig, f"rm -f {VENVS_DIR}/.{NAME}.build.log")  # the first build's phases
         killed = start_pyinfra(REBUILD, "--limit", "rig1", *wanted)
         wait_for("the build's smoke test", lambda: "rigbook phase: smoke test" in rig_ssh(
             rig, f"cat {VENVS_DIR}/.{NAME}.build.log", check=False).stdout)
@@ -127,17 +128,17 @@ def test_a_venv_build_outlives_its_killed_operator_and_restarts_what_uses_it(san
 
         # the dead run's lock is still on the rig and blocks nobody
         assert f'"pid": {killed.pid},' in rig_ssh(rig, f"cat {LOCK}").stdout
-        rerun = run_pyinfra(REBUILD, "--limit", "rig1", *wanted)
+        rerun = run_pyinfra(SANDBOX_INVENTORY, REBUILD, "--limit", "rig1", *wanted)
         assert rerun.returncode == 0, rerun.explain()
         assert rig_ssh(rig, f"cat {STARTED_FROM}").stdout == new == live_build(rig)
-        again = run_pyinfra(REBUILD, "--limit", "rig1", *wanted)
+        again = run_pyinfra(SANDBOX_INVENTORY, REBUILD, "--limit", "rig1", *wanted)
         assert again.returncode == 0 and again.changed() == {}, again.explain()
 
         # a swap cut off before its restarts (the rig went down then) leaves its marker: the
         # next run restarts the service and removes it; the run after changes nothing
         pid = rig_ssh(rig, f"systemctl show -p MainPID --value {USER_UNIT}").stdout.strip()
         rig_ssh(rig, f"echo {USER_UNIT} > {restart_marker(VENVS_DIR, NAME)}")
-        finish = run_pyinfra(REBUILD, "--limit", "rig1", *wanted)
+        finish = run_pyinfra(SANDBOX_INVENTORY, REBUILD, "--limit", "rig1", *wanted)
         assert finish.returncode == 0, finish.explain()
         assert finish.changed().get(VENV_OP) == ["rig1"], finish.explain()
         assert "ended before it restarted" in finish.stderr
@@ -145,7 +146,7 @@ def test_a_venv_build_outlives_its_killed_operator_and_restarts_what_uses_it(san
             rig, f"systemctl show -p MainPID --value {USER_UNIT}").stdout.strip() not in (pid, "0"))
         assert rig_ssh(rig, f"test -e {restart_marker(VENVS_DIR, NAME)}",
                        check=False).returncode == 1
-        last = run_pyinfra(REBUILD, "--limit", "rig1", *wanted)
+        last = run_pyinfra(SANDBOX_INVENTORY, REBUILD, "--limit", "rig1", *wanted)
         assert last.returncode == 0 and last.changed() == {}, last.explain()
     finally:
         if killed is not None and killed.poll() is None:
@@ -170,7 +171,7 @@ def test_two_runs_of_one_rig_at_once_one_is_refused_naming_the_other(sandbox, wh
         assert f"@{socket.gethostname()} (pid {winner.pid}, from " in err, err[-3000:]
         assert "Venv faulty" not in err  # it planned nothing
         assert winner.returncode == 0
-        again = run_pyinfra(REBUILD, "--limit", "rig2", *data)
+        again = run_pyinfra(SANDBOX_INVENTORY, REBUILD, "--limit", "rig2", *data)
         assert again.returncode == 0 and again.changed() == {}, again.explain()
     finally:
         for run in runs:
