@@ -47,6 +47,10 @@ def sandbox_restart(args: argparse.Namespace) -> None:
     sandbox.restart(args.name)
 
 
+def sandbox_kill(args: argparse.Namespace) -> None:
+    sandbox.kill(args.name)
+
+
 def sandbox_list(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(sandbox.rigs(), indent=2))
@@ -70,9 +74,13 @@ def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
     actions.add_parser("down", help="stop all sandbox rigs and remove them").set_defaults(
         func=sandbox_down
     )
-    restart = actions.add_parser("restart", help="reboot one rig, keeping its disk")
+    restart = actions.add_parser(
+        "restart", help="reboot one rig (or boot one whose container died), keeping its disk")
     restart.add_argument("name", help="rig name, e.g. rig1")
     restart.set_defaults(func=sandbox_restart)
+    killing = actions.add_parser("kill", help="kill one rig's container at once (a power cut)")
+    killing.add_argument("name", help="rig name, e.g. rig1")
+    killing.set_defaults(func=sandbox_kill)
     listing = actions.add_parser("list", help="print name, address and profile of each rig")
     listing.add_argument("--json", action="store_true", help="print the hosts.json entries")
     listing.set_defaults(func=sandbox_list)

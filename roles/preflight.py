@@ -9,10 +9,11 @@ Each deploy starts with it::
         tuning.host_tuning(rig)
         power.power_limit(rig)
 
-It reads the facts of every check in one round trip, runs all of them, and on any refusing
-finding (an `error` or a `gone`) fails that rig at once with ALL its problems listed, before a
-single operation is planned for it: nothing on it changes, `--dry` plans nothing for it and
-exits non-zero, and the other rigs go on.
+It first takes the rig's run lock (roles/runlock.py: one operator per rig; a rig another run
+holds is refused, the holder named), then reads the facts of every check in one round trip,
+runs all of them, and on any refusing finding (an `error` or a `gone`) fails that rig at once
+with ALL its problems listed, before a single operation is planned for it: nothing on it
+changes, `--dry` plans nothing for it and exits non-zero, and the other rigs go on.
 
 A rig whose driver this run installs (or reboots into) has no GPUs to check yet. Its GPU checks
 (`Check.gpus`) are deferred, said in one line, and run again by `deferred_checks` right after
@@ -27,7 +28,7 @@ from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, operation
 from pyinfra.context import ctx_host, ctx_state
 
-from rigbook import fleet, link
+from rigbook import fleet, link, runlock
 from rigbook.checks import REFUSING, Check, Finding, read_facts, reads_of, run_checks, unique
 from rigbook.driver import DRIVER, driver_pending
 from rigbook.facts import usable
@@ -80,6 +81,10 @@ def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
     no_prompt_mid_run(state)
     fleet.watch(ctx_state.get())
     link.bound(ctx_state.get(), ctx_host.get(), rig)
+    held = runlock.take(state, host)
+    if held is not None:
+        _fail_now(f"refused before any change: {held}", f"refused: {held}")
+        return False
     checks = unique(check for group in groups for check in group)
     facts = read_facts(state, host, reads_of(rig, host.name, checks))
     if link.lost(ctx_host.get()):

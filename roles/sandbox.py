@@ -182,23 +182,54 @@ def down() -> None:
 
 
 def restart(name: str) -> None:
-    """Reboots one rig as `reboot` inside it would: systemd stops, the rig boots again.
+    """Reboots one rig as `reboot` inside it would: systemd stops, the rig boots again. A rig
+    whose container died (`sandbox kill`, a crash) is booted afresh from the same disk.
 
     Its disk is kept; /run, and with it the simulated cards' live state, starts empty.
     """
     _check_machine()
-    entry = next((e for e in rigs() if e["name"] == name), None)
-    if entry is None:
-        raise RigbookError(f"no sandbox rig named {name!r}; `rigbook sandbox list` shows them")
-    rig = Rig(int(RIG_NAME.fullmatch(name).group(1)), entry["profile"])
+    rig = _rig_named(name)
     with _locked():
         init = _container_init(rig)
         if init is None:
-            raise RigbookError(f"{name} is not running; start the rigs with `rigbook sandbox up`")
-        log.info("rebooting %s", name)
-        os.kill(init, signal.SIGRTMIN + 5)
-        _wait_for_new_boot(rig, init)
+            log.info("%s is not running: booting it again from its disk", name)
+            _kill_all(_cgroups_of(rig))  # what the dead container left, its supervisor too
+            for cgroup in _cgroups_of(rig):  # and the cgroups its systemd made, for a clean boot
+                for folder, _, _ in os.walk(cgroup, topdown=False):
+                    if Path(folder) != cgroup:
+                        os.rmdir(folder)
+            root = rig.dir / "root"
+            if root not in _mount_points():
+                _mount_root(rig, _extract_base(ensure_rootfs()))
+            _start(rig, root, state_dir() / "repo")
+        else:
+            log.info("rebooting %s", name)
+            os.kill(init, signal.SIGRTMIN + 5)
+            _wait_for_new_boot(rig, init)
         _wait_for_ssh([rig])
+
+
+def kill(name: str) -> None:
+    """Kills one rig's container at once, as a power cut would: no shutdown, its disk kept
+    as it was at that moment (`sandbox restart` boots it again)."""
+    _check_machine()
+    rig = _rig_named(name)
+    with _locked():
+        if _container_init(rig) is None:
+            raise RigbookError(f"{name} is not running")
+        log.info("killing %s", name)
+        _kill_all(_cgroups_of(rig))
+
+
+def _rig_named(name: str) -> Rig:
+    entry = next((e for e in rigs() if e["name"] == name), None)
+    if entry is None:
+        raise RigbookError(f"no sandbox rig named {name!r}; `rigbook sandbox list` shows them")
+    return Rig(int(RIG_NAME.fullmatch(name).group(1)), entry["profile"])
+
+
+def _cgroups_of(rig: Rig) -> list[Path]:
+    return [path / rig.thing for path in _cgroup_roots() if (path / rig.thing).is_dir()]
 
 
 def rigs() -> list[dict]:

@@ -72,6 +72,7 @@ from rigbook.runfacts import once
 from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import secret_upload
+from rigbook.units import start_command
 from rigbook.venvs import (
     VenvBuilds,
     VenvState,
@@ -621,7 +622,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
     if probe.enabled != "enabled":
         yield StringCommand("systemctl", "enable", UNIT_NAME)
     if restart:
-        yield StringCommand("systemctl", "start", UNIT_NAME)
+        yield start_command(UNIT_NAME)
         yield FunctionCommand(_await_health, (plan, connector_arguments()), {})
         return
     answer = probe.answer or {}

@@ -8,6 +8,7 @@ rigbook.runfacts: read again only after an operation changed the rig.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from pyinfra.operations.util.service import handle_service_control
 
 from rigbook import runfacts
 
+#: Journal lines a failed start of rigbook's own shows.
+JOURNAL_TAIL = 20
 #: SubStates pyinfra's SystemdStatus counts as running, and UnitFileStates as enabled.
 RUNNING = ("running", "waiting", "exited", "listening", "mounted")
 ENABLED = ("enabled", "static")
@@ -116,3 +119,22 @@ def service(service: str, running: bool | None = True, enabled: bool | None = No
     runfacts.expect("units", [service])
     return _service(service=service, running=running, enabled=enabled, restarted=restarted,
                     daemon_reload=daemon_reload, **op_args)
+
+
+def start_shell(unit: str, verb: str = "start") -> str:
+    """`systemctl VERB UNIT` for rigbook's own (re)start, as one shell command.
+
+    `reset-failed` first: StartLimitBurst is there to stop a crash loop, and rigbook's own
+    restarts (a converge, a venv swap, a second operator) must not count against it; a unit
+    left in start-limit failure refuses every later start until someone resets it. A start
+    that fails prints the unit's last JOURNAL_TAIL journal lines on stderr and keeps its exit
+    status.
+    """
+    u = shlex.quote(unit)
+    return (f"( systemctl reset-failed {u} 2>/dev/null; systemctl {verb} {u} || {{ rc=$?; "
+            f"journalctl -u {u} -n {JOURNAL_TAIL} --no-pager >&2; exit $rc; }} )")
+
+
+def start_command(unit: str, verb: str = "start") -> StringCommand:
+    """start_shell as an operation's command."""
+    return StringCommand(start_shell(unit, verb))

@@ -35,7 +35,7 @@ import re
 import shlex
 import time
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -61,6 +61,7 @@ from rigbook.render import render, template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig, VenvSpec
 from rigbook.tools import UV, package_source_args, tools_venv
+from rigbook.units import start_shell
 
 VENVS_DIR = "/opt/rigbook/venvs"
 MANIFEST = "rigbook-manifest.json"
@@ -269,6 +270,11 @@ def venv_link(name: str) -> str:
     return f"{VENVS_DIR}/{name}"
 
 
+def restart_marker(root: str, name: str) -> str:
+    """The restart-pending marker of a venv: the units a swap has not restarted yet."""
+    return f"{root}/.{name}.restart"
+
+
 def env_file(name: str) -> str:
     """The launcher environment file of a venv (systemd EnvironmentFile= / `set -a; .`)."""
     return f"{VENVS_DIR}/{name}.env"
@@ -284,6 +290,8 @@ class VenvState:
     target: str | None  # the symlink's target, as readlink prints it; None: no symlink
     not_link: bool  # the stable path exists but is not a symlink (someone's own venv)
     builds: dict[str, dict | None]  # build dir name -> its manifest (None: no manifest)
+    #: Units a swap left to restart (a build cut off between its swap and its restarts).
+    restart_pending: tuple[str, ...] = ()
 
     @property
     def target_build(self) -> str | None:
@@ -302,8 +310,9 @@ class VenvState:
         return {**asdict(self), "target_build": self.target_build}
 
 
-_VENV, _TARGET, _NOTLINK, _BUILD = (
-    "##RIGBOOK_VENV", "##RIGBOOK_TARGET", "##RIGBOOK_NOTLINK", "##RIGBOOK_BUILD"
+_VENV, _TARGET, _NOTLINK, _BUILD, _RESTART = (
+    "##RIGBOOK_VENV", "##RIGBOOK_TARGET", "##RIGBOOK_NOTLINK", "##RIGBOOK_BUILD",
+    "##RIGBOOK_RESTART",
 )
 
 
@@ -311,10 +320,12 @@ class VenvBuilds(FactBase[VenvState]):
     """
     The stable symlink /opt/rigbook/venvs/<name> and every build of that venv with its manifest.
 
-    Output (a build's manifest follows its line; a build without one was cut off)::
+    Output (a build's manifest follows its line; a build without one was cut off; a RESTART
+    line is a unit that a swap left to restart, from its restart-pending marker)::
 
         ##RIGBOOK_VENV demo
         ##RIGBOOK_TARGET /opt/rigbook/venvs/demo-3f2a9c1b7d4e-20261129T202754Z
+        ##RIGBOOK_RESTART rigbook-serve.service
         ##RIGBOOK_BUILD demo-3f2a9c1b7d4e-20261129T202754Z
         {"rigbook_manifest": 1, "spec_hash": "3f2a9c1b7d4e", "driver": "580.95.05", ...}
     """
@@ -326,6 +337,8 @@ class VenvBuilds(FactBase[VenvState]):
             f"echo '{_VENV}' {shlex.quote(name)}; "
             f"if [ -L {link} ]; then echo \"{_TARGET} $(readlink {link})\"; "
             f"elif [ -e {link} ]; then echo '{_NOTLINK}'; fi; "
+            f"[ -f {shlex.quote(restart_marker(VENVS_DIR, name))} ] && "
+            f"sed 's/^/{_RESTART} /' {shlex.quote(restart_marker(VENVS_DIR, name))}; "
             f"for b in {root}/{shlex.quote(name)}-*; do "
             '[ -d "$b" ] && [ ! -L "$b" ] || continue; '
             f'echo "{_BUILD} ${{b##*/}}"; '
@@ -340,10 +353,13 @@ class VenvBuilds(FactBase[VenvState]):
 def parse_venv_builds(output: list[str]) -> VenvState:
     """VenvBuilds' output -> VenvState (builds of other venvs that share the prefix dropped)."""
     name, target, not_link = None, None, False
+    pending: list[str] = []
     chunks: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in output:
-        if line.startswith(_VENV):
+        if line.startswith(_RESTART):
+            pending.append(line[len(_RESTART):].strip())
+        elif line.startswith(_VENV):
             name = line[len(_VENV):].strip()
         elif line.startswith(_TARGET):
             target = line[len(_TARGET):].strip() or None
@@ -365,7 +381,7 @@ def parse_venv_builds(output: list[str]) -> VenvState:
         except json.JSONDecodeError:
             manifest = None  # a torn manifest is no manifest: that build did not finish
         builds[build] = manifest if isinstance(manifest, dict) else None
-    return VenvState(target, not_link, builds)
+    return VenvState(target, not_link, builds, tuple(unit for unit in pending if unit))
 
 
 _SITE, _CU13, _CU13_NVCC, _NVCC = "##SITE", "##CU13", "##CU13_NVCC", "##NVCC"
@@ -582,6 +598,11 @@ class BuildPlan:
     def log(self) -> str:
         return f"{self.root}/.{self.name}.build.log"
 
+    @property
+    def lock(self) -> str:
+        """flock'ed by the build that runs: one build of a venv at a time."""
+        return f"{self.root}/.{self.name}.lock"
+
 
 def install_args(spec: VenvSpec, rig: Rig) -> tuple[str, ...]:
     """`uv pip install` options and requirements: the rig's package source, torch's backend."""
@@ -627,6 +648,8 @@ def build_script(plan: BuildPlan) -> str:
     return render(
         TEMPLATES / "build.sh.j2",
         name=plan.name, build=plan.build, root=plan.root, log=plan.log, cache=plan.cache,
+        lock=plan.lock, marker=restart_marker(plan.root, plan.name),
+        restart=lambda unit: start_shell(unit, "try-restart"),
         uv=plan.uv, python=plan.python, install_args=plan.install_args, uv_env=plan.uv_env,
         smoke_input=json.dumps(plan.smoke_input, sort_keys=True),
         smoke_py=(TEMPLATES / "smoke.py").read_text().rstrip("\n"),
@@ -642,6 +665,17 @@ def build_script(plan: BuildPlan) -> str:
 
 def _prune_command(builds: Iterable[str]) -> StringCommand:
     return StringCommand("rm", "-rf", "--", *(QuoteString(f"{VENVS_DIR}/{b}") for b in builds))
+
+
+def _pending_restarts(name: str, units: tuple[str, ...]) -> Iterator:
+    """What a swap cut off before its restarts left to do: restart (if running) the units its
+    marker names, then remove the marker."""
+    yield notice(f"venv {name} was swapped by a run that ended before it restarted "
+           f"{' '.join(units)}: restarting them now")
+    for unit in units:
+        yield StringCommand(f"systemctl show -p LoadState --value {shlex.quote(unit)} | "
+                            f"grep -qx not-found || {start_shell(unit, 'try-restart')}")
+    yield StringCommand("rm", "-f", QuoteString(restart_marker(VENVS_DIR, name)))
 
 
 @operation()
@@ -680,7 +714,9 @@ def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
         prune = prune_selection(state.builds, rig.venvs_keep, live=state.target_build)
         if prune:
             yield _prune_command(prune)
-        else:
+        if state.restart_pending:
+            yield from _pending_restarts(spec.name, state.restart_pending)
+        if not prune and not state.restart_pending:
             host.noop(decision.reason)
         return
     if decision.action == "swap":

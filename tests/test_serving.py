@@ -40,6 +40,7 @@ from rigbook.serving import (
     systemd_word,
 )
 from rigbook.spec import Rig
+from rigbook.units import start_shell
 from rigbook.venvs import VenvLayout, VenvState
 from tests.conftest import ROOT
 from tests.opkit import FakeHost, describe, execute, file_states, local_fact, run_op
@@ -475,8 +476,9 @@ def test_a_switch_stops_the_old_engine_first_and_checks_health_last():
     steps = [describe(c) for c in commands]
     assert steps[0] == f"systemctl stop {UNIT_NAME}"
     assert f"upload {ENV_PATH}" in steps and f"upload {UNIT_PATH}" in steps
-    assert steps[-3:] == ["systemctl daemon-reload", f"systemctl start {UNIT_NAME}",
-                          "call _await_health"]
+    assert steps[-3:] == ["systemctl daemon-reload", start_shell(UNIT_NAME), "call _await_health"]
+    assert start_shell(UNIT_NAME).startswith(f"( systemctl reset-failed {UNIT_NAME} 2>/dev/null; "
+                                             f"systemctl start {UNIT_NAME} || ")
     assert HEALTH_PATH not in " ".join(steps)  # unchanged files are not rewritten
 
 

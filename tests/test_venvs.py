@@ -592,6 +592,14 @@ def test_build_script_builds_swaps_keeps_and_refuses_for_real(tmp_path):
     state = parse_venv_builds(venv_builds_output(venvs, "demo"))
     assert state.target_build == third.build and set(state.builds) == {second.build, third.build}
 
+    # Its operator gone (its output a pipe nobody reads any more): it still swaps and prunes.
+    orphan = demo("rigdemo==2.0", "20261105T000000Z", prune=(second.build,))
+    read, write = os.pipe()
+    os.close(read)
+    subprocess.run(["sh", "-c", build_script(orphan)], stdout=write, stderr=write, timeout=300)
+    os.close(write)
+    assert os.readlink(link) == str(venvs / orphan.build) and not (venvs / second.build).exists()
+
 
 def venv_builds_output(root: Path, name: str) -> list[str]:
     """VenvBuilds' command, pointed at a test root instead of /opt/rigbook/venvs."""
@@ -648,6 +656,39 @@ def test_current_venv_is_a_noop_and_prunes_nothing():
     assert commands == []
     assert host.noops == ["venv demo is already demo-ed6da2262f1d-20261101T000000Z (built for "
                           "driver 580.95.05)"]
+
+
+def test_a_swap_whose_restarts_were_cut_off_is_finished_by_the_next_run():
+    """The restart-pending marker a build leaves before its swap (removed once its services
+    restarted): read by VenvBuilds; with it, a current venv restarts them and removes it."""
+    r = rig(venvs=[DEMO])
+    build = build_name("demo", spec_hash(spec(), r), "20261101T000000Z")
+    state = parse_venv_builds([
+        "##RIGBOOK_VENV demo", f"##RIGBOOK_TARGET /opt/rigbook/venvs/{build}",
+        "##RIGBOOK_RESTART demo.service", f"##RIGBOOK_BUILD {build}",
+        json.dumps(manifest(build, digest=spec_hash(spec(), r)))])
+    assert state.restart_pending == ("demo.service",)
+    commands, host = run_op(venv_build, facts(state), r, spec(services=["demo.service"]))
+    steps = shell(commands)
+    assert steps[0].startswith("systemctl show -p LoadState --value demo.service | grep -qx "
+                               "not-found || ( systemctl reset-failed demo.service 2>/dev/null; "
+                               "systemctl try-restart demo.service || ")
+    assert steps[1] == "rm -f /opt/rigbook/venvs/.demo.restart"
+    assert host.noops == []
+
+
+def test_the_build_script_outlives_a_closed_channel_and_leaves_its_marker_until_restarts(
+        tmp_path):
+    plan = plan_for(rig(python_find_links="/srv/w", python_no_index=True),
+                    spec(services=["demo.service"]), tmp_path, services=("demo.service",))
+    script = build_script(plan)
+    steps = ["trap '' HUP PIPE", "flock -n 9", " pip install ", "RIGBOOK_SMOKE_PY",
+             "demo.service >\"$marker\"", "mv -T ", "systemctl reset-failed demo.service",
+             "systemctl try-restart demo.service", 'rm -f "$marker"']
+    positions = [script.index(step) for step in steps]
+    assert positions == sorted(positions), script
+    assert f"lock={tmp_path}/venvs/.demo.lock" in script
+    assert f"marker={tmp_path}/venvs/.demo.restart" in script
 
 
 def test_old_builds_beyond_venvs_keep_are_pruned_without_a_build():
