@@ -38,7 +38,10 @@ def test_example_fleet_validates_with_group_data_and_host_precedence():
         ({**GOOD, "gpu_class": "rtx9090"}, "box: gpu_class: Input should be 'rtx3090'"),
         ({**GOOD, "gpu_class": "other"}, "gpu_class other needs gpu_limits_watts"),
         ({**GOOD, "driver_branch": 470}, "box: driver_branch: unknown driver branch 470"),
-        ({**GOOD, "power_caps": {"2": 300}}, "power_caps names GPU 2 but the rig has 2"),
+        ({**GOOD, "power_caps": {"2": 300}},
+         "power_caps names GPU 2 but the rig has 2 GPUs, indexes 0-1 (gpu_count)"),
+        ({**GOOD, "gpu_count": 1, "power_caps": {"1": 300}},
+         "power_caps names GPU 1 but the rig has one GPU, index 0 (gpu_count)"),
         ({**GOOD, "power_caps": {"0": 0}}, "box: power_caps.0: Input should be greater than or "
                                            "equal to 50; allowed: 50 to 1200 (got 0)"),
         ({**GOOD, "gpu_class": "a6000"}, "no documented sweet-spot cap for a6000"),
