@@ -845,11 +845,11 @@ def source_reads(rig: Rig) -> list[Read]:
     """What foreign_of needs: the driver's files and owners, its packages and their source,
     the loaded module and nvidia-smi."""
     return [
+        *(read for read in onboard_reads((main_package(rig),)) if read.name == "driver_policy"),
         GPUS_READ,
         SOURCE_READ,
         Read("installed", DpkgInstalled, "installed packages"),
         Read("loaded", LoadedDriverVersion, "loaded driver module"),
-        *(read for read in onboard_reads((main_package(rig),)) if read.name == "driver_policy"),
     ]
 
 
@@ -882,7 +882,8 @@ def main_package(rig: Rig) -> str:
 def _onboard_reads(rig: Rig, rig_name: str) -> list[Read]:
     if rig.platform == "wsl2":
         return []
-    return [*onboard_reads((main_package(rig),)), *source_reads(rig)]
+    onboard = onboard_reads((main_package(rig),))
+    return [*onboard, *(read for read in source_reads(rig) if read not in onboard)]
 
 
 def _onboard_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:

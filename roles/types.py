@@ -22,7 +22,7 @@ refused as one in the middle. The renderers escape for their format on top of th
   is not a number (an integer is a float).
 - `StrictModel`: the base of every model of host data, recipes and status: an unknown key is
   an error (a typo is never ignored) and a validated object is frozen.
-- `JsonValue`: gives a fact's value (a dataclass or a pydantic model) the `to_json()` that
+- `JsonValue`: gives a fact's value (a dataclass) the `to_json()` that
   pyinfra's fact CLI calls when it prints it (`pyinfra INVENTORY fact rigbook.M.F`).
 """
 
@@ -164,11 +164,22 @@ class StrictModel(BaseModel):
 
 
 class JsonValue:
-    """A fact value pyinfra's fact CLI can print: its JSON encoder (pyinfra_cli/util.py,
-    json_encode) knows sets, paths and dates, and otherwise calls the object's `to_json()`."""
+    """A dataclass fact value pyinfra's fact CLI can print: its JSON encoder (pyinfra_cli/util.py,
+    json_encode) knows sets, paths and dates, and otherwise calls the object's `to_json()`;
+    a frozenset, which it does not know, becomes a sorted list."""
 
     def to_json(self) -> Any:
-        return self.model_dump(mode="json") if isinstance(self, BaseModel) else asdict(self)
+        return _plain(asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, frozenset):
+        return sorted(value)
+    return value
 
 
 #: What each type allows, in words: docs/host-data.md shows these (roles/docs.py).

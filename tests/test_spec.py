@@ -239,6 +239,8 @@ CONTRADICTIONS = [
      "driver_version: platform wsl2 uses the Windows driver"),
     ({"platform": "wsl2", "gpu_count": 1, "driver_secure_boot": "enroll"},
      "driver_secure_boot: platform wsl2 uses the Windows driver"),
+    ({"platform": "wsl2", "gpu_count": 1, "driver_foreign": "adopt"},
+     "driver_foreign: platform wsl2 uses the Windows driver"),
     ({"wsl_tdr_delay": 30}, "wsl_tdr_delay is for platform wsl2 only (platform is ubuntu)"),
     ({"serving_port": 8090, "models_mirror_port": 8090, "models_mirror_token_file": "t"},
      "serving_port and models_mirror_port are both 8090"),
