@@ -168,8 +168,9 @@ def foreign_driver(rig: Rig, facts: Facts, default_repo: str,
                     "another apt source",
                     f"{policy.package} {upstream_version(version.version)} from "
                     f"{', '.join(version.origins)}, not the configured source",
-                    f"purge it (apt-get purge {policy.package}) and converge again, or "
-                    "configure that source (driver_repo_uri)")
+                    f"purge it (apt-get purge {policy.package}) and converge again"
+                    + (", or set driver_repo_uri to that source" if rig.platform == "debian"
+                       else ": rigbook installs from Ubuntu's archive"))
     return None
 
 
