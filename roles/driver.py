@@ -644,12 +644,11 @@ def _persistence(rig: Rig):
 
 def _foreign_now(rig: Rig) -> Foreign | None:
     """foreign_driver for the current host, from its facts at this moment of the run."""
-    facts = Facts(
+    return foreign_of(rig, Facts(
         driver_source=once(DriverSourceFact), loaded=once(LoadedDriverVersion),
-        probe=once(NvidiaGpus),
+        probe=once(NvidiaGpus), installed=once(DpkgInstalled),
         driver_policy=once(AptPolicyFact, packages=(main_package(rig),)),
-    )
-    return foreign_driver(rig, facts, CUDA_REPO, driver_versions(once(DpkgInstalled)))
+    ))
 
 
 def _keep_foreign(rig: Rig, foreign: Foreign, bump: bool = False):
