@@ -199,4 +199,13 @@ def foreign_findings(rig: Rig, facts: Facts, foreign: Foreign) -> list[Finding]:
     if not rig.driver_version and running.split(".", 1)[0] != str(rig.driver_branch):
         return [error("driver", f"adopted driver runs {running}, not of driver_branch "
                       f"{rig.driver_branch}", key="driver_branch")]
+    probe = facts.probe
+    off = [f"GPU {gpu.index}" for gpu in (probe.gpus if probe is not None else ())
+           if gpu.persistence is False]
+    if off:
+        # the power role refuses a cap without it, after other roles changed the rig: say it now
+        return [error("driver", f"persistence mode is off on {', '.join(off)} and rigbook runs "
+                      "no nvidia-persistenced for a driver it does not own: turn it on with the "
+                      "driver's own tools (nvidia-smi -pm 1, or its nvidia-persistenced)",
+                      key="driver_foreign")]
     return []

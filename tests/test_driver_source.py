@@ -5,6 +5,7 @@ archive (tests/fixtures/real/apt, SOURCES.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -97,6 +98,11 @@ def test_h200_adopted_is_checked_against_driver_version_and_branch():
         Rig(platform="ubuntu", gpu_class="other", gpu_count=1, gpu_limits_watts=(200, 700),
             power_profile="stock", driver_branch=595, driver_foreign="adopt"), facts, "h200")
     assert [f.key for f in branch] == ["driver_branch"]
+    off = h200_probe()
+    off = dataclasses.replace(off, gpus=(dataclasses.replace(off.gpus[0], persistence=False),))
+    assert [f.reason.split(" and ")[0] for f in driver_findings(
+        h200_rig(driver_foreign="adopt"), h200_facts(probe=off), "h200")] == [
+        "persistence mode is off on GPU 0"]
     gone = driver_findings(h200_rig(driver_foreign="adopt"),
                            h200_facts(probe=None, loaded=None), "h200")
     assert [f.key for f in gone] == ["driver_foreign"] and "not running" in gone[0].reason

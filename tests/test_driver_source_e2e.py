@@ -5,7 +5,9 @@ The test lays the stand-in driver's files on rig1 without their packages (`dpkg-
 sandbox repository's libnvidia-ml1 and nvidia-smi, as a .run installer leaves files no package
 owns) and "loads" its module (the stand-in's /run/rigbook-sim/loaded-version;
 sandbox/simulated/README.md). deploys/rig.py then refuses the rig before any change
-(`driver_foreign: refuse`, the default); with `driver_foreign=adopt` it converges with no
+(`driver_foreign: refuse`, the default), and with `driver_foreign=adopt` while persistence mode
+is off; with persistence on (`nvidia-smi -pm 1`, what the owner of such a driver does) and
+`driver_foreign=adopt` it converges with no
 driver package, hold, pin, source or persistenced drop-in, and a second run changes nothing;
 deploys/driver.py to the version that runs changes nothing, to another one is refused.
 The rig gets its files removed and no driver afterwards (the next test installs its own).
@@ -48,6 +50,11 @@ def unowned_install(rig: dict) -> list[str]:
     return paths
 
 
+def persistence(rig: dict, on: bool) -> None:
+    """What the owner of such a driver does (rigbook runs no persistenced for it)."""
+    rig_ssh(rig, f"nvidia-smi -pm {int(on)} >/dev/null")
+
+
 def test_a_driver_no_package_owns_is_refused_then_adopted(sandbox):
     rig1 = sandbox["rig1"]
     forget_driver(rig1)
@@ -66,6 +73,15 @@ def test_a_driver_no_package_owns_is_refused_then_adopted(sandbox):
         assert refused.changed() == {}, refused.explain()
         assert rig_ssh(rig1, STATE).stdout == before
 
+        # adopted with persistence mode off: refused before any change (the power role would
+        # refuse the caps only after other roles changed the rig)
+        persistence(rig1, on=False)
+        off = converge("--data", "driver_foreign=adopt")
+        assert off.returncode != 0 and off.changed() == {}, off.explain()
+        assert "persistence mode is off on GPU 0, GPU 1" in off.stdout + off.stderr
+        assert rig_ssh(rig1, STATE).stdout == before
+
+        persistence(rig1, on=True)
         adopted = converge("--data", "driver_foreign=adopt")
         assert adopted.returncode == 0, adopted.explain()
         driver_ops = [name for name in adopted.changed() if name.startswith("NVIDIA driver")]
