@@ -20,7 +20,9 @@ from pydantic import BaseModel
 from pyinfra.api import FactBase
 
 import rigbook
+from rigbook.serving import probe_args, serve_plan
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY
+from tests.test_serving import cpu_rig
 
 #: Arguments for the facts that take some (JSON, as the CLI parses a value).
 ARGS = {
@@ -30,7 +32,8 @@ ARGS = {
     "ShmReapPlan": ['patterns=["vllm-*"]'],
     "FileStates": ['paths=["/etc/hostname"]'],
     "ModelCache": ["cache=/var/lib/rigbook/hf/hub"],
-    "ServeProbe": ['args={"port": 8000}'],
+    # one JSON string (as probe_args makes it), given as a JSON string literal
+    "ServeProbe": ["args=" + json.dumps(probe_args(serve_plan(cpu_rig(), "rig1")))],
     "SecretFile": ["path=/etc/hostname"],
     "LiveSysctls": ['keys=["fs.inotify.max_user_watches"]'],
     "PresentPaths": ['paths=["/etc"]'],
@@ -107,6 +110,7 @@ def test_every_fact_prints_as_json_on_local():
     assert set(values) == _expected()
     assert isinstance(values["driver_source.DriverSourceFact"]["files"], list)
     assert isinstance(values["disks.FreeDisk"], list) and values["disks.FreeDisk"][0]["mount"]
+    assert values["serving.ServeProbe"]["mem_total_kib"] > 0
 
 
 @pytest.mark.sandbox
