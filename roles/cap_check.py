@@ -60,8 +60,10 @@ def problems(wanted: dict[str, float], live: dict[str, float | None], tolerance:
         if uuid not in live:
             found.append(f"{uuid} (capped at {watts:g} W by the unit) is not listed: replaced "
                          "or off the bus")
-        elif live[uuid] is None or abs(live[uuid] - watts) > tolerance:
-            found.append(f"{uuid} runs at a {live[uuid]} W cap, the unit says {watts:g} W")
+        elif live[uuid] is None:
+            found.append(f"{uuid} reports no power cap, the unit says {watts:g} W")
+        elif abs(live[uuid] - watts) > tolerance:
+            found.append(f"{uuid} runs at a {live[uuid]:g} W cap, the unit says {watts:g} W")
     found += [f"{uuid} is not capped by the unit" for uuid in live if uuid not in wanted]
     return found
 

@@ -51,6 +51,7 @@ from rigbook.messages import notice, refuse, warn_once
 from rigbook.render import template
 from rigbook.runfacts import once
 from rigbook.spec import Rig
+from rigbook.types import JsonValue
 from rigbook.units import service
 from rigbook.xid import Xid, parse_xid_lines, same_device
 
@@ -95,7 +96,7 @@ _NO_REAPER = "##RIGBOOK_NO_REAPER##"
 
 
 @dataclass(frozen=True)
-class GpuLost:
+class GpuLost(JsonValue):
     """The Xid watch's mark: its first line and the kernel lines of the fatal Xids."""
 
     headline: str
@@ -162,7 +163,7 @@ _EARLIER = "##RIGBOOK_KLOG_ALL_BOOTS##"
 
 
 @dataclass(frozen=True)
-class KernelLog:
+class KernelLog(JsonValue):
     """Xid lines of the kernel log: this boot's and earlier boots', or why it was unreadable."""
 
     source: str | None  # "journalctl" or "dmesg"; None when neither could be read
@@ -304,7 +305,7 @@ SYSTEMD = Check(
 
 
 @dataclass(frozen=True)
-class TopoMatrix:
+class TopoMatrix(JsonValue):
     """`nvidia-smi topo -m` between GPUs: links[(i, j)] is "X", "NV4", "PHB", "SYS", ..."""
 
     gpus: int
@@ -369,7 +370,7 @@ def parse_topo_matrix(lines: Iterable[str]) -> TopoMatrix:
 
 
 @dataclass(frozen=True)
-class NvLinks:
+class NvLinks(JsonValue):
     """One GPU's NVLinks in `nvidia-smi nvlink -s`: which are up (with their speed), which not."""
 
     index: int
@@ -416,7 +417,7 @@ def parse_nvlink_status(lines: Iterable[str]) -> dict[int, NvLinks]:
 
 
 @dataclass(frozen=True)
-class Topology:
+class Topology(JsonValue):
     """What nvidia-smi says about the interconnect; `error` when it could not say (then the
     declared host data is all there is to go by)."""
 
@@ -666,7 +667,7 @@ def topology_report(rig: Rig) -> Iterator:
 
 
 @dataclass(frozen=True)
-class ShmVerdict:
+class ShmVerdict(JsonValue):
     """One file as the reaper judged it (its --json output)."""
 
     path: str
@@ -678,7 +679,7 @@ class ShmVerdict:
 
 
 @dataclass(frozen=True)
-class ReapPlan:
+class ReapPlan(JsonValue):
     installed: bool
     verdicts: tuple[ShmVerdict, ...] = ()
     error: str | None = None

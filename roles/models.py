@@ -62,7 +62,7 @@ from rigbook.secrets import Secret
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH, SecretFile, hf_token, rig_tokens
 from rigbook.tools import TOOLS_PYTHON, tools_venv
-from rigbook.types import ip_address
+from rigbook.types import JsonValue, ip_address
 from rigbook.units import service
 
 #: Where pull.py lives on the rig (run by the tools venv's python).
@@ -107,7 +107,7 @@ def label(spec: ModelSpec) -> str:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(JsonValue):
     """What rigbook recorded when it completed a pull: expected files and the patterns."""
 
     files: Mapping[str, tuple[int, str | None]]  # path -> (size, sha256 of LFS files)
@@ -121,7 +121,7 @@ class Manifest:
 
 
 @dataclass(frozen=True)
-class CachedRepo:
+class CachedRepo(JsonValue):
     """One models--ORG--NAME folder of the cache."""
 
     folder: str
@@ -137,7 +137,7 @@ class CachedRepo:
 
 
 @dataclass(frozen=True)
-class CacheState:
+class CacheState(JsonValue):
     """The whole cache as ModelCache read it."""
 
     cache: str

@@ -49,6 +49,7 @@ from rigbook.messages import warn_once
 from rigbook.render import render, template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig
+from rigbook.types import JsonValue
 from rigbook.units import service_commands
 
 UNIT_NAME = "nvidia-power-limit.service"
@@ -214,7 +215,7 @@ _ENABLED = "##RIGBOOK_ENABLED##"
 
 
 @dataclass(frozen=True)
-class PowerUnit:
+class PowerUnit(JsonValue):
     """The power-limit unit as installed: its ExecStart lines and `systemctl is-enabled`."""
 
     exec_starts: tuple[str, ...]

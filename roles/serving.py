@@ -72,6 +72,7 @@ from rigbook.runfacts import once
 from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import secret_upload
+from rigbook.types import JsonValue
 from rigbook.venvs import (
     VenvBuilds,
     VenvState,
@@ -245,7 +246,7 @@ def render_env(plan: ServePlan, launcher: Mapping[str, str] | None) -> str:
 
 
 @dataclass(frozen=True)
-class ServeState:
+class ServeState(JsonValue):
     """What ServeProbe read on the rig."""
 
     mem_total_kib: int

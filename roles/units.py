@@ -16,6 +16,7 @@ from pyinfra.api import FactBase, QuoteString, StringCommand, operation
 from pyinfra.operations.util.service import handle_service_control
 
 from rigbook import runfacts
+from rigbook.types import JsonValue
 
 #: SubStates pyinfra's SystemdStatus counts as running, and UnitFileStates as enabled.
 RUNNING = ("running", "waiting", "exited", "listening", "mounted")
@@ -23,7 +24,7 @@ ENABLED = ("enabled", "static")
 
 
 @dataclass(frozen=True)
-class UnitState:
+class UnitState(JsonValue):
     running: bool
     enabled: bool
 
