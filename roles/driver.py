@@ -70,7 +70,7 @@ from rigbook.reboot import (
 from rigbook.render import template, template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig
-from rigbook.units import service
+from rigbook.units import booted, service
 from rigbook.venvs import VenvBuilds
 from rigbook.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
 
@@ -613,7 +613,10 @@ def _hold():
 
 
 def _persistence(rig: Rig):
-    """Persistence mode through the daemon (Ubuntu ships it off); started unless a reboot waits."""
+    """Persistence mode through the daemon (Ubuntu ships it off); started unless a reboot waits.
+    Without systemd there is no daemon to run: the power role reports persistence as it is."""
+    if not booted():
+        return
     if rig.driver_persistence:
         dropin = put(
             name="Persistence mode on (nvidia-persistenced drop-in)",

@@ -27,6 +27,8 @@ from rigbook.serving import (
     HEALTH_SOURCE,
     KEY_PATH,
     PROBE_SOURCE,
+    SUPERVISE_CONF,
+    SUPERVISE_PATH,
     UNIT_NAME,
     UNIT_PATH,
     ServeProbe,
@@ -401,7 +403,7 @@ def test_the_probe_runs_on_a_real_host_and_parses():
     probe = local_fact(ServeProbe, args=probe_args(plan))
     assert probe.mem_total_kib > probe.mem_available_kib > 0
     assert set(probe.files) == {UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH,
-                                POWER_UNIT}
+                                POWER_UNIT, SUPERVISE_PATH, SUPERVISE_CONF}
     assert not probe.running and probe.unit_pids == ()
     assert not any("PROBE" in cmd or "hashlib" in cmd for _, cmd in probe.engines)
     assert "llama_cpp.server" not in PROBE_SOURCE.read_text()  # it never matches itself

@@ -763,7 +763,9 @@ def test_serving_recipe_unit_state_and_health(tmp_path, monkeypatch):
                    serving_recipe=local_fact(FindInFile, path=str(tmp_path / "no.env"),
                                              pattern="^RIGBOOK_RECIPE="))
     unset = build_rig_status("rig1", rig, bare)
-    assert reasons(unset) == ["no rigbook-serve.service: recipe tiny-cpu-a is not set up; run "
+    runner = ("rigbook-serve.service" if bare.serving.systemd  # this machine: with systemd?
+              else "/etc/rigbook/serving/supervise.json")
+    assert reasons(unset) == [f"no {runner}: recipe tiny-cpu-a is not set up; run "
                               "deploys/serve.py"]
     assert unset.serving.running_recipe is None and unset.serving.healthy is None
 
