@@ -579,7 +579,10 @@ def cuda_build(spec: VenvSpec, rig: Rig) -> bool:
         return False
     from rigbook.recipes import catalogue  # recipes imports this module
 
-    recipe = catalogue(rig.serving_recipe_dirs).get(rig.recipe) if rig.recipe else None
+    try:
+        recipe = catalogue(rig.serving_recipe_dirs).get(rig.recipe) if rig.recipe else None
+    except RigbookError:  # a broken recipe folder is the serving check's finding
+        recipe = None
     return not (recipe is not None and recipe.venv == spec.name and recipe.cpu_only)
 
 
