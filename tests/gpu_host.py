@@ -47,7 +47,8 @@ class Kit:
         self.out, self.failed = out, []
         out.mkdir(parents=True, exist_ok=True)
 
-    def run(self, step: str, argv: list[str], timeout: int = 600, **kwargs) -> subprocess.CompletedProcess:
+    def run(self, step: str, argv: list[str], timeout: int = 600, **kwargs
+            ) -> subprocess.CompletedProcess:
         """Run one step, write its command and output to OUT/<step>.txt."""
         started = time.monotonic()
         try:
@@ -166,7 +167,9 @@ def main(argv: list[str]) -> int:
     kit.run("controller-install", [py, "-m", "pip", "install", "-q", "--no-index",
                                    "--find-links", str(wheels), "rigbook", "gguf"])
     bin_dir = CONTROLLER / "bin"
-    env = {"PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    # the image's cmake and ninja (for the llama.cpp build) come after the system's
+    env = {"PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:"
+                   "/opt/torch/.venv/bin",
            "HOME": "/root", "PYTHONUNBUFFERED": "1", "RIGBOOK_PROGRESS_EVERY": "15",
            "RIGBOOK_VERIFY_DIR": str(kit.out / "verify-results")}
 
