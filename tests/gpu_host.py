@@ -164,6 +164,12 @@ def main(argv: list[str]) -> int:
 
     py = str(CONTROLLER / "bin" / "python")
     kit.run("controller-venv", ["/usr/bin/python3", "-m", "venv", str(CONTROLLER)])
+    # the controller also sees the image's own packages (rich, requests, ...: fewer wheels to
+    # carry); the rig's venvs do not, they install from the wheels alone
+    image = subprocess.run([sys.executable, "-c", "import sysconfig; "
+                            "print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True).stdout.strip()
+    (CONTROLLER / "lib" / "python3.12" / "site-packages" / "image.pth").write_text(image + "\n")
     kit.run("controller-install", [py, "-m", "pip", "install", "-q", "--no-index",
                                    "--find-links", str(wheels), "rigbook", "gguf"])
     bin_dir = CONTROLLER / "bin"
