@@ -126,7 +126,7 @@ def host_data(wheels: Path, revision: str, cap: float, driver: str) -> dict:
                    "packages": ["llama-cpp-python[server]==0.3.36"]}],
         "models": [{"repo": REPO, "revision": revision}],
         "recipe": RECIPE, "serving_recipe_dirs": [str(HERE / "recipes")],
-        "serving_health_timeout_s": 300, **VERIFY,
+        "serving_health_timeout_s": 300, "verify_url": "http://127.0.0.1:8110", **VERIFY,
     }
 
 
