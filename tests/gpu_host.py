@@ -147,6 +147,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-only", action="store_true", help="stop after the dry plan")
     args = parser.parse_args(argv)
     wheels, kit = args.wheels.resolve(), Kit(args.out)
 
@@ -193,7 +194,9 @@ def main(argv: list[str]) -> int:
     kit.note("inventory", inventory.read_text())
     pyinfra = str(bin_dir / "pyinfra")
 
-    dry = kit.run("rig-dry", [pyinfra, "-y", str(inventory), "deploys/rig.py", "--dry"], env=env)
+    # no -y: pyinfra's change detection lists every operation it would run
+    dry = kit.run("rig-dry", [pyinfra, str(inventory), "deploys/rig.py", "--dry"], env=env,
+                  stdin=subprocess.DEVNULL)
     plan = [line for line in (dry.stdout + dry.stderr).splitlines()
             if "no systemd as PID 1" not in line]  # the preflight's notice says "no systemctl"
     bad = sorted({m.group(0) for line in plan for m in FORBIDDEN.finditer(line)})
@@ -202,6 +205,9 @@ def main(argv: list[str]) -> int:
         kit.note("abort", f"the dry plan holds {bad}: no real converge on this host")
         kit.run("power-after", ["nvidia-smi", "-q", "-d", "POWER"])
         return 1
+    if args.dry_only:
+        kit.run("power-after", ["nvidia-smi", "-q", "-d", "POWER"])
+        return 0
 
     kit.run("rig-converge", [pyinfra, "-y", str(inventory), "deploys/rig.py"], env=env,
             timeout=400)
