@@ -601,7 +601,7 @@ class SystemNvcc(FactBase[Nvcc | None]):
     """
     The system CUDA compiler: nvcc on PATH, else /usr/local/cuda/bin/nvcc; None when neither.
 
-    Output (the H200 host, tests/fixtures/nvidia-h200/serve/image.txt)::
+    Output (the H200 host, tests/fixtures/nvidia-h200/serve/first-call.txt)::
 
         /usr/local/cuda/bin/nvcc
         13.0

@@ -78,7 +78,7 @@ def test_no_compute_capability_at_all_is_refused():
 
 def test_system_nvcc_fact_reads_this_machines_toolkit():
     """The fact's own shell against the nvcc here (CUDA 13.0 as on the H200 host,
-    tests/fixtures/nvidia-h200/serve/image.txt); with no nvcc anywhere it is None."""
+    tests/fixtures/nvidia-h200/serve/first-call.txt); with no nvcc anywhere it is None."""
     fact = SystemNvcc()
     done = subprocess.run(["bash", "-c", fact.command()], capture_output=True, text=True)
     found = fact.process(done.stdout.splitlines())
@@ -88,7 +88,7 @@ def test_system_nvcc_fact_reads_this_machines_toolkit():
                            fact.command().replace("/usr/local/cuda/bin/nvcc", "/nonexistent")],
                           capture_output=True, text=True)
     assert fact.process(bare.stdout.splitlines()) is None
-    assert "release 13.0" in (H200 / "image.txt").read_text()
+    assert "release 13.0" in (H200 / "first-call.txt").read_text()
 
 
 def test_the_system_nvcc_is_used_when_the_driver_runs_its_cuda_else_the_toolkit_wheels():
@@ -208,3 +208,15 @@ def test_the_h200_proof_recipe_is_a_gpu_recipe_of_one_card():
 
     recipe = load_recipe(H200 / "recipes" / "tiny-h200.toml")
     assert not recipe.cpu_only and recipe.fits.gpu_count == 1 and recipe.venv == "llamacpp-cuda"
+
+
+def test_the_h200_dry_plan_changes_no_driver_unit_or_cap():
+    """The dry plan captured on the H200 host (no systemd, an adopted host-mounted driver, the
+    host's cap): the rows that would change name no driver, systemctl, persistenced or -pl."""
+    from tests.gpu_host import forbidden_changes
+
+    plan = (H200 / "rig-dry.txt").read_text()
+    assert "Venv llamacpp-cuda" in plan and "Power limits | Live GPU power caps" in plan
+    assert forbidden_changes(plan) == []
+    changed = [line for line in plan.splitlines() if "1 (@local)" in line]
+    assert len(changed) == 11 and not any("driver" in line.lower() for line in changed)
