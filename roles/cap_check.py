@@ -60,24 +60,34 @@ def problems(wanted: dict[str, float], live: dict[str, float | None], tolerance:
         if uuid not in live:
             found.append(f"{uuid} (capped at {watts:g} W by the unit) is not listed: replaced "
                          "or off the bus")
-        elif live[uuid] is None or abs(live[uuid] - watts) > tolerance:
-            found.append(f"{uuid} runs at a {live[uuid]} W cap, the unit says {watts:g} W")
+        elif live[uuid] is None:
+            found.append(f"{uuid} reports no power cap, the unit says {watts:g} W")
+        elif abs(live[uuid] - watts) > tolerance:
+            found.append(f"{uuid} runs at a {live[uuid]:g} W cap, the unit says {watts:g} W")
     found += [f"{uuid} is not capped by the unit" for uuid in live if uuid not in wanted]
     return found
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--unit", required=True, help="the power-limit unit file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--unit", help="the power-limit unit file")
+    source.add_argument("--caps", nargs="+", metavar="UUID=W", help="the caps themselves, "
+                        "where no unit can hold them (no systemd: files/serving/supervise.py)")
+    parser.add_argument("--smi", default="nvidia-smi", help="nvidia-smi, with --caps")
     parser.add_argument("--tolerance", type=float, default=0.5, help="watts")
     args = parser.parse_args(argv)
     refuse = "rigbook: not starting the engine uncapped"
-    try:
-        with open(args.unit) as handle:
-            smi, wanted = unit_caps(handle.read())
-    except OSError as error:
-        print(f"{refuse}: cannot read {args.unit}: {error.strerror}", flush=True)
-        return 1
+    if args.caps:
+        args.unit, smi = "the rig's caps", args.smi
+        wanted = {uuid: float(w) for uuid, _, w in (cap.partition("=") for cap in args.caps)}
+    else:
+        try:
+            with open(args.unit) as handle:
+                smi, wanted = unit_caps(handle.read())
+        except OSError as error:
+            print(f"{refuse}: cannot read {args.unit}: {error.strerror}", flush=True)
+            return 1
     if not wanted:
         print(f"{refuse}: {args.unit} caps no GPU", flush=True)
         return 1
@@ -91,7 +101,7 @@ def main(argv: list[str]) -> int:
         print(f"{refuse}: " + "; ".join(found) + " (deploys/power_cap.py sets them again; "
               "rigbook status shows the rig)", flush=True)
         return 1
-    print("caps as the unit says: "
+    print(("caps as the unit says: " if args.caps is None else "caps as the rig says: ")
           + ", ".join(f"{uuid} {watts:g} W" for uuid, watts in wanted.items()), flush=True)
     return 0
 

@@ -14,6 +14,7 @@ from pyinfra.api.exceptions import FactProcessError
 from rigbook.checks import Check, Facts, Finding, Read, warn
 from rigbook.messages import gib
 from rigbook.spec import Rig
+from rigbook.types import JsonValue
 
 DISK_PATHS = ("/", "/opt/rigbook")
 #: Warn when a filesystem has less than this share free.
@@ -21,7 +22,7 @@ DISK_LOW = 0.10
 
 
 @dataclass(frozen=True)
-class Disk:
+class Disk(JsonValue):
     """One filesystem: the path asked about, where it is mounted, its size and free bytes."""
 
     path: str

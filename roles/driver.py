@@ -36,12 +36,21 @@ from rigbook import FILES
 from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
 from rigbook.checks import Check, Facts, Finding, Read, drift, error
 from rigbook.checks import refusal as refusal_finding
+from rigbook.driver_source import (
+    SOURCE_READ,
+    DriverSourceFact,
+    Foreign,
+    foreign_driver,
+    foreign_findings,
+    running_version,
+)
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, NvidiaGpus
 from rigbook.kernel import (
     NOUVEAU_CONF,
     OTHER_SOURCES_PREF,
     AptPolicy,
+    AptPolicyFact,
     blacklist_nouveau,
     enroll_dkms_key,
     kernel_headers,
@@ -63,7 +72,7 @@ from rigbook.reboot import (
 from rigbook.render import template, template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig
-from rigbook.units import service
+from rigbook.units import booted, service
 from rigbook.venvs import VenvBuilds
 from rigbook.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
 
@@ -591,7 +600,10 @@ def _hold():
 
 
 def _persistence(rig: Rig):
-    """Persistence mode through the daemon (Ubuntu ships it off); started unless a reboot waits."""
+    """Persistence mode through the daemon (Ubuntu ships it off); started unless a reboot waits.
+    Without systemd there is no daemon to run: the power role reports persistence as it is."""
+    if not booted():
+        return
     if rig.driver_persistence:
         dropin = put(
             name="Persistence mode on (nvidia-persistenced drop-in)",
@@ -620,6 +632,47 @@ def _persistence(rig: Rig):
     )
 
 
+def _foreign_now(rig: Rig) -> Foreign | None:
+    """foreign_driver for the current host, from its facts at this moment of the run."""
+    return foreign_of(rig, Facts(
+        driver_source=once(DriverSourceFact), loaded=once(LoadedDriverVersion),
+        probe=once(NvidiaGpus), installed=once(DpkgInstalled),
+        driver_policy=once(AptPolicyFact, packages=(main_package(rig),)),
+    ))
+
+
+def _keep_foreign(rig: Rig, foreign: Foreign, bump: bool = False):
+    """A driver rigbook does not own: refused, or adopted and reported; nothing else planned."""
+    facts = Facts(loaded=once(LoadedDriverVersion), probe=once(NvidiaGpus))
+    findings = foreign_findings(rig, facts, foreign)
+    if findings:
+        refused(name="Keep the driver rigbook does not own", message=findings[0].text)
+        return
+    running = running_version(facts)
+    if bump and running != rig.driver_version:
+        refused(name="Driver bump input check", message=(
+            f"driver_foreign: adopted driver ({foreign.found}) cannot be bumped by rigbook; "
+            f"{foreign.handover}, then set driver_version"))
+        return
+    adopted(
+        name="Bump done: the target is running" if bump else "Adopted driver",
+        message=(f"{foreign.found}: adopted (driver_foreign: adopt), running {running}; rigbook "
+                 "installs, holds, bumps and blacklists nothing" + (
+                     "; nothing to bump" if bump else "")),
+    )
+
+
+@operation()
+def adopted(message: str):
+    """
+    Report a driver rigbook does not own and keeps as it is; changes nothing.
+
+    + message: what runs and where it came from
+    """
+    host.noop(message)
+    yield from ()
+
+
 @deploy("NVIDIA driver")
 def driver(rig: Rig):
     """Converge the driver: install what is missing, hold, blacklist, persistence, reboot."""
@@ -630,6 +683,10 @@ def driver(rig: Rig):
         return
     if plan.platform == "wsl2":
         check_wsl(name="WSL2: the Windows driver serves the GPUs")
+        return
+    foreign = _foreign_now(rig)
+    if foreign is not None:
+        _keep_foreign(rig, foreign)
         return
     why = refusal(rig, driver_versions(once(DpkgInstalled)))
     if why:
@@ -670,6 +727,10 @@ def driver_bump(rig: Rig):
             name="WSL2: nothing to bump",
             message="WSL2 runs the Windows driver: update it on Windows, then rebuild the venvs",
         )
+        return
+    foreign = _foreign_now(rig)
+    if foreign is not None:
+        _keep_foreign(rig, foreign, bump=True)
         return
     probe = once(NvidiaGpus)
     running = (probe.driver_version if probe is not None and probe.ok else None) or host.get_fact(
@@ -726,7 +787,7 @@ def driver_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     Errors: a platform the driver cannot be planned for, and an installed driver other than the
     inventory's (the converge never moves a driver: deploys/driver.py does).
     """
-    names = ("installed", "holds", "loaded", "reboot_marker", "distro", "arch")
+    names = ("installed", "holds", "loaded", "reboot_marker", "distro", "arch", "driver_source")
     if facts.missing(*names):
         return facts.missing(*names)
     probe = facts.probe
@@ -737,6 +798,9 @@ def driver_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
                       "in WSL2; it shadows the Windows driver")] if installed else []
     plan = _plan_finding(rig, rig_name, facts)
     found = [plan] if plan else []
+    foreign = foreign_of(rig, facts)
+    if foreign is not None:
+        return found + foreign_findings(rig, facts, foreign)
     if not installed:
         found.append(drift("driver", f"no driver installed; inventory: {wanted(rig)}"))
     elif not all(version_matches(rig, version) for version in installed):
@@ -753,10 +817,15 @@ def driver_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     return found
 
 
+def foreign_of(rig: Rig, facts: Facts) -> Foreign | None:
+    """foreign_driver from a check's facts (those of source_reads)."""
+    return foreign_driver(rig, facts, CUDA_REPO, driver_versions(facts.installed or {}))
+
+
 def driver_pending(rig: Rig, facts: Facts) -> bool:
     """The converge installs a driver or reboots into one in this run: the GPUs may appear."""
     installed = driver_versions(facts.installed or {})
-    return rig.platform != "wsl2" and (
+    return rig.platform != "wsl2" and foreign_of(rig, facts) is None and (
         not installed or bool(reboot_reasons(installed, facts.loaded, facts.reboot_marker or []))
     )
 
@@ -764,12 +833,22 @@ def driver_pending(rig: Rig, facts: Facts) -> bool:
 INSTALLED_READ = Read("installed", DpkgInstalled, "installed packages")
 
 
+def source_reads(rig: Rig) -> list[Read]:
+    """What foreign_of needs: the driver's files and owners, its packages and their source,
+    the loaded module and nvidia-smi."""
+    return [
+        *(read for read in onboard_reads((main_package(rig),)) if read.name == "driver_policy"),
+        GPUS_READ,
+        SOURCE_READ,
+        INSTALLED_READ,
+        Read("loaded", LoadedDriverVersion, "loaded driver module"),
+    ]
+
+
 def _driver_reads(rig: Rig, rig_name: str) -> list[Read]:
     return [
-        GPUS_READ,
-        INSTALLED_READ,
+        *source_reads(rig),
         Read("holds", AptHolds, "apt holds"),
-        Read("loaded", LoadedDriverVersion, "loaded driver module"),
         Read("reboot_marker", RebootMarker, "reboot marker"),
         WSL_READ,
         Read("distro", LinuxDistribution, "Linux distribution"),
@@ -795,8 +874,8 @@ def main_package(rig: Rig) -> str:
 def _onboard_reads(rig: Rig, rig_name: str) -> list[Read]:
     if rig.platform == "wsl2":
         return []
-    loaded = Read("loaded", LoadedDriverVersion, "loaded driver module")
-    return [*onboard_reads((main_package(rig),)), loaded, INSTALLED_READ]
+    onboard = onboard_reads((main_package(rig),))
+    return [*onboard, *(read for read in source_reads(rig) if read not in onboard)]
 
 
 def offered(rig: Rig, policies: list[AptPolicy]) -> list[str]:
@@ -834,6 +913,10 @@ def archive_finding(rig: Rig, facts: Facts) -> Finding | None:
 
 
 def _onboard_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """Onboarding is for a driver rigbook installs: none for one it does not own (the driver
+    check refuses or adopts that one). First what the rig's archive offers (Ubuntu)."""
+    if foreign_of(rig, facts) is not None:
+        return []
     archive = archive_finding(rig, facts)
     return [*([archive] if archive else []), *onboard_findings(rig, facts, rig_name, CUDA_REPO)]
 

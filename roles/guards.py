@@ -51,7 +51,8 @@ from rigbook.messages import notice, refuse, warn_once
 from rigbook.render import template
 from rigbook.runfacts import once
 from rigbook.spec import Rig
-from rigbook.units import service
+from rigbook.types import JsonValue
+from rigbook.units import SYSTEMD, booted, service
 from rigbook.xid import Xid, parse_xid_lines, same_device
 
 SOURCES = FILES / "guards"
@@ -88,7 +89,6 @@ _NVLINK_LINK = re.compile(r"^Link (\d+): (.*)$")
 _TOPO = "##RIGBOOK_TOPO##"
 _NVLINK_S = "##RIGBOOK_NVLINK##"
 _MARK = "##RIGBOOK_GPU_LOST##"
-_SYSTEMD = "##RIGBOOK_SYSTEMD##"
 _RC = "##RIGBOOK_REAPER_RC##"
 _NO_REAPER = "##RIGBOOK_NO_REAPER##"
 
@@ -97,7 +97,7 @@ _NO_REAPER = "##RIGBOOK_NO_REAPER##"
 
 
 @dataclass(frozen=True)
-class GpuLost:
+class GpuLost(JsonValue):
     """The Xid watch's mark: its first line and the kernel lines of the fatal Xids."""
 
     headline: str
@@ -164,7 +164,7 @@ _EARLIER = "##RIGBOOK_KLOG_ALL_BOOTS##"
 
 
 @dataclass(frozen=True)
-class KernelLog:
+class KernelLog(JsonValue):
     """Xid lines of the kernel log: this boot's and earlier boots', or why it was unreadable."""
 
     source: str | None  # "journalctl" or "dmesg"; None when neither could be read
@@ -287,26 +287,11 @@ def _fault_reads(rig: Rig, rig_name: str) -> list[Read]:
 FAULTS = Check("GPU faults", _fault_reads, fault_findings)
 
 
-def _systemd_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
-    if facts.systemd is False:
-        return [warn("guards", "no systemd as PID 1: the /dev/shm reaper and the Xid watch are "
-                     "not installed (their units need it)")]
-    return []
-
-
-#: Read with the preflight's batch: the guards role plans on it (no round trip of its own).
-SYSTEMD = Check(
-    "systemd", lambda rig, rig_name: [Read("systemd", SystemdBooted, "systemd as PID 1")],
-    _systemd_findings,
-)
-
-
-
 # --- topology -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class TopoMatrix:
+class TopoMatrix(JsonValue):
     """`nvidia-smi topo -m` between GPUs: links[(i, j)] is "X", "NV4", "PHB", "SYS", ..."""
 
     gpus: int
@@ -371,7 +356,7 @@ def parse_topo_matrix(lines: Iterable[str]) -> TopoMatrix:
 
 
 @dataclass(frozen=True)
-class NvLinks:
+class NvLinks(JsonValue):
     """One GPU's NVLinks in `nvidia-smi nvlink -s`: which are up (with their speed), which not."""
 
     index: int
@@ -418,7 +403,7 @@ def parse_nvlink_status(lines: Iterable[str]) -> dict[int, NvLinks]:
 
 
 @dataclass(frozen=True)
-class Topology:
+class Topology(JsonValue):
     """What nvidia-smi says about the interconnect; `error` when it could not say (then the
     declared host data is all there is to go by)."""
 
@@ -668,7 +653,7 @@ def topology_report(rig: Rig) -> Iterator:
 
 
 @dataclass(frozen=True)
-class ShmVerdict:
+class ShmVerdict(JsonValue):
     """One file as the reaper judged it (its --json output)."""
 
     path: str
@@ -681,7 +666,7 @@ class ShmVerdict:
 
 
 @dataclass(frozen=True)
-class ReapPlan:
+class ReapPlan(JsonValue):
     installed: bool
     verdicts: tuple[ShmVerdict, ...] = ()
     error: str | None = None
@@ -773,32 +758,26 @@ def reap_shm(patterns: tuple[str, ...]) -> Iterator:
 # --- installation ---------------------------------------------------------------------------
 
 
-class SystemdBooted(FactBase[bool]):
-    """Whether systemd is PID 1 (sd_booted: /run/systemd/system exists)."""
-
-    def command(self) -> str:
-        return f"[ -d /run/systemd/system ] && echo '{_SYSTEMD} yes' || echo '{_SYSTEMD} no'"
-
-    def process(self, output: list[str]) -> bool:
-        return output[-1].strip() == f"{_SYSTEMD} yes"
-
-
 @operation()
 def no_systemd() -> Iterator:
     """Say that the guards need systemd (hosts without it: WSL2 without systemd, containers)."""
-    host.noop("no systemd as PID 1: the /dev/shm reaper and the Xid watch are not installed "
-              "(their units need it); GPU topology is still reported")
+    host.noop("no systemd as PID 1: the Xid watch is not installed (its unit needs it); the "
+              "/dev/shm reaper runs from rigbook's supervisor after each engine stop, and GPU "
+              "topology is still reported")
     yield from ()
 
 
 def _install_reaper(rig: Rig):
     """The reaper script, its pattern rule beside it, and its oneshot unit (no [Install]:
-    started by serving's drop-in)."""
+    started by serving's drop-in). Without systemd, no unit: rigbook's supervisor runs the
+    script after the engine stops (roles/serving.py)."""
     directory(name=f"Guards folder {GUARDS_DIR}", path=GUARDS_DIR, mode="755")
     put(name="Install the reaper's pattern rule (roles/shmglob.py)",
         src=str(SHMGLOB_SOURCE), dest=SHMGLOB_COPY, mode="644")
     script = put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
                  dest=REAPER, mode="755")
+    if not booted():
+        return script, None
     boot = put(name="Make the reaper's quarantine at every boot (tmpfiles.d, root 0700)",
                src=str(SOURCES / "rigbook-shm-reaper.tmpfiles.conf"), dest=QUARANTINE_TMPFILES,
                mode="644")
@@ -816,8 +795,9 @@ def _install_reaper(rig: Rig):
 @deploy("Rig guards")
 def guards(rig: Rig) -> None:
     """Install the /dev/shm reaper and the Xid watch, guard the serving unit, report topology."""
-    if not once(SystemdBooted):
+    if not booted():
         no_systemd(name="Guards need systemd")
+        _install_reaper(rig)
         topology_report(name="GPU topology", rig=rig)
         return
     _script, reaper_unit = _install_reaper(rig)

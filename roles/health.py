@@ -31,6 +31,7 @@ from rigbook.facts import SMI_TIMEOUT_S, smi_answer, smi_attempts, smi_script
 from rigbook.gpus import csv_header, na, number, parse_fields
 from rigbook.spec import Rig
 from rigbook.tools import TOOLS_PYTHON
+from rigbook.types import JsonValue
 
 #: The fields read, in order (nvidia-smi --help-query-gpu names them; driver 535 and newer).
 HEALTH_FIELDS = (
@@ -64,7 +65,7 @@ BUSY_PERCENT = 50
 
 
 @dataclass(frozen=True)
-class GpuHealth:
+class GpuHealth(JsonValue):
     """One GPU's health readings; None where the card reports none ([N/A])."""
 
     index: int

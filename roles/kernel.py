@@ -39,6 +39,7 @@ from rigbook.reboot import RebootMarker, record_reboot
 from rigbook.render import template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig
+from rigbook.types import JsonValue
 
 TEMPLATES = FILES / "driver"
 
@@ -127,7 +128,7 @@ def parse_mok_listing(lines: Iterable[str]) -> list[MokKey]:
 
 
 @dataclass(frozen=True)
-class DkmsModule:
+class DkmsModule(JsonValue):
     """One line of `dkms status`: a module version for a kernel (None: added, no kernel yet)."""
 
     module: str
@@ -139,7 +140,7 @@ class DkmsModule:
 
 
 @dataclass(frozen=True)
-class DkmsError:
+class DkmsError(JsonValue):
     """One "Error! ..." of dkms, with the module, version and kernel its next line names (None
     where dkms does not say: "File:  does not exist." names no path)."""
 
@@ -157,7 +158,7 @@ class DkmsError:
 
 
 @dataclass(frozen=True)
-class DkmsStatus:
+class DkmsStatus(JsonValue):
     modules: tuple[DkmsModule, ...] = ()
     errors: tuple[DkmsError, ...] = ()
 
@@ -225,7 +226,7 @@ def parse_lsmod(lines: Iterable[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class PolicyVersion:
+class PolicyVersion(JsonValue):
     """One version of an `apt-cache policy` version table and the sources that offer it."""
 
     version: str
@@ -235,7 +236,7 @@ class PolicyVersion:
 
 
 @dataclass(frozen=True)
-class AptPolicy:
+class AptPolicy(JsonValue):
     package: str
     versions: tuple[PolicyVersion, ...]
 
@@ -301,7 +302,7 @@ def _sections(output: Iterable[str]) -> dict[str, list[str]]:
 
 
 @dataclass(frozen=True)
-class SecureBoot:
+class SecureBoot(JsonValue):
     """The Secure Boot state and the DKMS signing keys, as mokutil sees them.
 
     `enabled`: True, False, or None (unknown: no mokutil, or no EFI variables - a BIOS boot).
@@ -405,7 +406,7 @@ class DkmsStatusFact(FactBase[DkmsStatus]):
 
 
 @dataclass(frozen=True)
-class Kernels:
+class Kernels(JsonValue):
     """The running kernel, the installed ones (/boot/vmlinuz-*), which have a module tree
     (/lib/modules/K) and which have headers (/lib/modules/K/build)."""
 
@@ -459,7 +460,7 @@ class KernelsFact(FactBase[Kernels]):
 
 
 @dataclass(frozen=True)
-class Nouveau:
+class Nouveau(JsonValue):
     """Whether nouveau is loaded, and which modprobe files blacklist it."""
 
     loaded: bool = False

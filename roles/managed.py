@@ -38,10 +38,11 @@ from pyinfra.facts.files import FileContents
 from pyinfra.operations.util.files import chmod, generate_color_diff
 
 from rigbook import runfacts
+from rigbook.types import JsonValue
 
 
 @dataclass(frozen=True)
-class FileState:
+class FileState(JsonValue):
     """What is at a path: `kind` is file, directory, link or other; `sha256` for files."""
 
     kind: str

@@ -62,8 +62,8 @@ from rigbook.secrets import Secret
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH, SecretFile, hf_token, rig_tokens
 from rigbook.tools import TOOLS_PYTHON, tools_venv
-from rigbook.types import ip_address
-from rigbook.units import service
+from rigbook.types import JsonValue, ip_address
+from rigbook.units import SYSTEMD_READ, booted, service
 
 #: Where pull.py lives on the rig (run by the tools venv's python).
 MODELS_DIR = "/opt/rigbook/models"
@@ -109,7 +109,7 @@ def label(spec: ModelSpec) -> str:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(JsonValue):
     """What rigbook recorded when it completed a pull: expected files and the patterns."""
 
     files: Mapping[str, tuple[int, str | None]]  # path -> (size, sha256 of LFS files)
@@ -123,7 +123,7 @@ class Manifest:
 
 
 @dataclass(frozen=True)
-class CachedRepo:
+class CachedRepo(JsonValue):
     """One models--ORG--NAME folder of the cache."""
 
     folder: str
@@ -139,7 +139,7 @@ class CachedRepo:
 
 
 @dataclass(frozen=True)
-class CacheState:
+class CacheState(JsonValue):
     """The whole cache as ModelCache read it."""
 
     cache: str
@@ -605,6 +605,8 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
     another one (its credential's sha256 differs) is restarted. Whether the unit file exists is
     read while planning: nothing earlier in a run creates it.
     """
+    if not booted():  # its preflight refused a mirror port: nothing to run, or to remove
+        return
     if rig.models_mirror_port is None:
         if once(File, path=MIRROR_UNIT_PATH):
             service(name=f"Stop {MIRROR_UNIT} (models_mirror_port is unset)",
@@ -748,13 +750,21 @@ def _mirror_reads(rig: Rig, rig_name: str) -> list[Read]:
     if rig.models_mirror_port is None:
         return [Read("mirror_unit", File, MIRROR_UNIT_PATH, (("path", MIRROR_UNIT_PATH),))]
     if rig.models_mirror_bind is not None:
-        return []
-    return [Read("ssh_address", SshAddress, "the rig's address of the SSH connection")]
+        return [SYSTEMD_READ]
+    return [SYSTEMD_READ,
+            Read("ssh_address", SshAddress, "the rig's address of the SSH connection")]
 
 
 def mirror_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
-    """A mirror without models_mirror_bind needs the rig's address of the SSH connection."""
-    if rig.models_mirror_port is None or rig.models_mirror_bind is not None:
+    """A mirror runs as a systemd unit; without models_mirror_bind it needs the rig's address
+    of the SSH connection."""
+    if rig.models_mirror_port is None:
+        return []
+    if facts.systemd is False:
+        return [error("models", f"{MIRROR_UNIT} needs systemd, which this rig does not run; "
+                                "allowed: leave it unset here (docs/no-systemd.md)",
+                      key="models_mirror_port")]
+    if rig.models_mirror_bind is not None:
         return []
     if facts.missing("ssh_address"):
         return facts.missing("ssh_address")

@@ -49,7 +49,8 @@ from rigbook.messages import warn_once
 from rigbook.render import render, template_commands
 from rigbook.runfacts import once
 from rigbook.spec import Rig
-from rigbook.units import service_commands
+from rigbook.types import JsonValue
+from rigbook.units import SYSTEMD_READ, booted, service_commands
 
 UNIT_NAME = "nvidia-power-limit.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
@@ -214,7 +215,7 @@ _ENABLED = "##RIGBOOK_ENABLED##"
 
 
 @dataclass(frozen=True)
-class PowerUnit:
+class PowerUnit(JsonValue):
     """The power-limit unit as installed: its ExecStart lines and `systemctl is-enabled`."""
 
     exec_starts: tuple[str, ...]
@@ -286,14 +287,17 @@ def _unit_findings(unit: PowerUnit | None, gpus: tuple[Gpu, ...]) -> list[Findin
 
 
 def power_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
-    """Caps the cards cannot take (errors), and the unit and live caps against the inventory."""
-    names = ("probe",) if rig.platform == "wsl2" else ("probe", "unit")
+    """Caps the cards cannot take (errors), and the unit and live caps against the inventory.
+    Without systemd no unit can hold the caps: only the live caps are checked (the preflight
+    says once that nothing survives a reboot there)."""
+    unit_kept = rig.platform != "wsl2" and facts.systemd is not False
+    names = ("probe", "unit") if unit_kept else ("probe",)
     if facts.missing(*names) or not usable(facts.probe):
         return facts.missing(*names)  # the GPU check says why there are no GPUs
     gpus = facts.probe.gpus
     caps, found = cap_plan(rig, gpus)
     unit = None
-    if rig.platform != "wsl2":
+    if unit_kept:
         found += _unit_findings(facts.unit, gpus)
         unit = unit_caps(facts.unit.exec_starts)[0] if facts.unit else None
     for gpu in gpus:
@@ -329,7 +333,7 @@ UNIT_READ = Read("unit", PowerUnitFile, "power-limit unit")
 def _power_reads(rig: Rig, rig_name: str) -> list[Read]:
     if rig.platform == "wsl2":
         return [GPUS_READ]
-    return [GPUS_READ, UNIT_READ]
+    return [GPUS_READ, UNIT_READ, SYSTEMD_READ]
 
 
 CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True))
@@ -502,13 +506,18 @@ def power_unit(rig: Rig):
     The GPUs are read when the operation executes. No GPU visible yet (no driver, or a driver
     installed but not loaded before the reboot) is a no-op that says so. A cap the cards do not
     allow, a GPU count other than ``gpu_count`` or persistence mode off fails the rig with the
-    reason, and nothing is written. On WSL2 no unit is written (the Windows driver owns the cap).
+    reason, and nothing is written. On WSL2 no unit is written (the Windows driver owns the cap),
+    nor on a rig without systemd (nothing could run it: docs/no-systemd.md).
     """
     if rig.platform == "wsl2":
         host.noop(
             "WSL2: no power-limit unit: the Windows driver owns the GPUs and their caps; "
             "set the cap on the Windows host (docs/power.md)"
         )
+        return
+    if not booted():
+        host.noop(f"no systemd: no {UNIT_NAME}; the live caps are set, and not restored at "
+                  "boot (docs/no-systemd.md)")
         return
     probe, why = _visible_gpus()
     if why is not None:
@@ -609,7 +618,8 @@ def _wsl2_report(rig: Rig, probe: GpuProbe | None, why: str | None) -> str:
 @deploy("Power limits")
 def power_limit(rig: Rig) -> None:
     """Cap every GPU of the rig: the boot unit (the truth), then the live caps to match it."""
-    expect(UNIT_PATH)
-    runfacts.expect("units", [UNIT_NAME])
+    if booted():
+        expect(UNIT_PATH)
+        runfacts.expect("units", [UNIT_NAME])
     power_unit(rig, name=f"Power-limit unit ({UNIT_NAME})")
     live_power_caps(rig, name="Live GPU power caps")

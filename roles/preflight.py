@@ -10,10 +10,11 @@ Each deploy starts with it::
         power.power_limit(rig)
 
 It first takes the rig's run lock (roles/runlock.py: one operator per rig; a rig another run
-holds is refused, the holder named), then reads the facts of every check in one round trip,
-runs all of them, and on any refusing finding (an `error` or a `gone`) fails that rig at once
-with ALL its problems listed, before a single operation is planned for it: nothing on it
-changes, `--dry` plans nothing for it and exits non-zero, and the other rigs go on.
+holds is refused, the holder named), then reads the facts of every check in one round trip (and
+whether systemd runs the rig: on a rig without it, it says so once, and the roles plan no unit
+and no systemctl), runs all of them, and on any refusing finding (an `error` or a `gone`) fails
+that rig at once with ALL its problems listed, before a single operation is planned for it:
+nothing on it changes, `--dry` plans nothing for it and exits non-zero, and the other rigs go on.
 
 A rig whose driver this run installs (or reboots into) has no GPUs to check yet. Its GPU checks
 (`Check.gpus`) are deferred, said in one line, and run again by `deferred_checks` right after
@@ -33,6 +34,7 @@ from rigbook.checks import REFUSING, Check, Finding, read_facts, reads_of, run_c
 from rigbook.driver import DRIVER, driver_pending
 from rigbook.facts import usable
 from rigbook.spec import Rig
+from rigbook.units import NO_SYSTEMD, SYSTEMD
 
 #: Checks deferred per rig in this run, for deferred_checks (one pyinfra run per process).
 _DEFERRED: dict[str, tuple[Check, ...]] = {}
@@ -85,13 +87,15 @@ def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
     if held is not None:
         _fail_now(f"refused before any change: {held}", f"refused: {held}")
         return False
-    checks = unique(check for group in groups for check in group)
+    checks = unique(check for group in ((SYSTEMD,), *groups) for check in group)
     facts = read_facts(state, host, reads_of(rig, host.name, checks))
     if link.lost(ctx_host.get()):
         lost = link.lost_text(ctx_host.get())
         _fail_now(f"{lost}, while the preflight read its facts: nothing was changed",
                   f"{lost}, during the preflight")
         return False
+    if facts.systemd is False:  # said once, here: the roles plan no unit and no systemctl
+        logger.info(f"{host.print_prefix}{NO_SYSTEMD}")
     deferred: tuple[Check, ...] = ()
     if DRIVER in checks and not usable(facts.probe) and driver_pending(rig, facts):
         deferred = tuple(check for check in checks if check.gpus)

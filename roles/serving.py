@@ -46,7 +46,15 @@ from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
 from rigbook.gpus import GpuProbe
-from rigbook.guards import GpuLostMark, GpuTopology, Topology, gpu_lost_reason, p2p_disable_problem
+from rigbook.guards import (
+    GPU_LOST_MARK,
+    REAPER,
+    GpuLostMark,
+    GpuTopology,
+    Topology,
+    gpu_lost_reason,
+    p2p_disable_problem,
+)
 from rigbook.managed import put_commands
 from rigbook.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
 from rigbook.models import CacheState, ModelCache, snapshot_status
@@ -72,6 +80,7 @@ from rigbook.runfacts import once
 from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import secret_upload
+from rigbook.types import JsonValue
 from rigbook.units import start_command
 from rigbook.venvs import (
     VenvBuilds,
@@ -99,6 +108,13 @@ PROBE_SOURCE = FILES / "serving" / "probe.py"
 #: The unit's ExecStartPre that refuses a start when the live caps differ from the power unit.
 CAP_CHECK_PATH = f"{SERVING_DIR}/cap_check.py"
 CAP_CHECK_SOURCE = Path(cap_check.__file__)
+#: Without systemd (docs/no-systemd.md): rigbook's supervisor, its config, pidfile and log.
+SUPERVISE_PATH = f"{SERVING_DIR}/supervise.py"
+SUPERVISE_SOURCE = FILES / "serving" / "supervise.py"
+SUPERVISE_CONF = f"{CONF_DIR}/supervise.json"
+PIDFILE = "/run/rigbook/serve.pid"
+SERVE_LOG = "/var/log/rigbook/serve.log"
+SUPERVISOR = f"rigbook's supervisor ({SUPERVISE_PATH})"
 #: systemd's TimeoutStopSec: above vLLM's 30 s drain, as the runbook's units carry it
 #: (docs/sources.md, "Shutdown drain and /dev/shm").
 STOP_TIMEOUT_S = 120
@@ -227,6 +243,27 @@ def render_unit(plan: ServePlan, smi: str | None) -> str:
     )
 
 
+def render_supervise(plan: ServePlan, smi: str | None, caps: Mapping[str, float]) -> str:
+    """supervise.json: what files/serving/supervise.py runs in place of the unit (no systemd):
+    the same argv, user, env files, GPU checks before a start and stop timeout."""
+    cap_check = None
+    if plan.capped:
+        cap_check = ["/usr/bin/python3", "-I", "-S", CAP_CHECK_PATH, "--smi", smi or "nvidia-smi",
+                     "--tolerance", str(power.TOLERANCE_W), "--caps",
+                     *(f"{uuid}={watts:g}" for uuid, watts in sorted(caps.items()))]
+    conf = {
+        "argv": list(plan.argv), "user": SERVE_USER, "home": SERVE_HOME,
+        "env_files": [ENV_PATH] + ([KEY_PATH] if plan.key is not None else []),
+        "smi": smi if plan.gpu else None, "gpu_lost_mark": GPU_LOST_MARK if plan.gpu else None,
+        "cap_check": cap_check, "stop_timeout": STOP_TIMEOUT_S, "restart_sec": 10,
+        "start_limit": [3, 600], "pidfile": PIDFILE, "log": SERVE_LOG,
+        "reaper": ["/usr/bin/python3", "-I", "-S", REAPER,
+                   *(arg for pattern in plan.rig.guards_shm_patterns
+                     for arg in ("--pattern", pattern))],
+    }
+    return json.dumps(conf, indent=1, sort_keys=True) + "\n"
+
+
 def render_env(plan: ServePlan, launcher: Mapping[str, str] | None) -> str:
     """engine.env: the venv's launcher environment, then the plan's variables (later wins).
 
@@ -246,7 +283,7 @@ def render_env(plan: ServePlan, launcher: Mapping[str, str] | None) -> str:
 
 
 @dataclass(frozen=True)
-class ServeState:
+class ServeState(JsonValue):
     """What ServeProbe read on the rig."""
 
     mem_total_kib: int
@@ -263,6 +300,7 @@ class ServeState:
     smi: Mapping[str, object] | None = None  # {"path", "rc", "out"} of nvidia-smi -L
     apps: tuple[tuple[str, int, int | None], ...] | None = None  # (GPU uuid, pid, MiB)
     answer: Mapping[str, object] | None = None  # health.py --once, when the unit is active
+    systemd: bool = True  # False: rigbook's supervisor serves (active/sub then describe it)
 
     @property
     def running(self) -> bool:
@@ -295,7 +333,9 @@ def probe_args(plan: ServePlan) -> str:
     """ServeProbe's argument: one JSON string (a fact's arguments must be hashable)."""
     return json.dumps({
         "unit": UNIT_NAME, "user": SERVE_USER, "entry": plan.argv[0],
-        "files": [UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH, power.UNIT_PATH],
+        "files": [UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH, power.UNIT_PATH,
+                  SUPERVISE_PATH, SUPERVISE_CONF],
+        "supervisor": SUPERVISE_PATH, "pidfile": PIDFILE,
         "markers": ENGINE_MARKERS, "gpu": plan.gpu, "smi_paths": list(NVIDIA_SMI_PATHS),
         "health": HEALTH_PATH, "url": plan.url, "key": KEY_PATH if plan.key else None,
     }, sort_keys=True)
@@ -311,12 +351,18 @@ def parse_probe(text: str) -> ServeState:
                 (uuid, int(pid), int(mib) if mib.isdigit() else None)
                 for uuid, pid, mib in data["apps"]
             )
+        systemd = bool(data.get("systemd", True))
+        active, sub = unit.get("ActiveState", "inactive"), unit.get("SubState", "")
+        if not systemd:  # the supervisor is the unit: alive, stale pidfile, or none
+            sup = data.get("supervisor")
+            active = "active" if sup and sup["alive"] else "inactive"
+            sub = (f"supervised, pid {sup['pid']}" if sup and sup["alive"]
+                   else f"stale pidfile {PIDFILE} (pid {sup['pid']})" if sup else "not running")
         return ServeState(
             mem_total_kib=int(data["MemTotal"]),
             mem_available_kib=int(data["MemAvailable"]),
-            active=unit.get("ActiveState", "inactive"),
-            sub=unit.get("SubState", ""),
-            enabled=unit.get("UnitFileState", ""),
+            active=active, sub=sub,
+            enabled=unit.get("UnitFileState", "") if systemd else "",
             files=dict(data["files"]),
             user=bool(data["user"]),
             entry=bool(data["entry"]),
@@ -326,6 +372,7 @@ def parse_probe(text: str) -> ServeState:
             smi=data.get("smi"),
             apps=apps,
             answer=data.get("answer"),
+            systemd=systemd,
         )
     except (ValueError, KeyError, TypeError) as error:
         raise FactProcessError(f"the serving probe printed no usable JSON ({error}): "
@@ -376,7 +423,7 @@ def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: 
             why = f"nvidia-smi --query-gpu failed: {gpus.error if gpus else 'no nvidia-smi'}"
         if why is not None:
             checks.fail("gpus", why)
-        if plan.capped and probe.files.get(power.UNIT_PATH) is None:
+        if plan.capped and probe.systemd and probe.files.get(power.UNIT_PATH) is None:
             checks.fail("power caps", f"no {power.UNIT_PATH}: the engine would start uncapped; "
                                       "run deploys/power_cap.py (or deploys/rig.py) first")
         p2p = p2p_disable_problem(dict(plan.env), plan.rig, topology)
@@ -494,9 +541,9 @@ def _vram(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe)
 
 # --- health --------------------------------------------------------------------------------------
 
-def health_command(plan: ServePlan) -> StringCommand:
+def health_command(plan: ServePlan, systemd: bool = True) -> StringCommand:
     args = ["python3", HEALTH_PATH, "--url", plan.url, "--timeout", str(plan.health_timeout_s),
-            "--unit", UNIT_NAME]
+            *(("--unit", UNIT_NAME) if systemd else ("--pidfile", PIDFILE))]
     if plan.key is not None:
         args += ["--key-file", KEY_PATH]
     return StringCommand(*args)
@@ -512,9 +559,15 @@ def _last_json(text: str) -> dict | None:
     return None
 
 
-def _await_health(state, host, plan: ServePlan, arguments: dict) -> bool:
-    """FunctionCommand body: wait for the API; on failure show the journal and stop the unit."""
-    _ok, output = host.run_shell_command(health_command(plan), **arguments)
+def supervisor_command(action: str) -> StringCommand:
+    """Start or stop the engine through rigbook's supervisor (no systemd), as root."""
+    return StringCommand("/usr/bin/python3", "-I", "-S", SUPERVISE_PATH, action, SUPERVISE_CONF)
+
+
+def _await_health(state, host, plan: ServePlan, arguments: dict, systemd: bool = True) -> bool:
+    """FunctionCommand body: wait for the API; on failure show the journal (the supervisor's
+    log) and stop the engine."""
+    _ok, output = host.run_shell_command(health_command(plan, systemd), **arguments)
     result = _last_json(output.stdout) or {"ok": False, "message": output.stderr[-300:]}
     if result.get("ok"):
         logger.info(
@@ -523,18 +576,23 @@ def _await_health(state, host, plan: ServePlan, arguments: dict) -> bool:
             f"completion {result.get('completion')!r}"
         )
         return True
-    _ok, journal = host.run_shell_command(
-        StringCommand("journalctl", "-u", UNIT_NAME, "-n", str(JOURNAL_LINES), "--no-pager"),
-        **arguments,
-    )
-    host.run_shell_command(StringCommand("systemctl", "stop", UNIT_NAME), **arguments)
+    what = UNIT_NAME if systemd else SUPERVISOR
+    if systemd:
+        read = StringCommand("journalctl", "-u", UNIT_NAME, "-n", str(JOURNAL_LINES), "--no-pager")
+        stop = StringCommand("systemctl", "stop", UNIT_NAME)
+    else:
+        read = StringCommand("tail", "-n", str(JOURNAL_LINES), SERVE_LOG)
+        stop = supervisor_command("stop")
+    _ok, journal = host.run_shell_command(read, **arguments)
+    host.run_shell_command(stop, **arguments)
     lines = journal.stdout
     if plan.key is not None:
         lines = plan.key.redact(lines).replace(plan.key.reveal().split("=", 1)[1], "***")
     host.log_styled(
         f"{plan.label} did not come up healthy on {plan.url} "
-        f"({result.get('stage', '?')}: {result.get('message')}). Last {JOURNAL_LINES} journal "
-        f"lines of {UNIT_NAME}:\n{lines}\n{UNIT_NAME} is stopped: this rig serves nothing now.",
+        f"({result.get('stage', '?')}: {result.get('message')}). Last {JOURNAL_LINES} "
+        f"{'journal' if systemd else 'log'} lines of {what}:\n{lines}\n{what} is stopped: "
+        "this rig serves nothing now.",
         fg="red", log_func=logger.error,
     )
     return False
@@ -550,32 +608,44 @@ def _put(text: str, dest: str, mode: str = "644") -> Iterator:
 @operation()
 def serve_recipe(plan: ServePlan) -> Iterator:
     """
-    Run the plan's recipe as rigbook-serve.service: preflight, graceful switch, health.
+    Run the plan's recipe as rigbook-serve.service (or, without systemd, under rigbook's
+    supervisor): preflight, graceful switch, health.
 
     + plan: a ``ServePlan`` (``serve_plan(rig, name)``): recipe, command line, env, bind, key
 
-    Nothing differs and the unit is active: no change (the answer of one /v1/models request is
-    reported). Unit, env file or key changed, or the unit not running: the preflights run first
-    and a failure changes nothing; then the running engine is stopped (SIGTERM, graceful), the
-    files are written, the unit started and the health check waits for /v1/models and one
-    completion (serving_health_timeout_s). The user, directories and health script are
-    converged too, without a restart.
+    Nothing differs and the engine runs: no change (the answer of one /v1/models request is
+    reported). Unit (supervisor config), env file or key changed, or the engine not running:
+    the preflights run first and a failure changes nothing; then the running engine is stopped
+    (SIGTERM, graceful), the files are written, the engine started and the health check waits
+    for /v1/models and one completion (serving_health_timeout_s). The user, directories and
+    health script are converged too, without a restart. Without systemd no unit is written and
+    no systemctl runs: files/serving/supervise.py runs the same checks before each start
+    (docs/no-systemd.md).
     """
     probe = once(ServeProbe, args=probe_args(plan))
     gpus = once(NvidiaGpus) if plan.gpu else None
     gone = (gpu_gone(probe) or gpu_lost_reason(once(GpuLostMark))) if plan.gpu else None
     smi = str(probe.smi["path"]) if probe.smi else (gpus.smi if gpus else "nvidia-smi")
-    unit_text = render_unit(plan, smi)
     env_text = render_env(plan, launcher_environment(plan.recipe.venv))
+    systemd = probe.systemd
+    if systemd:
+        runner, runner_text, runner_source = UNIT_PATH, render_unit(plan, smi), None
+    else:
+        caps = power.cap_plan(plan.rig, gpus.gpus)[0] if gpus is not None and gpus.ok else ()
+        runner = SUPERVISE_CONF
+        runner_text = render_supervise(plan, smi, {cap.uuid: cap.watts for cap in caps})
+        runner_source = SUPERVISE_PATH
     wanted = {
-        UNIT_PATH: _sha(unit_text), ENV_PATH: _sha(env_text),
+        runner: _sha(runner_text), ENV_PATH: _sha(env_text),
         KEY_PATH: plan.key.sha256 if plan.key else None,
         HEALTH_PATH: _sha(HEALTH_SOURCE.read_bytes()),
         CAP_CHECK_PATH: _sha(CAP_CHECK_SOURCE.read_bytes()),
     }
+    if runner_source is not None:
+        wanted[runner_source] = _sha(SUPERVISE_SOURCE.read_bytes())
     differs = {path for path, sha in wanted.items() if probe.files.get(path) != sha}
-    restart = bool(differs & {UNIT_PATH, ENV_PATH, KEY_PATH}) or not probe.running
-    where = f"{host.name}: {UNIT_NAME} ({plan.label})"
+    restart = bool(differs & {runner, ENV_PATH, KEY_PATH, SUPERVISE_PATH}) or not probe.running
+    where = f"{host.name}: {UNIT_NAME if systemd else SUPERVISOR} ({plan.label})"
 
     if gone is not None:
         yield refuse(f"{where}: GPU check failed, nothing was changed: {gone}")
@@ -591,15 +661,17 @@ def serve_recipe(plan: ServePlan) -> Iterator:
             index = "\n".join(index) if index else None
         problems = preflight(plan, probe, gpus, cache, venv, topology, index)
         if problems:
+            keeps = f" ({UNIT_NAME if systemd else SUPERVISOR} keeps running)"
             message = (f"{where}: preflight failed, nothing was changed"
-                       + (f" ({UNIT_NAME} keeps running)" if probe.running else "") + ":\n"
+                       + (keeps if probe.running else "") + ":\n"
                        + "\n".join(f"  - {p}" for p in problems))
             if not state.is_executing:
                 warn_once(message)
             yield refuse(message)
             return
         if probe.running:
-            yield StringCommand("systemctl", "stop", UNIT_NAME)
+            yield StringCommand("systemctl", "stop", UNIT_NAME) if systemd \
+                else supervisor_command("stop")
 
     if not probe.user:
         yield from server.group._inner(SERVE_USER, system=True)
@@ -607,7 +679,9 @@ def serve_recipe(plan: ServePlan) -> Iterator:
             SERVE_USER, group=SERVE_USER, home=SERVE_HOME, shell="/usr/sbin/nologin",
             system=True, ensure_home=True,
         )
-    for path, source in ((HEALTH_PATH, HEALTH_SOURCE), (CAP_CHECK_PATH, CAP_CHECK_SOURCE)):
+    sources = ((HEALTH_PATH, HEALTH_SOURCE), (CAP_CHECK_PATH, CAP_CHECK_SOURCE),
+               (SUPERVISE_PATH, SUPERVISE_SOURCE))
+    for path, source in sources:
         if path in differs:
             yield from put_commands(src=str(source), dest=path, mode="644")
     if ENV_PATH in differs:
@@ -616,22 +690,25 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         yield from secret_upload(plan.key, KEY_PATH)
     elif plan.key is None and probe.files.get(KEY_PATH) is not None:
         yield StringCommand("rm", "-f", KEY_PATH)
-    if UNIT_PATH in differs:
-        yield from _put(unit_text, UNIT_PATH)
-        yield StringCommand("systemctl", "daemon-reload")
-    if probe.enabled != "enabled":
+    if runner in differs:
+        yield from _put(runner_text, runner)
+        if systemd:
+            yield StringCommand("systemctl", "daemon-reload")
+    if systemd and probe.enabled != "enabled":
         yield StringCommand("systemctl", "enable", UNIT_NAME)
     if restart:
-        yield start_command(UNIT_NAME)
-        yield FunctionCommand(_await_health, (plan, connector_arguments()), {})
+        yield start_command(UNIT_NAME) if systemd else supervisor_command("start")
+        yield FunctionCommand(_await_health, (plan, connector_arguments(), systemd), {})
         return
     answer = probe.answer or {}
+    what = UNIT_NAME if systemd else SUPERVISOR
     if answer.get("ok"):
-        host.noop(f"{UNIT_NAME} already runs {plan.label} and answers (model {answer['model']})")
+        host.noop(f"{what} already runs {plan.label} and answers (model {answer['model']})")
     else:
+        log = f"journalctl -u {UNIT_NAME}" if systemd else SERVE_LOG
         warn_once(f"{where} is active but /v1/models does not answer: {answer.get('message')} "
-                  f"(journalctl -u {UNIT_NAME})")
-        host.noop(f"{UNIT_NAME} already runs {plan.label}")
+                  f"({log})")
+        host.noop(f"{what} already runs {plan.label}")
 
 
 # --- the role ------------------------------------------------------------------------------------
@@ -686,7 +763,9 @@ def serving_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         return facts.missing("serving", "serving_recipe")
     probe, found = facts.serving, []
     running = running_recipe(facts.serving_recipe)
-    if probe.files.get(UNIT_PATH) is None:
+    if not probe.systemd:
+        found += _supervised_findings(rig, probe, running)
+    elif probe.files.get(UNIT_PATH) is None:
         found.append(drift("serving", f"no {UNIT_NAME}: recipe {rig.recipe} is not set up; run "
                                       "deploys/serve.py"))
     else:
@@ -705,6 +784,22 @@ def serving_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
                                       f"{health_text(probe)}"))
     found += [drift("serving", f"another engine runs outside {UNIT_NAME}: pid {pid} "
                                f"`{cmd[:80]}`") for pid, cmd in probe.engines]
+    return found
+
+
+def _supervised_findings(rig: Rig, probe: ServeState, running: str | None) -> list[Finding]:
+    """serving_findings without systemd: the supervisor set up for the recipe, and running."""
+    if probe.files.get(SUPERVISE_CONF) is None:
+        return [drift("serving", f"no {SUPERVISE_CONF}: recipe {rig.recipe} is not set up; run "
+                                 "deploys/serve.py")]
+    found = []
+    if running != rig.recipe:
+        found.append(drift("serving", f"{SUPERVISOR} is set up for recipe {running or '?'}, "
+                                      f"inventory {rig.recipe}: run deploys/serve.py"))
+    if not probe.running:
+        found.append(drift("serving", f"{SUPERVISOR} is {probe.sub}: recipe {rig.recipe} is not "
+                                      f"served (nothing starts it at boot here); {SERVE_LOG}, "
+                                      "then deploys/serve.py"))
     return found
 
 

@@ -211,6 +211,16 @@ class Rig(StrictModel):
             "leaving one step at the console (enroll; docs/driver.md, Onboarding a real box)."
         ),
     )
+    driver_foreign: Literal["refuse", "adopt"] = Field(
+        "refuse",
+        description=(
+            "A driver rigbook does not own (a .run install, a host-mounted driver, packages "
+            "from another source): refuse the rig before any change and name the steps to hand "
+            "it over (refuse), or keep it as it is: install, hold, bump, pin and blacklist "
+            "nothing, and check that it runs driver_version (adopt; docs/driver.md, Drivers "
+            "rigbook does not own)."
+        ),
+    )
     allow_reboot: StrictBool = Field(
         False, description="A deploy may reboot the rig when a change needs it."
     )
@@ -646,7 +656,9 @@ class Rig(StrictModel):
             self.default_cap()  # raises when the card has no documented cap for the profile
         for gpu in self.power_caps:
             if gpu.isdigit() and int(gpu) >= self.gpu_count:
-                raise ValueError(f"power_caps names GPU {gpu} but the rig has {self.gpu_count}")
+                has = ("one GPU, index 0" if self.gpu_count == 1
+                       else f"{self.gpu_count} GPUs, indexes 0-{self.gpu_count - 1}")
+                raise ValueError(f"power_caps names GPU {gpu} but the rig has {has} (gpu_count)")
         if self.nvlink and self.gpu_class in NO_NVLINK:
             raise ValueError(f"nvlink: {self.gpu_class} cards have no NVLink connector")
         low, high = self.gpu_limits_watts or (None, None)
@@ -676,7 +688,8 @@ class Rig(StrictModel):
                              f"{self.platform}); allowed: leave it unset")
         native = {"driver_version": self.driver_version is not None,
                   "driver_modprobe_options": bool(self.driver_modprobe_options),
-                  "driver_secure_boot": self.driver_secure_boot == "enroll"}
+                  "driver_secure_boot": self.driver_secure_boot == "enroll",
+                  "driver_foreign": self.driver_foreign == "adopt"}
         native_keys = [key for key, given in native.items() if given]
         if self.platform == "wsl2" and native_keys:
             raise ValueError(f"{native_keys[0]}: platform wsl2 uses the Windows driver (rigbook "

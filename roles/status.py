@@ -47,7 +47,8 @@ from rich.text import Text
 from rigbook.checks import Facts, every_check, read_facts, reads_of, run_checks
 from rigbook.checks import Finding as CheckFinding
 from rigbook.disks import by_mount
-from rigbook.driver import driver_packages, driver_versions, wanted
+from rigbook.driver import driver_packages, driver_versions, foreign_of, wanted
+from rigbook.driver_source import describe
 from rigbook.errors import RigbookError
 from rigbook.gpus import Gpu
 from rigbook.guards import gpu_lost_reason, xid_events
@@ -131,6 +132,7 @@ class DriverStatus(StrictModel):
     packages: list[str]
     unheld: list[str]
     reboot_pending: list[str]
+    source: str  # where the driver came from (rigbook.driver_source): apt packages, a runfile...
 
 
 class PowerUnitStatus(StrictModel):
@@ -352,7 +354,7 @@ def _gpu_row(rig: Rig, gpu: Gpu, unit: dict[str, float] | None) -> GpuStatus:
 
 
 def _driver_row(rig: Rig, facts: Facts) -> DriverStatus | None:
-    if not _read(facts, "installed", "holds", "loaded", "reboot_marker"):
+    if not _read(facts, "installed", "holds", "loaded", "reboot_marker", "driver_source"):
         return None
     probe = facts.probe
     running = probe.driver_version if probe is not None and probe.ok else None
@@ -362,11 +364,16 @@ def _driver_row(rig: Rig, facts: Facts) -> DriverStatus | None:
     if rig.platform == "wsl2":
         return DriverStatus(declared="Windows driver", installed=sorted(installed), loaded=None,
                             running=running, packages=packages, unheld=[], reboot_pending=[],
-                            **smi)
+                            source="the Windows driver", **smi)
+    foreign = foreign_of(rig, facts)
+    source = describe(foreign, installed)
+    if foreign is not None and rig.driver_foreign == "adopt":
+        source += " (adopted: driver_foreign)"
     return DriverStatus(
         declared=wanted(rig), installed=sorted(installed), loaded=facts.loaded, running=running,
         packages=packages, unheld=[name for name in packages if name not in (facts.holds or ())],
-        reboot_pending=reboot_reasons(installed, facts.loaded, facts.reboot_marker or []), **smi,
+        reboot_pending=reboot_reasons(installed, facts.loaded, facts.reboot_marker or []),
+        source=source, **smi,
     )
 
 

@@ -68,8 +68,8 @@ def _driver_text(rig: RigStatus) -> str:
     if rig.platform == "wsl2":
         return f"{driver.running or '-'}\nWindows driver"
     version = driver.running or driver.loaded or ", ".join(driver.installed) or "none"
-    held = "n/a" if not driver.packages else "NOT held" if driver.unheld else "held"
-    lines = [version, held]
+    held = "NOT held" if driver.unheld else "held"
+    lines = [version, held if driver.packages else driver.source.split(":", 1)[0]]
     if driver.reboot_pending:
         lines.append("reboot pending")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from pyinfra.api.exceptions import FactProcessError
 from rigbook.errors import RigbookError
 from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import Rig
+from rigbook.types import JsonValue
 
 #: The HF token on the rig: root-only, read by huggingface_hub through HF_TOKEN_PATH.
 SECRETS_DIR = "/etc/rigbook/secrets"
@@ -96,7 +97,7 @@ def rig_tokens(rig: Rig, environ: Mapping[str, str] = os.environ) -> tuple[RigTo
 
 
 @dataclass(frozen=True)
-class SecretFileState:
+class SecretFileState(JsonValue):
     mode: str
     owner: str
     group: str

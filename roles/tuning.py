@@ -39,6 +39,7 @@ from rigbook.messages import gib, refuse, warn_once
 from rigbook.render import template
 from rigbook.runfacts import once
 from rigbook.spec import Rig
+from rigbook.types import JsonValue
 
 SYSCTL_TEMPLATE = FILES / "tuning" / "90-rigbook.conf.j2"
 SYSCTL_CONF = "/etc/sysctl.d/90-rigbook.conf"
@@ -78,7 +79,7 @@ def same_sysctl(wanted: str, live: str | None) -> bool:
 
 
 @dataclass(frozen=True)
-class LiveSysctl:
+class LiveSysctl(JsonValue):
     """One key as the running kernel has it."""
 
     value: str | None  # None: this kernel has no such key
@@ -206,7 +207,7 @@ def sysctl_live(values: dict[str, str], conf: str = SYSCTL_CONF) -> Iterator:
 
 
 @dataclass(frozen=True)
-class ShmState:
+class ShmState(JsonValue):
     """/dev/shm as mounted now, and the host's RAM (all in bytes)."""
 
     fstype: str | None  # None: nothing is mounted on /dev/shm
@@ -430,7 +431,7 @@ def _shm_findings(rig: Rig, facts: Facts) -> list[Finding]:
 
 
 @dataclass(frozen=True)
-class InotifyHolder:
+class InotifyHolder(JsonValue):
     """One process holding inotify watches."""
 
     pid: int

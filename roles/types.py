@@ -22,13 +22,16 @@ refused as one in the middle. The renderers escape for their format on top of th
   is not a number (an integer is a float).
 - `StrictModel`: the base of every model of host data, recipes and status: an unknown key is
   an error (a typo is never ignored) and a validated object is frozen.
+- `JsonValue`: gives a fact's value (a dataclass) the `to_json()` that
+  pyinfra's fact CLI calls when it prints it (`pyinfra INVENTORY fact rigbook.M.F`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated
+from dataclasses import asdict
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from packaging.requirements import InvalidRequirement
@@ -44,8 +47,8 @@ from pydantic import (
 )
 
 __all__ = [
-    "Glob", "HttpUrl", "IpAddress", "Line", "LocalPath", "RepoId", "Requirement", "RigPath",
-    "SourceUrl", "StrictBool", "StrictFloat", "StrictInt", "StrictModel", "Word",
+    "Glob", "HttpUrl", "IpAddress", "JsonValue", "Line", "LocalPath", "RepoId", "Requirement",
+    "RigPath", "SourceUrl", "StrictBool", "StrictFloat", "StrictInt", "StrictModel", "Word",
 ]
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -158,6 +161,25 @@ class StrictModel(BaseModel):
     """Unknown keys refused, frozen once validated: the base of rigbook's pydantic models."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JsonValue:
+    """A dataclass fact value pyinfra's fact CLI can print: its JSON encoder (pyinfra_cli/util.py,
+    json_encode) knows sets, paths and dates, and otherwise calls the object's `to_json()`;
+    a frozenset, which it does not know, becomes a sorted list."""
+
+    def to_json(self) -> Any:
+        return _plain(asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, frozenset):
+        return sorted(value)
+    return value
 
 
 #: What each type allows, in words: docs/host-data.md shows these (roles/docs.py).

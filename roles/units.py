@@ -17,6 +17,8 @@ from pyinfra.api import FactBase, QuoteString, StringCommand, operation
 from pyinfra.operations.util.service import handle_service_control
 
 from rigbook import runfacts
+from rigbook.checks import Check, Facts, Finding, Read, warn
+from rigbook.types import JsonValue
 
 #: Journal lines a failed start of rigbook's own shows.
 JOURNAL_TAIL = 20
@@ -25,8 +27,48 @@ RUNNING = ("running", "waiting", "exited", "listening", "mounted")
 ENABLED = ("enabled", "static")
 
 
+_SYSTEMD = "##RIGBOOK_SYSTEMD##"
+
+#: What a rig without systemd gets, said once by the preflight and by `rigbook status`.
+NO_SYSTEMD = (
+    "no systemd as PID 1 (or no systemctl): rigbook writes no unit and runs no systemctl here; "
+    "files, sysctl where writable, venvs, models and live caps are converged, the recipe is "
+    "served by rigbook's supervisor, and nothing survives a reboot by itself "
+    "(docs/no-systemd.md)"
+)
+
+
+class SystemdBooted(FactBase[bool]):
+    """Whether systemd runs this host: it is PID 1 (sd_booted: /run/systemd/system exists) and
+    `systemctl` is there. Containers and WSL2 without `[boot] systemd=true` have neither::
+
+        ##RIGBOOK_SYSTEMD## no
+    """
+
+    def command(self) -> str:
+        return (f"[ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1 "
+                f"&& echo '{_SYSTEMD} yes' || echo '{_SYSTEMD} no'")
+
+    def process(self, output: list[str]) -> bool:
+        return output[-1].strip() == f"{_SYSTEMD} yes"
+
+
+def _systemd_findings(rig, facts: Facts, rig_name: str) -> list[Finding]:
+    return [warn("systemd", NO_SYSTEMD)] if facts.systemd is False else []
+
+
+#: Read with every preflight's batch: the roles plan on it (no round trip of their own).
+SYSTEMD_READ = Read("systemd", SystemdBooted, "systemd as PID 1")
+SYSTEMD = Check("systemd", lambda rig, rig_name: [SYSTEMD_READ], _systemd_findings)
+
+
+def booted() -> bool:
+    """Whether this rig runs systemd (the preflight read it: no round trip)."""
+    return bool(runfacts.once(SystemdBooted))
+
+
 @dataclass(frozen=True)
-class UnitState:
+class UnitState(JsonValue):
     running: bool
     enabled: bool
 

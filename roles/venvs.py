@@ -128,6 +128,8 @@ def spec_hash(spec: VenvSpec, rig: Rig) -> str:
         "spec": spec.model_dump(mode="json", exclude={"services"}, exclude_defaults=True),
         "source": {"find_links": rig.python_find_links, "no_index": rig.python_no_index},
     }
+    if cuda_build(spec, rig):
+        payload["build"] = "cuda"  # a CPU build of the same pins is another venv
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -479,6 +481,7 @@ class LiveDriver:
     cuda: str | None  # highest CUDA the driver supports (nvidia-smi's header)
     gpus: int | None  # GPUs nvidia-smi lists
     broken: str | None = None  # nvidia-smi exists but fails: why
+    compute_caps: tuple[str, ...] = ()  # each GPU's compute capability ("9.0"), as listed
 
 
 def live_driver() -> LiveDriver:
@@ -490,7 +493,8 @@ def live_driver() -> LiveDriver:
         return LiveDriver(None, None, None, broken=f"{probe.smi}: {probe.error or 'no GPUs'}")
     header = once(NvidiaSmiHeader)
     cuda = header[1] if header else None
-    return LiveDriver(probe.driver_version, cuda, len(probe.gpus))
+    caps = tuple(gpu.compute_cap or "" for gpu in probe.gpus)
+    return LiveDriver(probe.driver_version, cuda, len(probe.gpus), compute_caps=caps)
 
 
 # --- decisions -------------------------------------------------------------------------------
@@ -574,6 +578,112 @@ def decide(
     return Decision("build", why)
 
 
+# --- the CUDA build of llama.cpp --------------------------------------------------------------
+
+
+#: The CUDA toolkit wheels a llama.cpp build gets when the rig has no nvcc of its own: the
+#: compiler, the runtime and cuBLAS (headers and libraries), and CCCL (CUB/Thrust headers), all
+#: of the CUDA release the driver supports; they install into the venv's nvidia/cu13.
+TOOLKIT_WHEELS = ("nvidia-cuda-nvcc", "nvidia-cuda-runtime", "nvidia-cublas", "nvidia-cuda-cccl")
+
+
+def cuda_build(spec: VenvSpec, rig: Rig) -> bool:
+    """Whether this venv's engine is built for the GPU: a llama.cpp venv is (llama-cpp-python
+    from the default index is a source build that runs on the CPU unless told otherwise),
+    except the venv of the rig's recipe when that recipe is cpu_only."""
+    if spec.engine != "llama-cpp-python":
+        return False
+    from rigbook.recipes import catalogue  # recipes imports this module
+
+    try:
+        recipe = catalogue(rig.serving_recipe_dirs).get(rig.recipe) if rig.recipe else None
+    except RigbookError:  # a broken recipe folder is the serving check's finding
+        recipe = None
+    return not (recipe is not None and recipe.venv == spec.name and recipe.cpu_only)
+
+
+@dataclass(frozen=True)
+class Nvcc:
+    """An nvcc on the rig outside any venv (a system CUDA toolkit)."""
+
+    path: str
+    release: str | None  # `nvcc --version`'s release, "13.0"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class SystemNvcc(FactBase[Nvcc | None]):
+    """
+    The system CUDA compiler: nvcc on PATH, else /usr/local/cuda/bin/nvcc; None when neither.
+
+    Output (the H200 host, tests/fixtures/nvidia-h200/serve/first-call.txt)::
+
+        /usr/local/cuda/bin/nvcc
+        13.0
+    """
+
+    def command(self) -> str:
+        return (
+            'for n in "$(command -v nvcc)" /usr/local/cuda/bin/nvcc; do '
+            '[ -n "$n" ] && [ -x "$n" ] || continue; echo "$n"; '
+            "\"$n\" --version 2>/dev/null | sed -n 's/.*release \\([0-9][0-9.]*\\).*/\\1/p' "
+            "| head -n 1; break; done; true"
+        )
+
+    def process(self, output: list[str]) -> Nvcc | None:
+        lines = [line.strip() for line in output if line.strip()]
+        if not lines:
+            return None
+        return Nvcc(lines[0], lines[1] if len(lines) > 1 else None)
+
+
+def cuda_architectures(caps: Iterable[str]) -> str:
+    """CMAKE_CUDA_ARCHITECTURES from nvidia-smi's compute capabilities: ("8.6", "8.6") -> "86";
+    one build for the rig's own cards only, much faster than all architectures."""
+    archs = set()
+    for cap in caps:
+        if not re.fullmatch(r"\d+\.\d+", cap or ""):
+            raise RigbookError(f"compute capability {cap!r} is not MAJOR.MINOR")
+        archs.add(cap.replace(".", ""))
+    if not archs:
+        raise RigbookError("nvidia-smi listed no compute capability")
+    return ";".join(sorted(archs, key=int))
+
+
+@dataclass(frozen=True)
+class CudaBuild:
+    """How a llama.cpp venv is compiled for the rig's GPUs."""
+
+    architectures: str  # CMAKE_CUDA_ARCHITECTURES, "90"
+    nvcc: str | None  # the system nvcc; None: the toolkit wheels below
+    toolkit: tuple[str, ...] = ()  # requirements installed first, nvcc from the venv
+
+    def config_settings(self) -> tuple[str, ...]:
+        """`uv pip install -C` settings: CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=..."
+        said as scikit-build-core config settings, which uv keys its built-wheel cache on (an
+        environment variable is not, so a cached CPU wheel would come back)."""
+        return (
+            "-C", "cmake.define.GGML_CUDA=on",
+            "-C", f"cmake.define.CMAKE_CUDA_ARCHITECTURES={self.architectures}",
+        )
+
+
+def cuda_build_of(driver: LiveDriver, nvcc: Nvcc | None) -> CudaBuild:
+    """The system nvcc when its CUDA release is one the driver runs, else the toolkit wheels of
+    the driver's CUDA release; RigbookError when neither can be chosen."""
+    archs = cuda_architectures(driver.compute_caps)
+    supported = version_tuple(driver.cuda) if driver.cuda else None
+    if nvcc is not None and nvcc.release and (
+            supported is None or version_tuple(nvcc.release) <= supported):
+        return CudaBuild(archs, nvcc.path)
+    if driver.cuda is None:
+        raise RigbookError(
+            "no nvcc on the rig and nvidia-smi names no CUDA release to fetch a compiler for"
+        )
+    return CudaBuild(archs, None, tuple(f"{name}=={driver.cuda}.*" for name in TOOLKIT_WHEELS))
+
+
 # --- the build script ------------------------------------------------------------------------
 
 
@@ -593,6 +703,7 @@ class BuildPlan:
     root: str = VENVS_DIR
     cache: str = UV_CACHE
     reuse: bool = False  # `build` is a kept, finished build: only swap to it
+    cuda: CudaBuild | None = None  # llama.cpp compiled for the rig's GPUs
 
     @property
     def log(self) -> str:
@@ -604,9 +715,10 @@ class BuildPlan:
         return f"{self.root}/.{self.name}.lock"
 
 
-def install_args(spec: VenvSpec, rig: Rig) -> tuple[str, ...]:
-    """`uv pip install` options and requirements: the rig's package source, torch's backend."""
-    args = package_source_args(rig)
+def install_args(spec: VenvSpec, rig: Rig, cuda: CudaBuild | None = None) -> tuple[str, ...]:
+    """`uv pip install` options and requirements: the rig's package source, torch's backend,
+    llama.cpp's CUDA settings."""
+    args = package_source_args(rig) + list(cuda.config_settings() if cuda else ())
     if not rig.python_no_index:
         args += ["--torch-backend", spec.torch_backend]
         for url in spec.extra_index_urls:
@@ -614,15 +726,19 @@ def install_args(spec: VenvSpec, rig: Rig) -> tuple[str, ...]:
     return (*args, *spec.packages)
 
 
-def uv_environment(rig: Rig, cache: str = UV_CACHE) -> dict[str, str]:
+def uv_environment(rig: Rig, cache: str = UV_CACHE, cuda: CudaBuild | None = None
+                   ) -> dict[str, str]:
     env = {"UV_CACHE_DIR": cache, "UV_PYTHON_INSTALL_DIR": PYTHON_DIR, "UV_NO_PROGRESS": "1"}
     if rig.python_no_index:
         env["UV_PYTHON_DOWNLOADS"] = "never"
+    if cuda is not None and cuda.nvcc is not None:
+        env["CUDACXX"] = cuda.nvcc
     return env
 
 
 def smoke_input(
     spec: VenvSpec, rig: Rig, digest: str, build: str, driver: LiveDriver, root: str = VENVS_DIR,
+    cuda: CudaBuild | None = None,
 ) -> dict[str, Any]:
     """What files/venvs/smoke.py gets (argv[1], JSON) and copies into the manifest."""
     return {
@@ -638,6 +754,9 @@ def smoke_input(
         "driver": driver.version,
         "cuda": driver.cuda,
         "gpus": driver.gpus,
+        "compute_caps": list(driver.compute_caps),
+        "gpu_offload": cuda is not None,
+        "cuda_architectures": cuda.architectures if cuda else None,
         "driver_for_cuda": DRIVER_FOR_CUDA,
         "services": list(spec.services),
     }
@@ -656,7 +775,8 @@ def build_script(plan: BuildPlan) -> str:
         swap=swap_commands(plan.root, plan.name, plan.build),
         prune=[f"{plan.root}/{build}" for build in plan.prune],
         services=plan.services, tail=TAIL_LINES, reuse=plan.reuse,
-        packages=len(plan.smoke_input["packages"]),
+        packages=len(plan.smoke_input["packages"]), cuda=plan.cuda,
+        site=f"lib/python{plan.python}/site-packages",
     )
 
 
@@ -728,10 +848,18 @@ def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
             yield refuse(str(error))
             return
         build = build_name(spec.name, digest, build_stamp())
+    cuda = None
+    if decision.action == "build" and cuda_build(spec, rig):
+        try:
+            cuda = cuda_build_of(driver, once(SystemNvcc))
+        except RigbookError as error:
+            yield refuse(f"{host.name}: venv {spec.name}: the CUDA build of llama.cpp: {error}")
+            return
     others = {b: manifest for b, manifest in state.builds.items() if b != build}
     plan = BuildPlan(
-        name=spec.name, build=build, python=spec.python, install_args=install_args(spec, rig),
-        uv_env=uv_environment(rig), smoke_input=smoke_input(spec, rig, digest, build, driver),
+        name=spec.name, build=build, python=spec.python,
+        install_args=install_args(spec, rig, cuda), uv_env=uv_environment(rig, cuda=cuda),
+        smoke_input=smoke_input(spec, rig, digest, build, driver, cuda=cuda), cuda=cuda,
         # the build it replaces may still run an engine: kept this run even with venvs_keep 0
         prune=tuple(prune_selection(others, max(rig.venvs_keep, 1), prefer=state.target_build)),
         services=spec.services, reuse=decision.action == "swap",

@@ -40,6 +40,7 @@ from rigbook.render import render_crlf, template
 from rigbook.runfacts import once
 from rigbook.spec import Rig
 from rigbook.tuning import SHM_READ, Shm
+from rigbook.types import JsonValue
 
 REG_EXE = "/mnt/c/Windows/System32/reg.exe"
 GRAPHICS_DRIVERS = r"HKLM\System\CurrentControlSet\Control\GraphicsDrivers"
@@ -86,7 +87,7 @@ _WSL1_KERNEL = re.compile(r"-Microsoft\b")
 
 
 @dataclass(frozen=True)
-class WslSignals:
+class WslSignals(JsonValue):
     """What says "this is WSL": the kernel release and the files WSL's init creates."""
 
     kernel: str
@@ -214,7 +215,7 @@ def parse_reg_value(lines: list[str], name: str) -> int | str:
 
 
 @dataclass(frozen=True)
-class RegProbe:
+class RegProbe(JsonValue):
     """Values read with reg.exe (None: the value does not exist), or why reg.exe failed."""
 
     values: dict[str, int | str | None]
@@ -305,7 +306,7 @@ def show(values: dict[str, int]) -> str:
 
 
 @dataclass(frozen=True)
-class WindowsProfile:
+class WindowsProfile(JsonValue):
     """A folder under C:\\Users as WSL sees it, and its .wslconfig (None: there is none)."""
 
     path: str

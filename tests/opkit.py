@@ -29,7 +29,7 @@ class FakeHost:
     def __init__(self, facts: dict, name: str = "rig1"):
         self.name = name
         self.print_prefix = f"[{name}] "
-        self.facts = facts
+        self.facts = {"SystemdBooted": True, **facts}  # a rig runs systemd unless told
         self.asked: list[tuple[str, dict]] = []
         self.noops: list[str] = []
         self.logged: list[str] = []

@@ -1274,17 +1274,6 @@ def test_an_empty_mark_is_a_mark_all_the_same(watch_dir, tmp_path):
     assert check.returncode == 1 and "(empty)" in check.stderr
 
 
-def test_no_systemd_is_a_warning_read_with_the_preflights_batch():
-    from rigbook.checks import reads_of
-
-    reads = reads_of(None, "rig1", [guards.SYSTEMD])
-    assert [(r.name, r.fact) for r in reads] == [("systemd", guards.SystemdBooted)]
-    (finding,) = guards.SYSTEMD.run(None, Facts(systemd=False), "rig1")
-    assert finding.level == "warn" and "Xid watch are not installed" in finding.reason
-    assert guards.SYSTEMD.run(None, Facts(systemd=True), "rig1") == []
-    assert guards.SYSTEMD in guards.CHECKS
-
-
 def test_the_topology_check_reads_with_the_preflight_and_warns_as_the_report_does():
     from rigbook.checks import reads_of
 

@@ -127,6 +127,7 @@ REFUSED = [
     ("sysctl_inotify_max_user_watches", 2**40), ("verify_needle_fill", True),
     ("serving_gpu_memory_utilization", "0.9"), ("wsl_tdr_delay", 30),
     ("driver_version", "595.45.04"), ("driver_repo_trusted", True),
+    ("driver_foreign", "Adopt"), ("driver_foreign", "adopt\n"), ("driver_foreign", True),
 ]
 #: Values that are accepted and must render inert (as the formats read them back).
 ACCEPTED_ARGS = ["--flag=$(id)", "100%", "a b", 'say "hi"', "back\\slash", "`id`", "$HOME",

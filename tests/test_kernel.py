@@ -156,7 +156,8 @@ def test_nouveau_and_kernels_facts():
 def test_one_round_trip_reads_them_all():
     reads = drv._onboard_reads(rig(), "rig1")
     assert [r.name for r in reads] == ["secure_boot", "kernels", "dkms", "nouveau",
-                                       "driver_policy", "loaded", "installed"]
+                                       "driver_policy", "probe", "driver_source", "installed",
+                                       "loaded"]
     assert reads[-1] in drv._driver_reads(rig(), "rig1")  # the same fact, read once
     command = batch_command(reads).get_raw_value()
     assert "mokutil --sb-state" in command and "LC_ALL=C apt-cache policy nvidia-driver-580-open" \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ from rigbook.serving import (
     HEALTH_SOURCE,
     KEY_PATH,
     PROBE_SOURCE,
+    SUPERVISE_CONF,
+    SUPERVISE_PATH,
     UNIT_NAME,
     UNIT_PATH,
     ServeProbe,
@@ -401,7 +404,7 @@ def test_the_probe_runs_on_a_real_host_and_parses():
     probe = local_fact(ServeProbe, args=probe_args(plan))
     assert probe.mem_total_kib > probe.mem_available_kib > 0
     assert set(probe.files) == {UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH,
-                                POWER_UNIT}
+                                POWER_UNIT, SUPERVISE_PATH, SUPERVISE_CONF}
     assert not probe.running and probe.unit_pids == ()
     assert not any("PROBE" in cmd or "hashlib" in cmd for _, cmd in probe.engines)
     assert "llama_cpp.server" not in PROBE_SOURCE.read_text()  # it never matches itself
@@ -653,7 +656,7 @@ def test_the_cap_check_passes_when_every_live_cap_is_the_units(tmp_path):
 
 
 @pytest.mark.parametrize("lines, says", [
-    ([(H200_UUID, 500)], f"{H200_UUID} runs at a 700.0 W cap, the unit says 500 W"),
+    ([(H200_UUID, 500)], f"{H200_UUID} runs at a 700 W cap, the unit says 500 W"),
     ([(H200_UUID, 700), ("GPU-00000000-1111-2222-3333-444444444444", 300)],
      "GPU-00000000-1111-2222-3333-444444444444 (capped at 300 W by the unit) is not listed: "
      "replaced or off the bus"),
@@ -676,8 +679,8 @@ def test_the_cap_check_refuses_when_nvidia_smi_fails(tmp_path):
 def test_the_h200_capture_of_the_cap_check_is_what_the_program_prints():
     """The run on a real H200 (tests/fixtures/nvidia-h200/cap-check.txt), read only."""
     text = (ROOT / "tests" / "fixtures" / "nvidia-h200" / "cap-check.txt").read_text()
-    assert f"caps as the unit says: {H200_UUID} 700 W\nexit 0" in text
-    assert f"{H200_UUID} runs at a 700.0 W cap, the unit says 500 W" in text and "exit 1" in text
+    uuid = re.search(r"caps as the unit says: (GPU-[0-9a-f-]+) 700 W\nexit 0", text)[1]
+    assert f"{uuid} runs at a 700 W cap, the unit says 500 W" in text and "exit 1" in text
 
 
 def test_a_gpu_unit_requires_the_caps_and_checks_them_a_cpu_one_does_not():

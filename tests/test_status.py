@@ -28,6 +28,7 @@ from rigbook import venvs as venvs_role
 from rigbook.apt import AptHolds, DpkgInstalled
 from rigbook.checks import REFUSING, Facts, every_check, reads_of, run_checks
 from rigbook.disks import FreeDisk
+from rigbook.driver_source import DriverSourceFact
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, NvidiaGpus, RunningDriverFact, mismatch_finding
 from rigbook.gpus import Gpu, GpuProbe
@@ -202,6 +203,8 @@ def test_real_h200_capture():
     facts = Facts(
         probe=h200_probe(),
         installed={},
+        driver_source=DriverSourceFact().process(
+            (H200 / "driver-source-fact.txt").read_text().splitlines()),
         holds=AptHolds().process((H200 / "apt-mark-showhold.txt").read_text().splitlines()),
         loaded=LoadedDriverVersion().process(proc),
         unit=None,
@@ -226,7 +229,11 @@ def test_real_h200_capture():
     assert status.driver.smi == H200_SMI
     # what is not as a rigbook rig would be, each said once
     assert drifts(status) == [
-        ("driver", None, "no driver installed; inventory: 580.159.04"),
+        ("driver", None, "driver_foreign: driver 580.159.04 whose files no package owns "
+         "(/usr/local/nvidia/bin/nvidia-smi, /usr/local/nvidia/lib64/libnvidia-ml.so.1, "
+         "/lib/libnvidia-ml.so.1): rigbook would put a packaged driver over it; to hand it "
+         "over: it belongs to the host that mounts /usr/local/nvidia: change it there; or keep "
+         "it as it is with driver_foreign: adopt"),
         ("power", None, "no nvidia-power-limit.service: caps are lost at the next reboot"),
         ("tuning", None, "no /etc/sysctl.d/90-rigbook.conf"),
         ("tuning", None, "fs.inotify.max_user_watches is 1030000 live, inventory 1048576"),
@@ -237,6 +244,17 @@ def test_real_h200_capture():
     assert [(d.mount, d.avail_bytes) for d in status.disks] == [("/", 68633169920)]
     text = table_text(status)
     assert "0 H200" in text and "700 / - / 700" in text and "/ 63.9 GiB (25%)" in text
+    assert status.driver.source.startswith("host mount: driver 580.159.04 whose files")
+    assert "host mount" in text
+    # adopted: the driver check has nothing to say; the source says so
+    adopted = build_rig_status("h200", rig.model_copy(update={"driver_foreign": "adopt"}), facts)
+    assert [f for f in adopted.findings if f.area == "driver"] == []
+    assert adopted.driver.source.endswith("(adopted: driver_foreign)")
+    other = build_rig_status("h200", rig.model_copy(update={"driver_foreign": "adopt",
+                                                           "driver_version": "580.95.05"}), facts)
+    assert [f.reason for f in other.findings if f.area == "driver"] == [
+        "driver_version: adopted driver runs 580.159.04, inventory pins 580.95.05; rigbook "
+        "cannot move a driver it does not own: set driver_version: 580.159.04"]
 
 
 # --- drift ---------------------------------------------------------------------------------
@@ -809,7 +827,9 @@ def test_serving_recipe_unit_state_and_health(tmp_path, monkeypatch):
                    serving_recipe=local_fact(FindInFile, path=str(tmp_path / "no.env"),
                                              pattern="^RIGBOOK_RECIPE="))
     unset = build_rig_status("rig1", rig, bare)
-    assert reasons(unset) == ["no rigbook-serve.service: recipe tiny-cpu-a is not set up; run "
+    runner = ("rigbook-serve.service" if bare.serving.systemd  # this machine: with systemd?
+              else "/etc/rigbook/serving/supervise.json")
+    assert reasons(unset) == [f"no {runner}: recipe tiny-cpu-a is not set up; run "
                               "deploys/serve.py"]
     assert unset.serving.running_recipe is None and unset.serving.healthy is None
 

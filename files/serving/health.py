@@ -9,13 +9,15 @@ included. The API key is read from the root-only env file the unit reads, never 
 
 Polls GET /v1/models until it lists a model, then asks for one short completion. Gives up
 early when the unit leaves its running state (the engine exited: systemd restarts it later,
-but this start has failed). Prints one JSON line; exit 0 = healthy, 1 = not.
+but this start has failed), or, without systemd, when rigbook's supervisor (--pidfile) exits.
+Prints one JSON line; exit 0 = healthy, 1 = not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,11 +43,24 @@ def read_key(path: str | None) -> str | None:
 
 
 def unit_state(unit: str) -> dict[str, str]:
-    out = subprocess.run(
-        ["systemctl", "show", unit, "-p", "ActiveState,SubState,NRestarts,ExecMainStatus"],
-        capture_output=True, text=True, check=False,
-    ).stdout
+    try:
+        out = subprocess.run(
+            ["systemctl", "show", unit, "-p", "ActiveState,SubState,NRestarts,ExecMainStatus"],
+            capture_output=True, text=True, check=False,
+        ).stdout
+    except OSError:  # no systemctl: nothing to say about the unit, the API still answers
+        return {}
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def supervisor_gone(pidfile: str) -> bool:
+    """Whether rigbook's supervisor (no systemd) has exited: it gave up, or a GPU check
+    refused the start (its log says which)."""
+    try:
+        pid = int(open(pidfile).read().strip())
+    except (OSError, ValueError):
+        return True
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def request(url: str, key: str | None, body: dict | None = None, timeout: float = 10.0):
@@ -58,11 +73,16 @@ def request(url: str, key: str | None, body: dict | None = None, timeout: float 
         return response.status, json.loads(response.read().decode() or "null")
 
 
-def wait(url: str, key: str | None, unit: str | None, timeout: float, once: bool) -> dict:
+def wait(url: str, key: str | None, unit: str | None, timeout: float, once: bool,
+         pidfile: str | None = None) -> dict:
     start = time.monotonic()
     restarts = unit_state(unit).get("NRestarts", "0") if unit else "0"
     last = "no answer yet"
     while True:
+        if pidfile and supervisor_gone(pidfile):
+            return {"ok": False, "stage": "engine",
+                    "message": f"the supervisor of {pidfile} exited: the engine is not running",
+                    "seconds": round(time.monotonic() - start, 1)}
         if unit:
             state = unit_state(unit)
             sub = state.get("SubState", "")
@@ -115,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--key-file", help="systemd env file holding the API key")
     parser.add_argument("--unit", help="systemd unit running the engine")
+    parser.add_argument("--pidfile", help="pidfile of rigbook's supervisor (no systemd)")
     parser.add_argument("--once", action="store_true", help="one /v1/models request, no wait")
     args = parser.parse_args(argv)
     result = wait(args.url.rstrip("/"), read_key(args.key_file), args.unit, args.timeout,
-                  args.once)
+                  args.once, args.pidfile)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

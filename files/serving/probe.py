@@ -1,7 +1,8 @@
 """The serving state of a rig, read on the rig: rigbook's ServeProbe fact (roles/serving.py).
 
 Sent as `python3 -c <this file> ARGS` (standard library only, nothing of rigbook installed):
-ARGS is one JSON object (`probe_args`: the unit, the serving user, the files to hash, the
+ARGS is one JSON object (`probe_args`: the unit or rigbook's supervisor (its program and
+pidfile, where systemd does not run the rig), the serving user, the files to hash, the
 engine markers, the nvidia-smi paths, the health check). Prints one JSON object (sorted keys);
 read-only except for the health check's quick /v1/models request.
 
@@ -15,6 +16,19 @@ import os
 import shutil
 import subprocess
 import sys
+
+
+def supervisor(pidfile: str, program: str) -> dict | None:
+    """rigbook's supervisor (no systemd): its pid, and whether that pid is still it."""
+    try:
+        pid = int(open(pidfile).read().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        cmd = []
+    return {"pid": pid, "alive": program.encode() in cmd}
 
 
 def main(argv: list[str]) -> None:
@@ -31,10 +45,13 @@ def main(argv: list[str]) -> None:
                 out["files"][path] = hashlib.sha256(handle.read()).hexdigest()
         except OSError:
             out["files"][path] = None
-    show = subprocess.run(["systemctl", "show", a["unit"], "-p",
+    systemctl = shutil.which("systemctl")
+    out["systemd"] = bool(systemctl) and os.path.isdir("/run/systemd/system")
+    show = subprocess.run([systemctl, "show", a["unit"], "-p",
                            "ActiveState,SubState,UnitFileState,LoadState"],
-                          capture_output=True, text=True).stdout
+                          capture_output=True, text=True).stdout if systemctl else ""
     out["unit"] = dict(row.split("=", 1) for row in show.splitlines() if "=" in row)
+    out["supervisor"] = supervisor(a["pidfile"], a["supervisor"])
     try:
         out["user"] = any(row.split(":")[0] == a["user"] for row in open("/etc/passwd"))
     except OSError:
@@ -48,6 +65,7 @@ def main(argv: list[str]) -> None:
         except (OSError, ValueError, IndexError):
             break
     markers = [x + y for x, y in a["markers"]]
+    procs = {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in me:
             continue
@@ -55,9 +73,21 @@ def main(argv: list[str]) -> None:
             cgroup = open(f"/proc/{name}/cgroup").read()
             cmd = open(f"/proc/{name}/cmdline", "rb").read().replace(b"\0", b" ").decode(
                 "utf-8", "replace").strip()
-        except OSError:
+            ppid = int(open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if any(line.endswith(mine) for line in cgroup.splitlines()):
+        procs[int(name)] = (ppid, cgroup, cmd)
+    ours = set()
+    if (out["supervisor"] or {}).get("alive"):  # the supervisor and what it started
+        ours.add(out["supervisor"]["pid"])
+        while True:
+            more = {pid for pid, (ppid, _, _) in procs.items() if ppid in ours} - ours
+            if not more:
+                break
+            ours |= more
+    for pid, (_ppid, cgroup, cmd) in sorted(procs.items()):
+        name = str(pid)
+        if pid in ours or any(line.endswith(mine) for line in cgroup.splitlines()):
             out["unit_pids"].append(int(name))
             try:
                 for line in open(f"/proc/{name}/status"):
@@ -87,7 +117,8 @@ def main(argv: list[str]) -> None:
                                        for row in run.stdout.splitlines() if row.count(",") == 2]
                 except subprocess.TimeoutExpired:
                     pass
-    if out["unit"].get("ActiveState") == "active" and os.path.exists(a["health"]):
+    up = out["unit"].get("ActiveState") == "active" or (out["supervisor"] or {}).get("alive")
+    if up and os.path.exists(a["health"]):
         cmd = [sys.executable, a["health"], "--once", "--url", a["url"]]
         if a["key"]:
             cmd += ["--key-file", a["key"]]

@@ -1,7 +1,8 @@
 # rigbook venv smoke test: run by the NEW venv's own Python (-I: isolated, so nothing from the
 # working directory or PYTHON* variables leaks in) before the stable symlink moves to it.
 # Imports the engine (or the first package), refuses placeholder CUDA library wheels and loads
-# libnvrtc/libcudart/libcublas from the venv, checks torch against the driver, and only then writes
+# libnvrtc/libcudart/libcublas from the venv, checks torch against the driver and the GPUs (count,
+# compute capability), refuses a GPU llama.cpp build that cannot offload, and only then writes
 # rigbook-manifest.json into the venv: a build with a manifest is a build that passed.
 # argv[1]: JSON from roles/venvs.py (smoke_input); stdout goes to the build log.
 import importlib
@@ -119,6 +120,45 @@ def cuda_library_problems(packages, sites):
     return problems
 
 
+def torch_devices(torch, cuda_runtime, spec):
+    """The GPUs torch sees under this driver: as many as nvidia-smi lists, each of the compute
+    capability nvidia-smi gives it. Initialising CUDA here is what raises error 804 (a runtime
+    newer than the driver) before the venv goes live, not at the engine's first start."""
+    devices = torch.cuda.device_count()
+    print(f"smoke: torch {torch.__version__} (CUDA {cuda_runtime}) sees {devices} GPU(s)")
+    if devices != spec["gpus"]:
+        raise SystemExit(
+            f"smoke: torch.cuda.device_count() is {devices} but nvidia-smi lists "
+            f"{spec['gpus']} GPU(s)"
+        )
+    for index, want in enumerate(spec.get("compute_caps") or []):
+        try:
+            major, minor = torch.cuda.get_device_capability(index)
+        except Exception as error:  # torch raises RuntimeError, CUDA errors vary
+            raise SystemExit(f"smoke: torch cannot initialise GPU {index}: {error}") from None
+        if want and f"{major}.{minor}" != want:
+            raise SystemExit(
+                f"smoke: torch sees GPU {index} as compute capability {major}.{minor}, "
+                f"nvidia-smi as {want}"
+            )
+        print(f"smoke: GPU {index}: compute capability {major}.{minor}")
+    return devices
+
+
+def offload_check(engine, spec):
+    """A GPU recipe's llama.cpp must offload: a CPU build passes every other check, starts,
+    answers health and decodes on the CPU (--n_gpu_layers -1 is then silently ignored)."""
+    supports = getattr(engine, "llama_supports_gpu_offload", None)
+    if supports is None or not supports():
+        raise SystemExit(
+            f"smoke: {spec['module']} cannot offload to the GPU "
+            "(llama_supports_gpu_offload() is False: a CPU build, e.g. a CPU wheel in the "
+            "package source won over the CUDA source build); the venv is for a GPU recipe"
+        )
+    print(f"smoke: {spec['module']} offloads to the GPU "
+          f"(built for CUDA architectures {spec.get('cuda_architectures')})")
+
+
 def main():
     spec = json.loads(sys.argv[1])
     packages = installed()
@@ -140,13 +180,9 @@ def main():
                 f"error 804; it needs driver >= {needed}"
             )
     if torch is not None and spec["gpus"] is not None:
-        devices = torch.cuda.device_count()
-        print(f"smoke: torch {torch.__version__} (CUDA {cuda_runtime}) sees {devices} GPU(s)")
-        if devices != spec["gpus"]:
-            raise SystemExit(
-                f"smoke: torch.cuda.device_count() is {devices} but nvidia-smi lists "
-                f"{spec['gpus']} GPU(s)"
-            )
+        devices = torch_devices(torch, cuda_runtime, spec)
+    if spec.get("gpu_offload"):
+        offload_check(imported, spec)
     manifest = {
         "rigbook_manifest": 1,
         "name": spec["name"],
@@ -161,6 +197,8 @@ def main():
         "cuda": spec["cuda"],
         "cuda_runtime": cuda_runtime,
         "cuda_devices": devices,
+        "gpu_offload": bool(spec.get("gpu_offload")),
+        "cuda_architectures": spec.get("cuda_architectures"),
         "smoke_import": module,
         "services": spec["services"],
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
