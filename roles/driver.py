@@ -642,18 +642,14 @@ def _foreign_now(rig: Rig) -> Foreign | None:
 
 
 def _keep_foreign(rig: Rig, foreign: Foreign, bump: bool = False):
-    """A driver rigbook does not own: refused, or adopted and reported; nothing else planned."""
+    """A driver rigbook does not own: refused, or adopted and reported; nothing else planned.
+    A bump to another version than the one it runs is refused by the same check."""
     facts = Facts(loaded=once(LoadedDriverVersion), probe=once(NvidiaGpus))
     findings = foreign_findings(rig, facts, foreign)
     if findings:
         refused(name="Keep the driver rigbook does not own", message=findings[0].text)
         return
-    running = running_version(facts)
-    if bump and running != rig.driver_version:
-        refused(name="Driver bump input check", message=(
-            f"driver_foreign: adopted driver ({foreign.found}) cannot be bumped by rigbook; "
-            f"{foreign.handover}, then set driver_version"))
-        return
+    running = running_version(facts)  # the target itself in a bump: the check above says so
     adopted(
         name="Bump done: the target is running" if bump else "Adopted driver",
         message=(f"{foreign.found}: adopted (driver_foreign: adopt), running {running}; rigbook "

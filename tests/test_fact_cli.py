@@ -20,8 +20,11 @@ from pydantic import BaseModel
 from pyinfra.api import FactBase
 
 import rigbook
+from rigbook.reboot import SIM_LOADED_VERSION
 from rigbook.serving import probe_args, serve_plan
-from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY
+from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh
+from tests.test_driver_e2e import forget_driver
+from tests.test_driver_source_e2e import unowned_install
 from tests.test_serving import cpu_rig
 
 #: Arguments for the facts that take some (JSON, as the CLI parses a value).
@@ -115,7 +118,14 @@ def test_every_fact_prints_as_json_on_local():
 
 @pytest.mark.sandbox
 def test_every_fact_prints_as_json_on_a_sandbox_rig(sandbox):
-    values = fact_cli(SANDBOX_INVENTORY, "--limit", "rig1")
+    rig1 = sandbox["rig1"]
+    forget_driver(rig1)
+    paths = unowned_install(rig1)  # the stand-in GPU layer, whatever an earlier test left
+    try:
+        values = fact_cli(SANDBOX_INVENTORY, "--limit", "rig1")
+    finally:
+        rig_ssh(rig1, f"rm -f {' '.join(paths)} {SIM_LOADED_VERSION}", check=False)
+        forget_driver(rig1)
     assert set(values) == _expected()
     health = values["health.GpuHealthReadings"]
     assert [gpu["index"] for gpu in health] == [0, 1]
