@@ -125,10 +125,14 @@ def test_a_rig_without_systemd_converges_and_serves_under_the_supervisor(bare_ri
 
     # 3. status: served by the supervisor, healthy; no advice about units
     shown = rigbook("status", SANDBOX_INVENTORY, "--limit", name, "--json", check=False)
-    facts = json.loads(shown.stdout)
-    text = json.dumps(facts)
-    assert "nvidia-power-limit.service" not in text, text
-    assert "supervised, pid" in text and "no systemd as PID 1" in text
+    (status,) = json.loads(shown.stdout)["rigs"]
+    reasons = [finding["reason"] for finding in status["findings"]]
+    assert not [r for r in reasons if any(word in r for word in UNIT_WORDS)], reasons
+    assert any("no systemd as PID 1" in r for r in reasons), reasons
+    assert status["power_unit"] is None
+    serving = status["serving"]
+    assert serving["unit"] == "active" and serving["sub"].startswith("supervised, pid ")
+    assert serving["healthy"] is True, serving
 
     # 4. switch to tiny-cpu-b: a stops gracefully, b answers, one engine
     switch = converge("deploys/serve.py", "tiny-cpu-b")
