@@ -49,7 +49,10 @@ def bare_rig(sandbox):
 
 def unit_steps(run) -> list[str]:
     """The run's operations that name a unit or systemctl."""
-    names = [op["name"] for op in (run.results or {}).get("operations", [])]
+    if run.results is not None:
+        names = [op["name"] for op in run.results.get("operations", [])]
+    else:  # --dry prints the plan instead of results
+        names = [op["name"] for op in json.loads(run.stdout).get("plan", [])]
     assert names, run.explain()
     return [name for name in names if any(word in name for word in UNIT_WORDS)]
 
