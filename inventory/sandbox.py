@@ -35,6 +35,11 @@ PROFILE_DATA = {
         **_SIM_DRIVER, **_SIM_PYTHON,
     },
     "wsl2-3090": {"platform": "wsl2", "gpu_class": "rtx3090", "gpu_count": 1, **_SIM_PYTHON},
+    # Not in the rotation (`rigbook sandbox add nosystemd-4090`): no systemd as PID 1.
+    "nosystemd-4090": {
+        "platform": "debian", "gpu_class": "rtx4090", "gpu_count": 1, **_SIM_DRIVER,
+        "allow_reboot": False, **_SIM_PYTHON,
+    },
 }
 
 

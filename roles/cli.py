@@ -43,6 +43,14 @@ def sandbox_down(args: argparse.Namespace) -> None:
     sandbox.down()
 
 
+def sandbox_add(args: argparse.Namespace) -> None:
+    _print_rigs([sandbox.add(args.profile)])
+
+
+def sandbox_remove(args: argparse.Namespace) -> None:
+    sandbox.remove(args.name)
+
+
 def sandbox_restart(args: argparse.Namespace) -> None:
     sandbox.restart(args.name)
 
@@ -74,6 +82,13 @@ def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
     actions.add_parser("down", help="stop all sandbox rigs and remove them").set_defaults(
         func=sandbox_down
     )
+    add = actions.add_parser("add", help="start one more rig beside the running ones")
+    add.add_argument("profile", help="a profile of sandbox/simulated/profiles.json, e.g. "
+                     "nosystemd-4090 (no systemd as PID 1)")
+    add.set_defaults(func=sandbox_add)
+    remove = actions.add_parser("remove", help="stop one rig and remove it")
+    remove.add_argument("name", help="rig name, e.g. rig4")
+    remove.set_defaults(func=sandbox_remove)
     restart = actions.add_parser(
         "restart", help="reboot one rig (or boot one whose container died), keeping its disk")
     restart.add_argument("name", help="rig name, e.g. rig1")

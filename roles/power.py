@@ -621,5 +621,7 @@ def power_limit(rig: Rig) -> None:
     if booted():
         expect(UNIT_PATH)
         runfacts.expect("units", [UNIT_NAME])
-    power_unit(rig, name=f"Power-limit unit ({UNIT_NAME})")
+        power_unit(rig, name=f"Power-limit unit ({UNIT_NAME})")
+    else:
+        power_unit(rig, name="Boot caps (none without systemd)")
     live_power_caps(rig, name="Live GPU power caps")

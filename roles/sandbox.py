@@ -2,8 +2,10 @@
 
 Each rig boots real systemd as PID 1 from an overlay of one cached Debian bookworm rootfs, in its
 own network namespace and its own cgroup, and carries the simulated GPU layer of
-sandbox/simulated/. Everything made on this machine is named `rigbook-rigI` (network namespace,
-host-side veth, cgroup folders) or lives under the state dir, so any run can find and remove what
+sandbox/simulated/. A profile with `"systemd": false` (nosystemd-4090, started by `add` for the
+tests that need it) runs sshd directly instead, with no systemctl: a GPU container's shape.
+Everything made on this machine is named `rigbook-rigI` (network namespace, host-side veth,
+cgroup folders) or lives under the state dir, so any run can find and remove what
 an interrupted one left.
 """
 
@@ -83,6 +85,17 @@ while :; do
     echo "rigbook supervisor: systemd-nspawn exited with status $rc"
     [ "$rc" -eq {REBOOT_EXIT} ] || exit "$rc"
 done
+"""
+
+
+# What a rig without systemd runs instead of booting: the stand-in driver "loaded" and its
+# persistence daemon up, as the host of a GPU container keeps them, then sshd in the foreground.
+NO_SYSTEMD_ENTRYPOINT = """
+mkdir -p /run/sshd
+[ -x /usr/lib/rigbook-sim/load-driver ] && /usr/lib/rigbook-sim/load-driver
+[ -x /usr/bin/nvidia-persistenced ] && /usr/bin/nvidia-persistenced --user nvidia-persistenced \\
+    --persistence-mode
+exec /usr/sbin/sshd -D -e
 """
 
 
@@ -166,6 +179,57 @@ def up(count: int = 2) -> list[dict]:
         ]
         hosts_file().write_text(json.dumps(entries, indent=2) + "\n")
         return entries
+
+
+def add(profile: str) -> dict:
+    """Starts one more rig of `profile` beside the running ones (the next free index); returns
+    its hosts.json entry. For profiles outside the rotation, so the default fleet is unchanged."""
+    _check_machine()
+    profiles = _load_json("profiles.json")
+    if profile not in profiles["profiles"]:
+        raise RigbookError(f"no sandbox profile {profile!r}; allowed: "
+                           + ", ".join(sorted(profiles["profiles"])))
+    with _locked():
+        entries = _entries()
+        index = max((int(RIG_NAME.fullmatch(e["name"]).group(1)) for e in entries), default=0)
+        rig = Rig(index + 1, profile)
+        repo = state_dir() / "repo"
+        if not (repo / "Packages").exists():
+            repo = _build_sim_repo(repo)
+        key = _ensure_key()
+        log.info("starting %s (%s)", rig.name, profile)
+        _create_network(rig)
+        root = _mount_root(rig, _extract_base(ensure_rootfs()))
+        _write_rig_files(rig, root, key, profiles)
+        _start(rig, root, repo)
+        _wait_for_ssh([rig])
+        entry = {"name": rig.name, "address": rig.address, "profile": profile,
+                 "ssh_key": str(key)}
+        hosts_file().write_text(json.dumps([*entries, entry], indent=2) + "\n")
+        return entry
+
+
+def remove(name: str) -> None:
+    """Stops one rig and removes what it left here (safe when it is already gone)."""
+    _check_machine()
+    if RIG_NAME.fullmatch(name) is None:
+        raise RigbookError(f"not a sandbox rig name: {name!r} (rig1, rig2, ...)")
+    with _locked():
+        thing = PREFIX + name
+        _stop_processes([c for c in _rig_cgroups() if c.name == thing])
+        _unmount_under(state_dir() / name)
+        _remove_cgroups(thing)
+        _remove_network(thing)
+        _remove_tree(state_dir() / name)
+        entries = [e for e in _entries() if e["name"] != name]
+        hosts_file().write_text(json.dumps(entries, indent=2) + "\n")
+
+
+def _entries() -> list[dict]:
+    try:
+        return json.loads(hosts_file().read_text())
+    except FileNotFoundError:
+        return []
 
 
 def down() -> None:
@@ -447,6 +511,8 @@ def _write_rig_files(rig: Rig, root: Path, key: Path, profiles: dict) -> None:
     (sim / "gpus.json").write_text(json.dumps(_sim_gpus(rig, profiles), indent=2) + "\n")
     if profile["wsl2"]:
         _write_wsl2_files(root, profile["wsl2"])
+    if profile.get("systemd", True) is False:  # no systemctl at all (a whiteout in its upper)
+        (root / "usr/bin/systemctl").unlink(missing_ok=True)
 
 
 def _sim_gpus(rig: Rig, profiles: dict) -> dict:
@@ -495,9 +561,10 @@ def _start(rig: Rig, root: Path, repo: Path) -> None:
     cgroups = [path / rig.thing for path in _cgroup_roots()]
     for path in cgroups:
         path.mkdir(exist_ok=True)
+    booted = _load_json("profiles.json")["profiles"][rig.profile].get("systemd", True)
     nspawn = [
         "systemd-nspawn",
-        "-b",
+        *(["-b"] if booted else []),
         "-D",
         str(root),
         "--register=no",
@@ -509,6 +576,8 @@ def _start(rig: Rig, root: Path, repo: Path) -> None:
         f"--bind-ro={repo}:{REPO_MOUNT}",
         f"--bind-ro={wheelhouse()}:{WHEELS_MOUNT}",
     ]
+    if not booted:
+        nspawn += ["--as-pid2", "/bin/sh", "-c", NO_SYSTEMD_ENTRYPOINT]
     # nspawn's read-only /proc/sys stays: a writable one leaks fs.inotify.* to this machine.
     env = {k: v for k, v in os.environ.items() if k != "SYSTEMD_NSPAWN_API_VFS_WRITABLE"}
     with open(rig.console, "ab") as console:
@@ -654,14 +723,14 @@ def _teardown() -> None:
     hosts_file().unlink(missing_ok=True)
 
 
-def _stop_processes() -> None:
+def _stop_processes(cgroups: list[Path] | None = None) -> None:
     """Asks each rig's nspawn to shut its rig down, then kills whatever is left.
 
     A halted rig makes nspawn exit 0, so its supervisor ends by itself and reaps it (this
     machine's PID 1 is slow to reap orphans). An nspawn that a rig's reboot started meanwhile
     gets its SIGTERM on the next round.
     """
-    cgroups = _rig_cgroups()
+    cgroups = _rig_cgroups() if cgroups is None else cgroups
     asked: set[int] = set()
     deadline = time.monotonic() + STOP_WAIT_S
     while pids := _pids_of(cgroups):
@@ -715,9 +784,12 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def _remove_cgroups() -> None:
-    """Removes the rigs' cgroup folders, children first (cgroup folders only go empty)."""
+def _remove_cgroups(thing: str | None = None) -> None:
+    """Removes the rigs' cgroup folders (or one rig's), children first (cgroup folders only go
+    empty)."""
     for cgroup in _rig_cgroups():
+        if thing is not None and cgroup.name != thing:
+            continue
         for folder, _, _ in os.walk(cgroup, topdown=False):
             try:
                 os.rmdir(folder)
@@ -725,16 +797,16 @@ def _remove_cgroups() -> None:
                 raise RigbookError(f"cannot remove cgroup {folder}: {error}") from None
 
 
-def _remove_network() -> None:
+def _remove_network(thing: str | None = None) -> None:
     """Deletes the rigs' host-side veths (taking the peers along), then their namespaces.
 
     In that order: a namespace's deletion frees its veth pair only some time later.
     """
     for line in _run(["ip", "-o", "link", "show"]).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        if THING_NAME.fullmatch(name):
+        if THING_NAME.fullmatch(name) and thing in (None, name):
             _run(["ip", "link", "delete", name])
     for line in _run(["ip", "netns", "list"]).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if THING_NAME.fullmatch(name):
+        if THING_NAME.fullmatch(name) and thing in (None, name):
             _run(["ip", "netns", "delete", name])

@@ -81,7 +81,7 @@ from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import secret_upload
 from rigbook.types import JsonValue
-from rigbook.units import start_command
+from rigbook.units import booted, start_command
 from rigbook.venvs import (
     VenvBuilds,
     VenvState,
@@ -716,7 +716,8 @@ def serve_recipe(plan: ServePlan) -> Iterator:
 
 @deploy("Serving")
 def serving(rig: Rig) -> None:
-    """Run the rig's recipe (rig.recipe) as rigbook-serve.service; no recipe: leave serving be."""
+    """Run the rig's recipe (rig.recipe) as rigbook-serve.service (without systemd: under
+    rigbook's supervisor); no recipe: leave serving be."""
     if rig.recipe is None:
         return
     try:
@@ -724,7 +725,8 @@ def serving(rig: Rig) -> None:
     except RigbookError as error:
         refused(name="Check the serving recipe", message=str(error))
         return
-    serve_recipe(name=f"Serve {plan.recipe.name} as {UNIT_NAME}", plan=plan)
+    runner = f"as {UNIT_NAME}" if booted() else "under rigbook's supervisor"
+    serve_recipe(name=f"Serve {plan.recipe.name} {runner}", plan=plan)
 
 
 # --- the serving checks ---------------------------------------------------------------------------

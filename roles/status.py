@@ -378,8 +378,8 @@ def _driver_row(rig: Rig, facts: Facts) -> DriverStatus | None:
 
 
 def _unit_row(rig: Rig, facts: Facts) -> PowerUnitStatus | None:
-    if rig.platform == "wsl2" or not _read(facts, "unit"):
-        return None
+    if rig.platform == "wsl2" or facts.systemd is False or not _read(facts, "unit"):
+        return None  # no unit can hold the caps there: nothing to show or advise
     if facts.unit is None:
         return PowerUnitStatus(present=False, enabled=None, caps={})
     return PowerUnitStatus(present=True, enabled=facts.unit.enabled,
