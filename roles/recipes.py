@@ -925,6 +925,8 @@ the models role pulls exactly that commit. For a llama.cpp recipe the pull is it
 (every shard of a split one), not every quantisation the repo holds, unless the rig's entry names
 its own `allow_patterns`.
 
+Words such as TP, SM86, GDN, MTP and Cliff 2 are in the [glossary](glossary.md).
+
 The recipes a source measured come first: their model, flags, context, KV type and memory
 share are that source's configuration, and the figures they quote were measured on it
 (docs/sources.md). The generic recipes that follow serve other models with the settings the
