@@ -549,6 +549,37 @@ def wsl_memory(min_gib: int) -> Iterator:
     host.noop("; ".join(fine) or "WSL2 memory reported")
 
 
+# --- systemd in the distribution ---------------------------------------------------------------
+
+#: What a WSL2 distribution needs in /etc/wsl.conf for systemd to be PID 1.
+WSL_CONF_SYSTEMD = "[boot]\nsystemd=true"
+
+
+class SystemdBooted(FactBase[bool]):
+    """
+    Whether systemd runs as PID 1: /run/systemd/system exists exactly then (sd_booted(3)).
+    WSL2 starts a distribution without it unless /etc/wsl.conf says ``[boot] systemd=true``::
+
+        booted
+    """
+
+    def command(self) -> str:
+        return "if test -d /run/systemd/system; then echo booted; else echo not-booted; fi"
+
+    def process(self, output: list[str]) -> bool:
+        text = "\n".join(output).strip()
+        if not re.fullmatch(r"booted|not-booted", text):
+            raise FactProcessError(f"unexpected output of the systemd check: {text!r}")
+        return text == "booted"
+
+
+def no_systemd_text() -> str:
+    return ("systemd is not PID 1 in this WSL2 distribution, and rigbook's units (power caps, "
+            "guards, serving) need it: add " + WSL_CONF_SYSTEMD.replace("\n", " / ")
+            + " (two lines) to /etc/wsl.conf in the distribution, run `wsl --shutdown` on "
+            "Windows, start the distribution again and converge (docs/wsl2.md)")
+
+
 # --- the WSL2 check ---------------------------------------------------------------------------
 
 
@@ -559,6 +590,8 @@ def wsl2_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         return []
     if facts.missing("registry", "profiles"):
         return facts.missing("registry", "profiles")
+    if facts.systemd is False:
+        return [error("wsl", no_systemd_text(), key="platform")]
     probe = facts.registry or RegProbe({}, "not read")
     if probe.error:
         found = [drift("wsl", f"cannot read the Windows registry: {probe.error}")]
@@ -581,6 +614,7 @@ def _wsl2_reads(rig: Rig, rig_name: str) -> list[Read]:
         Read("registry", RegistryValues, "Windows registry (TDR)",
              (("key", GRAPHICS_DRIVERS), ("names", tuple(tdr_values(rig))))),
         Read("profiles", WindowsProfiles, "Windows profiles (.wslconfig)"),
+        Read("systemd", SystemdBooted, "systemd as PID 1"),
         SHM_READ,
     ]
 
