@@ -34,6 +34,7 @@ from pyinfra.api.exceptions import FactProcessError
 from rigbook import FILES
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
+from rigbook.guards import SystemdBooted
 from rigbook.managed import put_commands
 from rigbook.messages import gib, notice, refuse, warn_once
 from rigbook.render import render_crlf, template
@@ -551,26 +552,9 @@ def wsl_memory(min_gib: int) -> Iterator:
 
 # --- systemd in the distribution ---------------------------------------------------------------
 
-#: What a WSL2 distribution needs in /etc/wsl.conf for systemd to be PID 1.
+#: What a WSL2 distribution needs in /etc/wsl.conf for systemd to be PID 1 (the fact is the
+#: guards role's SystemdBooted, read once in the preflight's batch).
 WSL_CONF_SYSTEMD = "[boot]\nsystemd=true"
-
-
-class SystemdBooted(FactBase[bool]):
-    """
-    Whether systemd runs as PID 1: /run/systemd/system exists exactly then (sd_booted(3)).
-    WSL2 starts a distribution without it unless /etc/wsl.conf says ``[boot] systemd=true``::
-
-        booted
-    """
-
-    def command(self) -> str:
-        return "if test -d /run/systemd/system; then echo booted; else echo not-booted; fi"
-
-    def process(self, output: list[str]) -> bool:
-        text = "\n".join(output).strip()
-        if not re.fullmatch(r"booted|not-booted", text):
-            raise FactProcessError(f"unexpected output of the systemd check: {text!r}")
-        return text == "booted"
 
 
 def no_systemd_text() -> str:
@@ -614,7 +598,7 @@ def _wsl2_reads(rig: Rig, rig_name: str) -> list[Read]:
         Read("registry", RegistryValues, "Windows registry (TDR)",
              (("key", GRAPHICS_DRIVERS), ("names", tuple(tdr_values(rig))))),
         Read("profiles", WindowsProfiles, "Windows profiles (.wslconfig)"),
-        Read("systemd", SystemdBooted, "systemd as PID 1"),
+        Read("systemd", SystemdBooted, "systemd as PID 1"),  # as the guards' check reads it
         SHM_READ,
     ]
 
