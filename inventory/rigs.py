@@ -7,6 +7,12 @@ them with your rigs' before you run a deploy.
 """
 
 from rigbook.inventory import check_before_connecting
+from rigbook.venvs import engine_venv
+
+#: The commit of Lorbus/Qwen3.6-27B-int4-AutoRound this fleet serves. The all-zeros value is
+#: no commit: every deploy refuses it until you paste the one that
+#: `rigbook models resolve Lorbus/Qwen3.6-27B-int4-AutoRound` prints (docs/models.md).
+QWEN36_27B_INT4 = "0000000000000000000000000000000000000000"
 
 dual_3090 = [
     (
@@ -20,6 +26,15 @@ dual_3090 = [
             "nvlink": False,
             "shm_size": "48G",
             "stale_files": ["/etc/sysctl.d/99-vllm-swap.conf"],
+            # Serving (docs/serving.md): the venv the recipe runs from, built with rigbook's
+            # engine pins (vllm-0.33, CUDA 13.0: docs/venvs.md); the model it serves, pinned
+            # to one commit and pulled into the HF cache (docs/models.md); and the recipe, the
+            # one docs/recipes.md says to start with on two 24 GB cards without NVLink.
+            "venvs": [engine_venv("vllm", services=["rigbook-serve.service"])],
+            "models": [
+                {"repo": "Lorbus/Qwen3.6-27B-int4-AutoRound", "revision": QWEN36_27B_INT4},
+            ],
+            "recipe": "qwen36-27b-dual-3090",
         },
     ),
 ]

@@ -117,6 +117,32 @@ def add_status_command(commands: argparse._SubParsersAction) -> None:
     status.set_defaults(func=show_status)
 
 
+def models_resolve(args: argparse.Namespace) -> int:
+    from rigbook.hub import endpoint_of, operator_token, parse_target, report, resolve
+
+    repo, ref = parse_target(args.target)
+    found = resolve(repo, ref, endpoint_of(args.endpoint), operator_token(args.token_file))
+    print(report(found, tuple(args.allow or ())))
+    return 0
+
+
+def add_models_commands(commands: argparse._SubParsersAction) -> None:
+    group = commands.add_parser("models", help="model pins, from the hub's API")
+    actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
+    resolve = actions.add_parser(
+        "resolve", help="the commit to pin for REPO[@REF], the files and sizes it pulls, gated "
+        "or not")
+    resolve.add_argument("target", metavar="REPO[@REF]", help="e.g. Lorbus/Qwen3.6-27B-int4-"
+                         "AutoRound or ORG/NAME@v1.0 (REF: branch, tag or commit; default main)")
+    resolve.add_argument("--allow", action="append", metavar="GLOB",
+                         help="the pin's allow_patterns (repeatable): list only what they pull")
+    resolve.add_argument("--endpoint", help="the hub's address (default: HF_ENDPOINT, else "
+                         "huggingface_hub's default)")
+    resolve.add_argument("--token-file", type=Path, help="a file holding the HF token (default: "
+                         "HF_TOKEN); sent only if the hub refuses without it")
+    resolve.set_defaults(func=models_resolve)
+
+
 def bench_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -228,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sandbox_commands(commands)
     add_docs_command(commands)
     add_status_command(commands)
+    add_models_commands(commands)
     add_bench_commands(commands)
     return parser
 

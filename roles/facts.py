@@ -272,7 +272,9 @@ def flavour_finding(rig: Rig, running: RunningDriver | None) -> Finding | None:
 
 # --- the GPU check -------------------------------------------------------------------------
 
-#: What nvidia-smi calls the cards of each gpu_class ("other" is not checked).
+#: What nvidia-smi calls the cards of each gpu_class. A rig declared `other` must have none of
+#: these: `other` is for cards rigbook has no class for (a modded 20 GB 3080), and a known card
+#: declared as `other` would skip its class's name, SM86 and VRAM checks.
 CLASS_NAMES = {
     "rtx3090": re.compile(r"RTX 3090(?! Ti)"),
     "rtx3090ti": re.compile(r"RTX 3090 Ti"),
@@ -320,10 +322,21 @@ def gpu_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     found = [f for f in (count, mismatch, flavour_finding(rig, facts.running)) if f]
     pattern = CLASS_NAMES.get(rig.gpu_class)
     for gpu in probe.gpus:
-        if pattern is not None and not pattern.search(gpu.name):
+        known = known_class(gpu.name)
+        if rig.gpu_class == "other" and known is not None:
+            found.append(error(
+                "gpu", f"other declared, card is {gpu.name}: rigbook knows it as {known}; "
+                f"allowed: gpu_class {known} (other would skip its checks: card, SM86 limits, "
+                "VRAM)", key="gpu_class", gpu=gpu.uuid))
+        elif pattern is not None and not pattern.search(gpu.name):
             found.append(drift("gpu", f"gpu_class {rig.gpu_class} declared, card is {gpu.name}",
                                gpu=gpu.uuid))
     return found
+
+
+def known_class(name: str) -> str | None:
+    """The gpu_class nvidia-smi's card name belongs to (None: a card rigbook has no class for)."""
+    return next((cls for cls, pattern in CLASS_NAMES.items() if pattern.search(name)), None)
 
 
 #: Shared by every role whose checks need the GPUs (power, venvs, serving) and by status.

@@ -55,7 +55,13 @@ from rigbook.managed import absent, directory, put
 from rigbook.messages import GIB, notice, refused, warn_once
 from rigbook.messages import connector_arguments as _connector_arguments  # model_snapshot's
 from rigbook.progress import EVERY_DEFAULT, progress_every, run_watched
-from rigbook.recipes import recipe_for, recipe_pins
+from rigbook.recipes import (
+    PLACEHOLDER_REVISION,
+    placeholder_text,
+    recipe_for,
+    recipe_pins,
+    rig_models,
+)
 from rigbook.render import template
 from rigbook.runfacts import once
 from rigbook.secrets import Secret
@@ -547,10 +553,11 @@ def prune_models(cache: str, keep: tuple[str, ...], prune: bool = False) -> Iter
 
 
 def selected(rig: Rig) -> tuple[ModelSpec, ...]:
-    """The models this run pulls: all of them, or only models_only."""
+    """The models this run pulls: all of them, or only models_only (a GGUF recipe's repo
+    narrowed to its file: rigbook.recipes.rig_models)."""
     if rig.models_only is None:
-        return rig.models
-    return tuple(spec for spec in rig.models if spec.repo == rig.models_only)
+        return rig_models(rig)
+    return tuple(spec for spec in rig_models(rig) if spec.repo == rig.models_only)
 
 
 class SshAddress(FactBase[str | None]):
@@ -684,7 +691,7 @@ def wanted_models(rig: Rig, rig_name: str) -> list[tuple[ModelSpec, str]]:
     """(spec, "models" | "recipe") of every snapshot the rig must hold: its models, then the
     recipe's pins its models do not cover (a recipe that does not resolve adds none: the
     serving check says why)."""
-    wanted = [(spec, "models") for spec in rig.models]
+    wanted = [(spec, "models") for spec in rig_models(rig)]
     if rig.recipe is not None:
         listed = {spec.repo for spec in rig.models}
         try:
@@ -712,6 +719,11 @@ def model_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         return []
     if facts.missing("cache") or facts.cache is None:
         return facts.missing("cache")
+    placeholders = [error("models", placeholder_text(spec.repo).removeprefix("models: "),
+                          key="models") for spec in rig.models
+                    if spec.revision == PLACEHOLDER_REVISION]
+    if placeholders:
+        return placeholders
     cache, found = facts.cache, []
     if cache.untrusted:  # pull.py would refuse it too; an engine must not load from it
         found.append(error("models", f"models_cache {rig.models_cache}: {cache.untrusted}, so "

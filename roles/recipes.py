@@ -25,6 +25,7 @@ docs/recipes.md is generated from the catalogue (`rigbook docs`).
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import json
 import re
@@ -183,6 +184,22 @@ class Fits(StrictModel):
     platforms: tuple[Platform, ...] = Field(description="Platforms it fits.")
 
 
+class MeasuredOn(StrictModel):
+    """What a source measured a configuration on: the cards and the engine build. A recipe
+    whose `fits` or engine build differ (a copy with new `fits`, another venv) is another
+    configuration, and no longer `measured`."""
+
+    gpu_class: tuple[GpuClass, ...] = Field(
+        min_length=1, description="The card classes the source measured it on."
+    )
+    gpu_count: int = Field(ge=1, le=8, description="How many cards it ran on.")
+    engine: Engine = Field(description="The engine it ran on.")
+    venv: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9_.-]*$",
+        description="The engine build it is shipped for: the venv (files/venvs/pins.toml).",
+    )
+
+
 class Estimate(StrictModel):
     """What the preflight checks against the rig's free memory (GiB)."""
 
@@ -210,6 +227,11 @@ class Recipe(StrictModel):
         description="It is a configuration a source measured (its model, flags and context): "
         "only such a recipe may quote figures, and only that configuration's; the catalogue "
         "lists these first.",
+    )
+    measured_on: MeasuredOn | None = Field(
+        None,
+        description="measured only, required: the cards and engine build the source measured "
+        "(`fits` may not go beyond them, `engine` and `venv` must be theirs).",
     )
     engine: Engine = Field(description="vllm, sglang or llama.cpp (llama-cpp-python's server).")
     venv: str = Field(
@@ -360,19 +382,48 @@ def _flag_problems(r: Recipe) -> list[str]:
     return problems
 
 
-#: A throughput or efficiency figure in a description: "82.4 TPS", "56 tok/s", "0.111 TPS/W".
-FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:TPS|tok/s|tokens/s)", re.I)
+#: A throughput or efficiency figure in a description: "82.4 TPS", "56 tok/s", "0.111 TPS/W",
+#: the notes' "82.4 narr / 107.9 code TPS".
+FIGURE = re.compile(
+    r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:TPS|tok/s|tokens/s|(?:narr|code)\b)", re.I
+)
 
 
 def _figure_problems(r: Recipe) -> list[str]:
     """A figure belongs to the configuration it was measured on (docs/sources.md)."""
     if r.measured and not r.sources:
         return ["measured: a measured configuration names the source that measured it (sources)"]
+    if r.measured:
+        problem = _measured_on_problem(r)
+        if problem:
+            return [problem]
+    elif r.measured_on is not None:
+        return ["measured_on is for a measured configuration (measured = true)"]
     figures = FIGURE.findall(r.description)
     if figures and not r.measured:
         return [f"description quotes {', '.join(figures)}, but the recipe is not a configuration "
                 "a source measured (measured = true): quote no borrowed figure"]
     return []
+
+
+def _measured_on_problem(r: Recipe) -> str | None:
+    """A measured recipe is the configuration its source measured: the cards and the engine
+    build in measured_on. A copy with other `fits` or another venv is not (None: it is)."""
+    on = r.measured_on
+    if on is None:
+        return ("measured_on: a measured configuration says what it was measured on (gpu_class, "
+                "gpu_count, engine, venv)")
+    differ = []
+    if not set(r.fits.gpu_class) <= set(on.gpu_class) or r.fits.gpu_count != on.gpu_count:
+        differ.append(f"fits {r.fits.gpu_count}x {'/'.join(r.fits.gpu_class)}, measured on "
+                      f"{on.gpu_count}x {'/'.join(on.gpu_class)}")
+    if (r.engine, r.venv) != (on.engine, on.venv):
+        differ.append(f"engine {r.engine} venv {r.venv}, measured on {on.engine} venv {on.venv}")
+    if not differ:
+        return None
+    return (f"measured: {'; '.join(differ)}: this is not the configuration its source measured "
+            "(a copy with new fits or another engine build); set measured = false, drop "
+            "measured_on and quote none of its figures")
 
 
 def _model_problems(r: Recipe) -> list[str]:
@@ -591,6 +642,7 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
         problems.append(f"venv {recipe.venv!r} is not in the rig's venvs (it has: {have})")
     elif venv.engine != VENV_ENGINE[recipe.engine]:
         problems.append(f"venv {venv.name} is a {venv.engine} venv; the recipe is {recipe.engine}")
+    problems += pattern_problems(recipe, rig)
     if recipe.cpu_only:
         return problems
     if rig.gpu_class not in fits.gpu_class:
@@ -674,27 +726,98 @@ def snapshot_dir(cache: str, repo: str, revision: str) -> str:
     return f"{cache}/models--{org}--{name}/snapshots/{revision}"
 
 
+#: A split GGUF's shard: NAME-00001-of-00003.gguf (llama.cpp loads the others beside it).
+_GGUF_SHARD = re.compile(r"(.+)-\d{5}-of-(\d{5})\.gguf")
+
+
+def gguf_patterns(file: str) -> tuple[str, ...]:
+    """What a llama.cpp recipe needs of its repo: its GGUF file, or every shard of a split one
+    (llama.cpp opens the first and reads the rest from beside it)."""
+    shard = _GGUF_SHARD.fullmatch(file)
+    return (f"{shard.group(1)}-*-of-{shard.group(2)}.gguf",) if shard else (file,)
+
+
+def pin_hint(pin: ModelPin) -> str:
+    """The `models` entry to add for a recipe's model, as the Python inventory writes it."""
+    entry = f'{{"repo": "{pin.repo}", "revision": "<40-hex commit>"'
+    if pin.file:
+        entry += ", \"allow_patterns\": [" + ", ".join(
+            f'"{p}"' for p in gguf_patterns(pin.file)) + "]"
+    return (f"add {entry}}} to the rig's models (`rigbook models resolve {pin.repo}` prints the "
+            "commit to pin, the files and sizes it pulls, and whether the repo is gated)")
+
+
+def _recipe_files(rig: Rig) -> dict[str, tuple[str, ...]]:
+    """repo -> the patterns of the GGUF file the rig's recipe serves from it."""
+    try:
+        recipe = catalogue(rig.serving_recipe_dirs).get(rig.recipe) if rig.recipe else None
+    except RigbookError:
+        return {}
+    if recipe is None:
+        return {}
+    return {pin.repo: gguf_patterns(pin.file) for pin in recipe.models if pin.file}
+
+
+def rig_models(rig: Rig) -> tuple[ModelSpec, ...]:
+    """The rig's `models`, each entry for the repo of its llama.cpp recipe's GGUF narrowed to
+    that file when it names no patterns: a GGUF repo holds every quantisation of the model, and
+    the engine loads one."""
+    files = _recipe_files(rig)
+    return tuple(
+        spec.model_copy(update={"allow_patterns": files[spec.repo]})
+        if spec.repo in files and not (spec.allow_patterns or spec.ignore_patterns) else spec
+        for spec in rig.models
+    )
+
+
 def pinned_revision(pin: ModelPin, rig: Rig, *, allow_placeholder: bool = False) -> str:
     """The commit served: the rig's `models` entry for the repo wins over the recipe's."""
     for spec in rig.models:
         if spec.repo == pin.repo:
+            if spec.revision == PLACEHOLDER_REVISION and not allow_placeholder:
+                raise RigbookError(placeholder_text(pin.repo))
             return spec.revision
     if pin.placeholder and not allow_placeholder:
         raise RigbookError(
             f"models: the recipe pins no real commit of {pin.repo} (placeholder revision); "
-            f"add {{repo: {pin.repo}, revision: <40-hex commit>}} to the rig's models"
+            + pin_hint(pin)
         )
     return pin.revision
 
 
+def placeholder_text(repo: str) -> str:
+    return (f"models: {repo} is pinned to the all-zeros placeholder, which is no commit; pin the "
+            f"one `rigbook models resolve {repo}` prints")
+
+
 def recipe_pins(recipe: Recipe, rig: Rig) -> tuple[ModelSpec, ...]:
-    """The ModelSpecs the cache must hold for a recipe (the rig's entry for a repo wins);
-    RigbookError for a placeholder revision the rig does not override."""
+    """The ModelSpecs the cache must hold for a recipe (the rig's entry for a repo wins, a
+    GGUF's narrowed to its file: rig_models); RigbookError for a placeholder revision."""
+    models = rig_models(rig)
+    for pin in recipe.models:
+        pinned_revision(pin, rig)
     return tuple(
-        next((spec for spec in rig.models if spec.repo == pin.repo), None)
-        or ModelSpec(repo=pin.repo, revision=pinned_revision(pin, rig))
+        next((spec for spec in models if spec.repo == pin.repo), None)
+        or ModelSpec(repo=pin.repo, revision=pin.revision)
         for pin in recipe.models
     )
+
+
+def pattern_problems(recipe: Recipe, rig: Rig) -> list[str]:
+    """A rig's allow/ignore patterns for a GGUF recipe's repo that leave its file out."""
+    problems = []
+    for pin in recipe.models:
+        spec = next((s for s in rig.models if s.repo == pin.repo), None)
+        if pin.file is None or spec is None:
+            continue
+        allowed = not spec.allow_patterns or any(
+            fnmatch.fnmatch(pin.file, p) for p in spec.allow_patterns)
+        if not allowed or any(fnmatch.fnmatch(pin.file, p) for p in spec.ignore_patterns):
+            problems.append(
+                f"models: the patterns of {pin.repo} leave out {pin.file}, the file the recipe "
+                f"serves; allowed: \"allow_patterns\": {list(gguf_patterns(pin.file))} "
+                "(or no patterns: rigbook then pulls that file only)")
+    return problems
 
 
 def model_path(pin: ModelPin, rig: Rig, *, allow_placeholder: bool = False) -> str:
@@ -795,14 +918,51 @@ the `rigbook-serve` systemd unit (docs/serving.md). Each command line below is r
 rig the recipe fits, with the default bind and port; the unit runs exactly this.
 
 Revisions shown as `{placeholder}` are placeholders: no real commit is pinned in the catalogue,
-so a rig must pin the repo in its `models` host data (`{{repo: ..., revision: <40 hex>}}`); the
-rig's pin always wins over the recipe's, and the models role pulls exactly that commit.
+so a rig must pin the repo in its `models` host data (`{{"repo": "ORG/NAME", "revision": "<40
+hex>"}}`; `rigbook models resolve ORG/NAME` prints the commit, the files and sizes the pin pulls,
+and whether the repo is gated: docs/models.md); the rig's pin always wins over the recipe's, and
+the models role pulls exactly that commit. For a llama.cpp recipe the pull is its GGUF file only
+(every shard of a split one), not every quantisation the repo holds, unless the rig's entry names
+its own `allow_patterns`.
+
+Words such as TP, SM86, GDN, MTP and Cliff 2 are in the [glossary](glossary.md).
 
 The recipes a source measured come first: their model, flags, context, KV type and memory
 share are that source's configuration, and the figures they quote were measured on it
 (docs/sources.md). The generic recipes that follow serve other models with the settings the
 sources give for the hardware, and quote no figure.
 """
+
+
+#: The recipe to start with, per card class the docs name: (gpu_class, gpu_count, platforms,
+#: recipe). tests/test_recipes.py checks that each fits such a rig.
+START_WITH: tuple[tuple[GpuClass, int, tuple[Platform, ...], str], ...] = (
+    ("rtx3090", 2, ("ubuntu", "debian"), "qwen36-27b-dual-3090"),
+    ("rtx3090", 2, ("wsl2",), "wsl2-dual-3090-tp2"),
+    ("rtx3090", 1, ("ubuntu", "debian", "wsl2"), "qwen36-27b-llamacpp"),
+    ("rtx3090ti", 2, ("ubuntu", "debian"), "qwen36-27b-dual-3090"),
+    ("rtx3090ti", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
+    ("rtx4090", 1, ("ubuntu", "debian", "wsl2"), "qwen36-27b-llamacpp"),
+    ("rtx5090", 1, ("ubuntu", "debian", "wsl2"), "qwen36-27b-5090"),
+    ("a6000", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
+    ("other", 2, ("ubuntu", "debian"), "qwen36-27b-dual-20g"),
+)
+
+
+def _start_with_lines(recipes: dict[str, Recipe]) -> list[str]:
+    lines = [
+        "## Which recipe to start with\n",
+        "One line per card class: the recipe that serves the sources' model (Qwen3.6-27B) where "
+        "one fits, else a generic one. `other` is for cards rigbook has no class for (two "
+        "modded 20 GB RTX 3080s); a card it knows, declared `other`, is refused by the "
+        "preflight (the rig's nvidia-smi names it).\n",
+        "| cards | platforms | start with | measured |", "| --- | --- | --- | --- |",
+    ]
+    for gpu_class, count, platforms, name in START_WITH:
+        measured = "yes: its figures apply" if recipes[name].measured else "no: quotes no figure"
+        lines.append(f"| {count}x {gpu_class} | {', '.join(platforms)} | [`{name}`](#{name}) "
+                     f"| {measured} |")
+    return lines + [""]
 
 
 def example_rig(recipe: Recipe) -> Rig:
@@ -895,7 +1055,8 @@ def _schema_table(model: type[BaseModel], prefix: str = "") -> list[str]:
 def recipes_markdown() -> str:
     """The whole docs/recipes.md text."""
     recipes = sorted(catalogue().values(), key=lambda r: not r.measured)  # stable: by name
-    parts = [_DOC_INTRO.format(placeholder=PLACEHOLDER_REVISION[:8] + "..."), "## Catalogue\n"]
+    parts = [_DOC_INTRO.format(placeholder=PLACEHOLDER_REVISION[:8] + "...")]
+    parts += _start_with_lines({r.name: r for r in recipes}) + ["## Catalogue\n"]
     parts += ["| recipe | engine | fits | configuration |", "| --- | --- | --- | --- |"]
     parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} | "
               f"{'measured by its source' if r.measured else 'generic: quotes no figure'} |"
@@ -907,7 +1068,7 @@ def recipes_markdown() -> str:
     parts += _schema_table(Recipe)
     for key, model in (
         ("sources[].", SourceRef), ("model.", ModelPin), ("speculative.", Speculative),
-        ("fits.", Fits), ("estimate.", Estimate),
+        ("fits.", Fits), ("measured_on.", MeasuredOn), ("estimate.", Estimate),
     ):
         parts += _schema_table(model, key)
     return "\n".join(parts) + "\n"

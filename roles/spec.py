@@ -147,7 +147,10 @@ class ModelSpec(StrictModel):
 
     repo: RepoId = Field(description="Hub repo id, ORG/NAME.")
     revision: str = Field(pattern=r"^[0-9a-f]{40}$", description="Pinned commit hash (40 hex).")
-    allow_patterns: tuple[Glob, ...] = Field((), description="Only files matching these globs.")
+    allow_patterns: tuple[Glob, ...] = Field(
+        (), description="Only files matching these globs (none: all; for the GGUF repo of the "
+        "rig's llama.cpp recipe, without ignore_patterns either: its model.file only)."
+    )
     ignore_patterns: tuple[Glob, ...] = Field((), description="Skip files matching these globs.")
     manifest_sha256: str | None = Field(
         None, pattern=r"^[0-9a-f]{64}$",

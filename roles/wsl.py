@@ -41,6 +41,7 @@ from rigbook.runfacts import once
 from rigbook.spec import Rig
 from rigbook.tuning import SHM_READ, Shm
 from rigbook.types import JsonValue
+from rigbook.units import SYSTEMD_READ
 
 REG_EXE = "/mnt/c/Windows/System32/reg.exe"
 GRAPHICS_DRIVERS = r"HKLM\System\CurrentControlSet\Control\GraphicsDrivers"
@@ -550,6 +551,20 @@ def wsl_memory(min_gib: int) -> Iterator:
     host.noop("; ".join(fine) or "WSL2 memory reported")
 
 
+# --- systemd in the distribution ---------------------------------------------------------------
+
+#: What a WSL2 distribution needs in /etc/wsl.conf for systemd to be PID 1 (the fact is the
+#: units' SystemdBooted, read once in the preflight's batch).
+WSL_CONF_SYSTEMD = "[boot]\nsystemd=true"
+
+
+def no_systemd_text() -> str:
+    return ("systemd is not PID 1 in this WSL2 distribution, and rigbook's units (power caps, "
+            "guards, serving) need it: add " + WSL_CONF_SYSTEMD.replace("\n", " / ")
+            + " (two lines) to /etc/wsl.conf in the distribution, run `wsl --shutdown` on "
+            "Windows, start the distribution again and converge (docs/wsl2.md)")
+
+
 # --- the WSL2 check ---------------------------------------------------------------------------
 
 
@@ -560,6 +575,8 @@ def wsl2_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         return []
     if facts.missing("registry", "profiles"):
         return facts.missing("registry", "profiles")
+    if facts.systemd is False:
+        return [error("wsl", no_systemd_text(), key="platform")]
     probe = facts.registry or RegProbe({}, "not read")
     if probe.error:
         found = [drift("wsl", f"cannot read the Windows registry: {probe.error}")]
@@ -582,6 +599,7 @@ def _wsl2_reads(rig: Rig, rig_name: str) -> list[Read]:
         Read("registry", RegistryValues, "Windows registry (TDR)",
              (("key", GRAPHICS_DRIVERS), ("names", tuple(tdr_values(rig))))),
         Read("profiles", WindowsProfiles, "Windows profiles (.wslconfig)"),
+        SYSTEMD_READ,
         SHM_READ,
     ]
 

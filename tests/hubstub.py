@@ -13,7 +13,8 @@ rigbook's manifest of each as files/models/pull.py writes it for a pull without 
 - rigbook-test/big: tiny with a 32 MiB model.safetensors, for pulls that take a while
   (with --rate).
 
-Test knobs: --token-file (every route wants `Authorization: Bearer <that token>`; read from a
+Test knobs: `Hub(gated={repo: "manual"})` (its model_info says gated, as the hub's does),
+--token-file (every route wants `Authorization: Bearer <that token>`; read from a
 file so that it is not in this process's argv either), --interrupt PATH (the first GET of PATH
 sends half its bytes and drops the connection, later GETs of it answer 503: a pull fails half
 way), --rate BYTES (file bodies go out at that many bytes a second: a pull that takes seconds),
@@ -162,8 +163,9 @@ class MemoryStore(mirror.Store):
 class Hub:
     """What a stub server holds: repos, the token it wants, a fault, and the request log."""
 
-    def __init__(self, repos, token=None, interrupt=None, log_path=None, rate=None):
+    def __init__(self, repos, token=None, interrupt=None, log_path=None, rate=None, gated=None):
         self.store = MemoryStore(repos)
+        self.gated = dict(gated or {})  # repo id -> the hub's approval mode ("auto", "manual")
         self.token = token
         self.interrupt = interrupt
         self.rate = rate  # bytes a second of file bodies; None: as fast as the socket goes
@@ -192,6 +194,18 @@ class StubHandler(mirror.HubHandler):
     def record(self, route: str) -> None:
         self.hub.log({"method": self.command, "path": self.path.split("?")[0],
                       "range": self.headers.get("Range"), "auth": self.auth(), "route": route})
+
+    def route_revision(self, repo_id, commit, files, url, rest):
+        """model_info, with the hub's `gated` field for a gated repo."""
+        if repo_id not in self.hub.gated:
+            super().route_revision(repo_id, commit, files, url, rest)
+            return
+        sent = self.send_json
+        self.send_json = lambda info: sent({**info, "gated": self.hub.gated[repo_id]})
+        try:
+            super().route_revision(repo_id, commit, files, url, rest)
+        finally:
+            del self.send_json
 
     def route_resolve(self, repo_id, commit, files, url, rest):
         if self.command == "GET" and unquote(rest) == self.hub.interrupt:

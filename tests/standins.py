@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rigbook.recipes import snapshot_dir
+from rigbook.recipes import gguf_patterns, snapshot_dir
 from rigbook.sandbox import rigs, wheelhouse
 from rigbook.tools import TOOLS_PINS
 from tests.tinymodel import FILE, REPO, cache_layout, revision_of, write_tiny_gguf
@@ -107,7 +107,7 @@ def place_model(rig: dict, gguf: Path, revision: str) -> None:
     data = gguf.read_bytes()
     manifest = {
         "rigbook_manifest": 1, "repo": REPO, "revision": revision,
-        "allow_patterns": [], "ignore_patterns": [],
+        "allow_patterns": list(gguf_patterns(FILE)), "ignore_patterns": [],  # a GGUF: its file
         "files": {FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
     }
     top = f"{CACHE}/{layout['blob'].split('/')[0]}"

@@ -363,3 +363,47 @@ def test_full_query_captured_with_rigbook_fields_parses_every_field():
 def test_loaded_module_version_from_the_real_proc_file():
     lines = fixture("proc-driver-version.txt").splitlines()
     assert LoadedNvidiaModule().process(lines) == "580.159.04"
+
+
+def _probe_of(fixture: str) -> GpuProbe:
+    """The cards a real published nvidia-smi output shows (tests/fixtures/real, the names its
+    hand-written reading gives), as the GPU fact returns them."""
+    reading = json.loads((ROOT / "tests/fixtures/real/expected.json").read_text())["files"]
+    names = reading[fixture]["names"]
+    return GpuProbe(smi="/usr/bin/nvidia-smi", gpus=tuple(
+        Gpu(index=i, uuid=f"GPU-{i}", name=name, bus_id=f"00000000:0{i}:00.0")
+        for i, name in enumerate(names)))
+
+
+@pytest.mark.parametrize(("fixture", "known"), [
+    ("smi-table/new-610-2x-rtx3090.txt", "rtx3090"),
+    ("smi-table/new-610-2x-rtx5090.txt", "rtx5090"),
+])
+def test_a_known_card_declared_other_is_refused(fixture, known):
+    """Issue 33 (1): `gpu_class: other` skipped the card-name, SM86 and VRAM checks of a card
+    rigbook knows; the rig's nvidia-smi says what it is, and the preflight refuses."""
+    from rigbook.checks import Facts
+    from rigbook.facts import gpu_findings
+    from rigbook.spec import Rig
+
+    probe = _probe_of(fixture)
+    rig = Rig(platform="ubuntu", gpu_class="other", gpu_count=len(probe.gpus),
+              gpu_limits_watts=(100, 320), power_profile="stock")
+    findings = gpu_findings(rig, Facts(probe=probe), "box")
+    assert [f.level for f in findings] == ["error"] * len(probe.gpus)
+    assert findings[0].text == (
+        f"gpu_class: other declared, card is {probe.gpus[0].name}: rigbook knows it as {known}; "
+        f"allowed: gpu_class {known} (other would skip its checks: card, SM86 limits, VRAM)")
+    declared = rig.model_copy(update={"gpu_class": known})
+    assert gpu_findings(declared, Facts(probe=probe), "box") == []
+
+
+def test_a_card_rigbook_has_no_class_for_may_be_other():
+    from rigbook.checks import Facts
+    from rigbook.facts import gpu_findings
+    from rigbook.spec import Rig
+
+    probe = _probe_of("smi-csv/noheader-27fields-many-na-rtx3080.txt")
+    rig = Rig(platform="ubuntu", gpu_class="other", gpu_count=1, gpu_limits_watts=(100, 320),
+              power_profile="stock")
+    assert gpu_findings(rig, Facts(probe=probe), "box") == []

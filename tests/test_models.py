@@ -46,6 +46,7 @@ from rigbook.models import (
     snapshot_path,
     snapshot_status,
     unreferenced,
+    wanted_models,
 )
 from rigbook.secrets import Secret
 from rigbook.spec import ModelSpec, Rig, parse_rig
@@ -1583,3 +1584,22 @@ def test_a_cache_in_a_users_folder_is_refused_before_connecting():
         with pytest.raises(RigbookError, match="models_cache: .*which another user"):
             rig(models_cache=path)
     assert rig(models_cache="/srv/hf").models_cache == "/srv/hf"
+
+
+def test_a_gguf_recipes_repo_is_pulled_for_its_file_only():
+    """Issue 33 (2): unsloth/Qwen3.6-27B-GGUF holds every quantisation; the llama.cpp recipe
+    serves one file, and the models role pulls only that one (the rig's own patterns win)."""
+    from rigbook.venvs import engine_venv
+
+    gguf = "unsloth/Qwen3.6-27B-GGUF"
+    cfg = rig(platform="ubuntu", gpu_class="rtx3090", gpu_count=1, recipe="qwen36-27b-llamacpp",
+              venvs=[engine_venv("llama-cpp-python")],
+              models=[{"repo": gguf, "revision": COMMIT}, {"repo": "org/b", "revision": OTHER}])
+    pulled, other = selected(cfg)
+    assert pulled.allow_patterns == ("Qwen3.6-27B-UD-Q3_K_XL.gguf",) and other.allow_patterns == ()
+    text = pull_command(pulled, cfg).get_raw_value()
+    assert "--allow=Qwen3.6-27B-UD-Q3_K_XL.gguf" in text and text.count("--allow=") == 1
+    assert [spec for spec, _ in wanted_models(cfg, "rig1")] == [pulled, other]
+    own = rig(**{**cfg.model_dump(exclude_defaults=True), "models": [
+        {"repo": gguf, "revision": COMMIT, "ignore_patterns": ["*.md"]}]})
+    assert selected(own)[0].allow_patterns == ()  # the rig's own patterns, as written

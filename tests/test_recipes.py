@@ -7,11 +7,15 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from rigbook.errors import RigbookError
 from rigbook.recipes import (
+    FIGURE,
     PLACEHOLDER_REVISION,
     RECIPES_DIR,
+    START_WITH,
+    VENV_ENGINE,
     Recipe,
     catalogue,
     engine_argv,
@@ -23,7 +27,7 @@ from rigbook.recipes import (
 )
 from rigbook.serving import engine_environment
 from rigbook.spec import Rig
-from rigbook.venvs import engine_pins
+from rigbook.venvs import engine_pins, engine_venv
 from tests.conftest import ROOT
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")
@@ -82,6 +86,20 @@ EXPECTED = {
         "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "2",
         "--max-model-len", "262144", "--gpu-memory-utilization", "0.82",
         "--kv-cache-dtype", "fp8_e5m2", "--shutdown-timeout", "30",
+    ],
+    "qwen36-27b-dual-3090": [
+        VLLM, "serve", f"{CACHE}/models--Lorbus--Qwen3.6-27B-int4-AutoRound/snapshots/{MAIN}",
+        "--served-model-name", "Lorbus/Qwen3.6-27B-int4-AutoRound",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "2",
+        "--max-model-len", "65536", "--gpu-memory-utilization", "0.95",
+        "--kv-cache-dtype", "fp8_e5m2", "--shutdown-timeout", "30",
+    ],
+    "qwen36-27b-5090": [
+        VLLM, "serve", f"{CACHE}/models--Lorbus--Qwen3.6-27B-int4-AutoRound/snapshots/{MAIN}",
+        "--served-model-name", "Lorbus/Qwen3.6-27B-int4-AutoRound",
+        "--host", "127.0.0.1", "--port", "8000", "--tensor-parallel-size", "1",
+        "--max-model-len", "131072", "--gpu-memory-utilization", "0.92",
+        "--shutdown-timeout", "30",
     ],
     "qwen36-27b-llamacpp": [
         "/opt/rigbook/venvs/llamacpp/bin/python", "-m", "llama_cpp.server",
@@ -156,14 +174,18 @@ def test_the_measured_configurations_are_the_notes_own_and_come_first():
     llama = recipes["qwen36-27b-llamacpp"]
     assert llama.measured and llama.model.gdn and llama.engine == "llama.cpp"
     assert llama.max_model_len > 60_000 and "rtx3090" in llama.fits.gpu_class
-    assert {r.name for r in recipes.values() if r.measured} == {twenty.name, llama.name}
+    five = recipes["qwen36-27b-5090"]
+    assert five.measured and five.model.gdn and five.fits.gpu_class == ("rtx5090",)
+    assert "119.98 narr / 159.23 code TPS at 400 W" in " ".join(five.description.split())
+    measured = {twenty.name, llama.name, five.name}
+    assert {r.name for r in recipes.values() if r.measured} == measured
     sources = (ROOT / "docs" / "sources.md").read_text()
-    for recipe in (twenty, llama):  # every figure it quotes is quoted by docs/sources.md
+    for recipe in (twenty, llama, five):  # every figure it quotes is quoted by docs/sources.md
         for number in re.findall(r"\d+\.\d+", recipe.description):
             assert number in sources, (recipe.name, number)
     catalogue_rows = recipes_markdown().split("## Catalogue")[1].split("\n## ")[0]
     names = re.findall(r"^\| `([a-z0-9-]+)`", catalogue_rows, re.M)
-    assert names[:2] == sorted([twenty.name, llama.name]) and len(names) == len(recipes)
+    assert names[:3] == sorted(measured) and len(names) == len(recipes)
 
 
 @pytest.mark.parametrize("description", [
@@ -176,6 +198,8 @@ def test_a_generic_recipe_quoting_a_figure_is_refused(description):
     with pytest.raises(Exception, match="quote no borrowed figure"):
         Recipe.model_validate(data)
     data["measured"] = True
+    data["measured_on"] = {"gpu_class": ["rtx3090"], "gpu_count": 2, "engine": "vllm",
+                           "venv": "v"}
     assert Recipe.model_validate(data).measured
     data["sources"] = []
     with pytest.raises(Exception, match="names the source that measured it"):
@@ -235,7 +259,123 @@ def test_a_placeholder_pin_needs_the_rigs_models_entry():
     with pytest.raises(RigbookError) as error:
         engine_argv(recipe, example_rig(recipe))
     assert "pins no real commit of Qwen/Qwen3-32B-AWQ" in str(error.value)
-    assert "add {repo: Qwen/Qwen3-32B-AWQ, revision: <40-hex commit>}" in str(error.value)
+    assert ('add {"repo": "Qwen/Qwen3-32B-AWQ", "revision": "<40-hex commit>"} to the rig\'s '
+            "models (`rigbook models resolve Qwen/Qwen3-32B-AWQ` prints") in str(error.value)
+
+
+def test_a_gguf_pin_is_asked_for_with_its_file_and_pulls_only_that():
+    """Issue 33 (2): a GGUF repo holds every quantisation; the recipe serves one file."""
+    from rigbook.recipes import gguf_patterns, recipe_pins, rig_models
+
+    recipe = catalogue()["qwen36-27b-llamacpp"]
+    with pytest.raises(RigbookError) as error:
+        engine_argv(recipe, example_rig(recipe))
+    assert ('add {"repo": "unsloth/Qwen3.6-27B-GGUF", "revision": "<40-hex commit>", '
+            '"allow_patterns": ["Qwen3.6-27B-UD-Q3_K_XL.gguf"]}') in str(error.value)
+    rig = pinned_rig(recipe)
+    (spec,) = rig_models(rig)
+    assert spec.allow_patterns == ("Qwen3.6-27B-UD-Q3_K_XL.gguf",)
+    assert recipe_pins(recipe, rig) == (spec,)
+    other = pinned_rig(recipe, models=[{"repo": recipe.model.repo, "revision": MAIN},
+                                       {"repo": "o/m", "revision": DRAFT}])
+    assert rig_models(other)[1].allow_patterns == ()  # not the recipe's repo: as written
+    mine = pinned_rig(recipe, models=[{"repo": recipe.model.repo, "revision": MAIN,
+                                       "allow_patterns": ["*.gguf", "README.md"]}])
+    assert rig_models(mine)[0].allow_patterns == ("*.gguf", "README.md")  # the rig's own
+    assert fit_problems(recipe, mine) == []
+    wrong = pinned_rig(recipe, models=[{"repo": recipe.model.repo, "revision": MAIN,
+                                        "allow_patterns": ["*Q4_K_M*"]}])
+    assert fit_problems(recipe, wrong) == [
+        "models: the patterns of unsloth/Qwen3.6-27B-GGUF leave out Qwen3.6-27B-UD-Q3_K_XL.gguf, "
+        "the file the recipe serves; allowed: \"allow_patterns\": "
+        "['Qwen3.6-27B-UD-Q3_K_XL.gguf'] (or no patterns: rigbook then pulls that file only)"]
+    assert gguf_patterns("Q4/m-Q4_K_M-00001-of-00003.gguf") == ("Q4/m-Q4_K_M-*-of-00003.gguf",)
+    assert gguf_patterns("m-00001-of-00003.gguf.part") == ("m-00001-of-00003.gguf.part",)
+
+
+def test_a_placeholder_in_the_rigs_own_models_is_refused():
+    recipe = catalogue()["qwen36-27b-dual-3090"]
+    rig = pinned_rig(recipe, models=[{"repo": recipe.model.repo, "revision": PLACEHOLDER_REVISION}])
+    with pytest.raises(RigbookError, match="Lorbus/Qwen3.6-27B-int4-AutoRound is pinned to the "
+                                           "all-zeros placeholder, which is no commit"):
+        engine_argv(recipe, rig)
+
+
+def test_the_example_fleet_serves_qwen36_27b_on_its_dual_3090_and_fits_the_5090():
+    """Issue 33 (1, 4): the example inventory's dual 3090 rig serves the Qwen3.6-27B recipe
+    (venv, model pin, recipe in its host data), and a 5090 rig fits the notes' measured one."""
+    from rigbook.inventory import load_rigs
+    from tests.test_spec import PINNED
+
+    fleet = str(ROOT / "inventory/rigs.py")
+    with pytest.raises(RigbookError) as error:  # as shipped: the operator pastes the commit
+        load_rigs(fleet)
+    assert ("rig-dual3090: recipe qwen36-27b-dual-3090: models: Lorbus/Qwen3.6-27B-int4-AutoRound "
+            "is pinned to the all-zeros placeholder, which is no commit; pin the one `rigbook "
+            "models resolve Lorbus/Qwen3.6-27B-int4-AutoRound` prints") in str(error.value)
+    rigs = load_rigs(fleet, PINNED)
+    dual = rigs["rig-dual3090"]
+    recipe = recipe_for(dual, "rig-dual3090")
+    assert recipe.name == "qwen36-27b-dual-3090" and not recipe.measured
+    assert not FIGURE.search(recipe.description)
+    assert "dual.yml" in recipe.description and "stock" in recipe.description
+    assert [v.name for v in dual.venvs] == [recipe.venv]
+    five = rigs["rig-5090"].model_copy(update={
+        "venvs": dual.venvs, "recipe": "qwen36-27b-5090"})
+    measured = recipe_for(five, "rig-5090")
+    assert measured.measured and fit_problems(measured, five) == []
+    assert fit_problems(catalogue()["qwen36-27b-dual-3090"], five) != []
+
+
+@pytest.mark.parametrize(("gpu_class", "count", "platforms", "name"), START_WITH,
+                         ids=[f"{c}x{n}-{p[0]}" for c, n, p, _ in START_WITH])
+def test_the_recipe_to_start_with_fits_each_card_class(gpu_class, count, platforms, name):
+    recipe = catalogue()[name]
+    for platform in platforms:
+        data = {"platform": platform, "gpu_class": gpu_class, "gpu_count": count,
+                "venvs": [engine_venv(VENV_ENGINE[recipe.engine], name=recipe.venv)],
+                "recipe": name, "power_profile": "stock"}
+        if gpu_class == "other":
+            data["gpu_limits_watts"] = (100, 320)
+        assert fit_problems(recipe, Rig.model_validate(data)) == [], (name, platform)
+    assert f"| {count}x {gpu_class} | {', '.join(platforms)} | [`{name}`](#{name})" in (
+        ROOT / "docs" / "recipes.md").read_text()
+
+
+def test_every_card_class_has_a_recipe_to_start_with():
+    from typing import get_args
+
+    from rigbook.spec import GpuClass
+
+    assert {row[0] for row in START_WITH} == set(get_args(GpuClass))
+
+
+@pytest.mark.parametrize(("change", "differs"), [
+    ({"fits": {"gpu_class": ["rtx3090"], "gpu_count": 2, "nvlink": "forbidden",
+               "platforms": ["ubuntu"]}}, "fits 2x rtx3090, measured on 2x other"),
+    ({"fits": {"gpu_class": ["other"], "gpu_count": 1, "platforms": ["ubuntu"]},
+      "tensor_parallel_size": 1}, "fits 1x other, measured on 2x other"),
+    ({"venv": "vllm-nightly"}, "engine vllm venv vllm-nightly, measured on vllm venv vllm-0.33"),
+])
+def test_a_copied_measured_recipe_with_other_fits_or_build_is_not_measured(change, differs):
+    """Issue 33 (1): copying qwen36-27b-dual-20g with new fits kept measured = true and the
+    20 GB 3080s' figures; a measured recipe is what its measured_on says."""
+    import tomllib
+
+    data = tomllib.loads((RECIPES_DIR / "qwen36-27b-dual-20g.toml").read_text())
+    assert Recipe.model_validate(data).measured
+    data.update(change, name="mine")
+    with pytest.raises(ValidationError) as error:
+        Recipe.model_validate(data)
+    assert differs in str(error.value)
+    assert "not the configuration its source measured" in str(error.value)
+    assert "set measured = false" in str(error.value)
+    del data["measured_on"]
+    with pytest.raises(ValidationError, match="measured_on: a measured configuration says what"):
+        Recipe.model_validate(data)
+    data["measured"] = False
+    with pytest.raises(ValidationError, match="quote no borrowed figure"):  # its 82.4 TPS
+        Recipe.model_validate(data)
 
 
 def test_wsl2_recipes_get_the_allocator_setting_from_the_wsl_role():

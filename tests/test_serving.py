@@ -95,12 +95,17 @@ def state(**changes) -> ServeState:
     return ServeState(**base)
 
 
-def cache_with(*specs: tuple[str, str, dict[str, int]]) -> object:
-    """A ModelCache state holding complete snapshots (with rigbook manifests)."""
+#: What a pull of the tiny GGUF recipe's repo asks for: its file (recipes.rig_models).
+TINY = ("tiny.gguf",)
+
+
+def cache_with(*specs: tuple[str, str, dict[str, int]], allow: tuple[str, ...] = ()) -> object:
+    """A ModelCache state holding complete snapshots (with rigbook manifests), pulled with
+    `allow` (a GGUF recipe's repo is pulled with its file's pattern: recipes.rig_models)."""
     repos = []
     for repo, revision, files in specs:
         manifest = {"files": {p: {"size": s, "sha256": None} for p, s in files.items()},
-                    "allow_patterns": [], "ignore_patterns": []}
+                    "allow_patterns": list(allow), "ignore_patterns": []}
         repos.append({"folder": "models--" + repo.replace("/", "--"), "bytes": sum(files.values()),
                       "refs": {}, "snapshots": {revision: files},
                       "manifests": {revision: manifest}, "incomplete": []})
@@ -383,13 +388,13 @@ def test_a_gdn_model_needs_a_venv_built_on_cuda_13_0_exactly():
 
 def test_cpu_recipes_skip_the_gpu_checks_and_need_the_gguf_file():
     plan = serve_plan(cpu_rig(), "rig1")
-    no_gguf = cache_with(("local/tiny", REV, {"other.gguf": 10}))
+    no_gguf = cache_with(("local/tiny", REV, {"other.gguf": 10}), allow=TINY)
     tiny_venv = VenvState("/opt/rigbook/venvs/tiny-cpu-x-20261129T000000Z", False,
                           {"tiny-cpu-x-20261129T000000Z": {"driver": None}})
     problems = preflight(plan, state(smi=None), None, no_gguf, tiny_venv)
     assert problems == [f"model: local/tiny@{REV[:12]} has no tiny.gguf"]
     huge = serve_plan(cpu_rig(recipe="tiny-cpu-huge"), "rig1")
-    ok = cache_with(("local/tiny", REV, {"tiny.gguf": 10}))
+    ok = cache_with(("local/tiny", REV, {"tiny.gguf": 10}), allow=TINY)
     assert preflight(huge, state(smi=None), None, ok, tiny_venv) == [
         "host RAM: the recipe needs 4096.0 GiB, 60.0 GiB is available (MemAvailable 60.0 GiB): "
         "short by 4036.0 GiB"
@@ -525,7 +530,8 @@ def test_the_key_goes_root_only_and_a_removed_key_is_deleted(tmp_path: Path):
     key = _write(tmp_path / "key", "k3y")
     plan = serve_plan(cpu_rig(serving_bind="0.0.0.0", serving_api_key_file=str(key)), "rig1")
     probe = state(smi=None, files={})
-    facts = op_facts(probe, gpus=None, cache=cache_with(("local/tiny", REV, {"tiny.gguf": 1})),
+    cache = cache_with(("local/tiny", REV, {"tiny.gguf": 1}), allow=TINY)
+    facts = op_facts(probe, gpus=None, cache=cache,
                      venv=VenvState("/x/tiny-cpu-b", False, {"tiny-cpu-b": {"driver": None}}),
                      dirs=())
     steps = [describe(c) for c in run_op(serve_recipe, facts, plan=plan)[0]]
@@ -609,7 +615,8 @@ def test_a_failed_health_check_shows_the_journal_and_stops_the_unit(tmp_path: Pa
                       "python[9]: API_KEY=k3y-secret\n",
     })
     (health,) = [c for c in run_op(serve_recipe, op_facts(
-        state(smi=None), gpus=None, cache=cache_with(("local/tiny", REV, {"tiny.gguf": 1})),
+        state(smi=None), gpus=None,
+        cache=cache_with(("local/tiny", REV, {"tiny.gguf": 1}), allow=TINY),
         venv=VenvState("/x/tiny-cpu-b", False, {"tiny-cpu-b": {"driver": None}})),
         plan=plan)[0] if isinstance(c, FunctionCommand) and c.function.__name__ == "_await_health"]
     assert execute(health, host) is False

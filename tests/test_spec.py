@@ -18,8 +18,13 @@ from tests.conftest import PYINFRA, ROOT
 GOOD = {"platform": "ubuntu", "gpu_class": "rtx3090", "gpu_count": 2}
 
 
+#: The commit the example fleet's serving rig pins, as its operator pastes it (the file ships
+#: the all-zeros placeholder, which every run refuses: tests/test_recipes.py).
+PINNED = {"models": [{"repo": "Lorbus/Qwen3.6-27B-int4-AutoRound", "revision": "a" * 40}]}
+
+
 def test_example_fleet_validates_with_group_data_and_host_precedence():
-    rigs = load_rigs(str(ROOT / "inventory/rigs.py"))
+    rigs = load_rigs(str(ROOT / "inventory/rigs.py"), PINNED)
     assert set(rigs) == {"rig-dual3090", "rig-5090", "rig-wsl3090"}
     assert rigs["rig-5090"].driver_branch == 595  # host data wins over group data (580)
     assert rigs["rig-dual3090"].driver_branch == 580
@@ -167,17 +172,18 @@ def test_bad_cli_data_is_refused_without_connecting(tmp_path, listener):
 def test_data_is_checked_only_against_the_hosts_the_limit_selects():
     fleet = str(ROOT / "inventory/rigs.py")
     prefill = {"power_profile": "prefill"}  # documented for the 3090 only
-    _, hosts, rigs = load_inventory(fleet, prefill, limit=["rig-dual3090"])
+    _, hosts, rigs = load_inventory(fleet, {**prefill, **PINNED}, limit=["rig-dual3090"])
     assert [host.name for host in hosts] == ["rig-dual3090"]
     assert rigs["rig-dual3090"].default_cap() == 250
-    _, _, rigs = load_inventory(fleet, prefill)
+    _, _, rigs = load_inventory(fleet, {**prefill, **PINNED})
     assert rigs["rig-5090"].default_cap() == 400  # the notes' prefill knee, 0.618 TPS/W
     with pytest.raises(RigbookError, match="rig-5090: no documented sweet-spot cap for rtx5090 "
                                            "cooled by water"):
         load_inventory(fleet, {"cooling": "water"})
-    _, hosts, _ = load_inventory(fleet, {"power_caps": {"0": 280, "1": 300}}, limit=["dual_3090"])
+    _, hosts, _ = load_inventory(fleet, {"power_caps": {"0": 280, "1": 300}, **PINNED},
+                                 limit=["dual_3090"])
     assert [host.name for host in hosts] == ["rig-dual3090"]
-    _, hosts, _ = load_inventory(fleet, exclude=["rig-5090"])
+    _, hosts, _ = load_inventory(fleet, PINNED, exclude=["rig-5090"])
     assert [host.name for host in hosts] == ["rig-dual3090", "rig-wsl3090"]
     with pytest.raises(RigbookError, match="--limit rig-dual3009: no such rig or group"):
         load_inventory(fleet, limit=["rig-dual3009"])

@@ -771,7 +771,8 @@ def test_serving_recipe_unit_state_and_health(tmp_path, monkeypatch):
     monkeypatch.setattr(venvs_role, "VENVS_DIR", str(tmp_path / "venvs"))
     rig = tiny_rig(tmp_path)
     write_build(tmp_path / "venvs", rig, "tiny-cpu", "580.95.05")
-    make_repo(tmp_path / "hub", "local/tiny", REV_A, {"tiny.gguf": b"GGUF" * 64})
+    make_repo(tmp_path / "hub", "local/tiny", REV_A, {"tiny.gguf": b"GGUF" * 64},
+              patterns=(("tiny.gguf",), ()))  # a GGUF recipe's repo: its file only
     base = read_venvs(rig, converged_dual(rig))
     base.store("cache", local_fact(ModelCache, cache=str(tmp_path / "hub")))
 

@@ -430,3 +430,19 @@ def test_memory_operation_only_reports(caplog):
         commands, _ = run_op(wsl_memory, facts, min_gib=24, name="rig3")
     assert commands == []
     assert "memory=8GB (8.0 GiB) is below wsl_min_memory_gib=24" in caplog.text
+
+
+def test_wsl2_without_systemd_is_refused_with_the_wsl_conf_lines():
+    """Issue 33 (5): WSL2 starts a distribution without systemd unless /etc/wsl.conf says
+    `[boot] systemd=true`; rigbook's units need it, so the preflight refuses and says the fix."""
+    from rigbook.wsl import RegProbe, wsl2_findings
+
+    rig = Rig(platform="wsl2", gpu_class="rtx3090", gpu_count=1)
+    values = {"TdrDelay": 60, "TdrDdiDelay": 60}
+    facts = Facts(registry=RegProbe(values), profiles=[], systemd=False)
+    (found,) = wsl2_findings(rig, facts, "rig3")
+    assert (found.level, found.key) == ("error", "platform")
+    assert "add [boot] / systemd=true (two lines) to /etc/wsl.conf" in found.text
+    assert "run `wsl --shutdown` on Windows" in found.text
+    assert wsl2_findings(rig, Facts(registry=RegProbe(values), profiles=[], systemd=True),
+                         "rig3") == []
