@@ -26,6 +26,7 @@ from pyinfra.api.exceptions import FactProcessError
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.gpus import Gpu, GpuProbe, parse_query_csv, query_args, smi_failure
 from rigbook.spec import Rig
+from rigbook.types import JsonValue
 from rigbook.xid import (
     MISMATCH_PATTERN,
     Mismatch,
@@ -185,7 +186,7 @@ _KLOG_MARK = "##RIGBOOK_KLOG##"
 
 
 @dataclass(frozen=True)
-class RunningDriver:
+class RunningDriver(JsonValue):
     """The kernel module that runs (None: not loaded) and this boot's API mismatch, if any."""
 
     module: Module | None = None

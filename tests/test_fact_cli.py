@@ -38,6 +38,9 @@ ARGS = {
     # one JSON string (as probe_args makes it), given as a JSON string literal
     "ServeProbe": ["args=" + json.dumps(probe_args(serve_plan(cpu_rig(), "rig1")))],
     "SecretFile": ["path=/etc/hostname"],
+    # takes the run lock for the CLI's own session (stale once it ends, as after any run)
+    "RunLock": ["taker=" + json.dumps(json.dumps({"operator": "fact@cli", "pid": 1,
+                                                  "started": "2026-12-02T00:00:00Z"}))],
     "LiveSysctls": ['keys=["fs.inotify.max_user_watches"]'],
     "PresentPaths": ['paths=["/etc"]'],
     "UnitStates": ['units=["ssh.service"]'],
