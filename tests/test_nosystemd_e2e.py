@@ -23,9 +23,9 @@ import pytest
 
 from rigbook.serving import PIDFILE, SERVE_LOG, SUPERVISE_CONF, SUPERVISE_PATH
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
-from tests.standins import LLAMA_SERVER, place_model, wheelhouse_for_llama
-from tests.test_serving_e2e import engines, refused
-from tests.tinymodel import FILE, REPO, revision_of, write_tiny_gguf
+from tests.standins import place_model, wheelhouse_for_llama
+from tests.test_serving_e2e import engines, refused, tiny_cpu_args
+from tests.tinymodel import FILE, revision_of, write_tiny_gguf
 
 pytestmark = pytest.mark.sandbox
 
@@ -80,18 +80,7 @@ def test_a_rig_without_systemd_converges_and_serves_under_the_supervisor(bare_ri
     place_model(rig, gguf, revision)
 
     def converge(deploy: str, recipe: str, *more: str):
-        data = {
-            "recipe": recipe,
-            "serving_recipe_dirs": json.dumps([str(ROOT / "tests" / "recipes")]),
-            "venvs": json.dumps([{"name": "tiny-cpu", "engine": "llama-cpp-python",
-                                  "python": "3.11", "packages": [LLAMA_SERVER]}]),
-            "models": json.dumps([{"repo": REPO, "revision": revision}]),
-            "power_cap_watts": "260",
-            "serving_health_timeout_s": "180",
-        }
-        args = ["--limit", name]
-        for key, value in data.items():
-            args += ["--data", f"{key}={value}"]
+        args = tiny_cpu_args(name, recipe, revision, power_cap_watts="260")
         return run_pyinfra(SANDBOX_INVENTORY, deploy, *args, *more)
 
     # 0. --dry plans no unit and no systemctl

@@ -41,21 +41,26 @@ KEY = "rigbook-e2e-key-7f3a"
 pytestmark = pytest.mark.sandbox
 
 
-def data_args(recipe: str, revision: str, key_file: Path) -> list[str]:
+def tiny_cpu_args(rig: str, recipe: str, revision: str, **more: str) -> list[str]:
+    """pyinfra's arguments for serving one of tests/recipes' tiny CPU recipes on one rig."""
     data = {
         "recipe": recipe,
         "serving_recipe_dirs": json.dumps([str(ROOT / "tests" / "recipes")]),
         "venvs": json.dumps([{"name": "tiny-cpu", "engine": "llama-cpp-python",
                               "python": "3.11", "packages": [LLAMA_SERVER]}]),
         "models": json.dumps([{"repo": REPO, "revision": revision}]),
-        "serving_bind": "0.0.0.0",
-        "serving_api_key_file": str(key_file),
         "serving_health_timeout_s": "180",
+        **more,
     }
-    args = ["--limit", "rig1"]
+    args = ["--limit", rig]
     for key, value in data.items():
         args += ["--data", f"{key}={value}"]
     return args
+
+
+def data_args(recipe: str, revision: str, key_file: Path) -> list[str]:
+    return tiny_cpu_args("rig1", recipe, revision, serving_bind="0.0.0.0",
+                         serving_api_key_file=str(key_file))
 
 
 def api(rig: dict, port: int, path: str = "/v1/models", key: str | None = KEY) -> tuple[int, dict]:
