@@ -1,4 +1,5 @@
-"""What pyinfra's apt support lacks: the held-package set and an idempotent apt-mark hold.
+"""What pyinfra's apt support lacks: the held-package set, an idempotent apt-mark hold, and the
+repair of package work that a dead apt or dpkg left half-done.
 
 pyinfra has no apt-mark operation, and a `server.shell("apt-mark hold ...")` step counts as a
 change on every run. `apt_hold` reads the held set first (`AptHolds`) and marks only the
@@ -7,6 +8,10 @@ exact versions, which roles compare by upstream version (`upstream_version`).
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import FactBase, QuoteString, StringCommand, operation
@@ -170,3 +175,122 @@ def apt_hold(packages: list[str] | tuple[str, ...], held: bool = True):
         host.noop(f"{', '.join(sorted(set(packages)))}: already {state}")
     else:
         host.noop(f"no packages to {verb}")
+
+
+#: dpkg's own journal of work it started: not empty when a dpkg run died mid-way.
+DPKG_UPDATES = "/var/lib/dpkg/updates"
+#: The locks dpkg (and apt, as its frontend) hold while they change packages.
+DPKG_LOCKS = ("/var/lib/dpkg/lock-frontend", "/var/lib/dpkg/lock")
+#: Programs that change packages, by process name (the kernel cuts names to 15 characters:
+#: unattended-upgrade is "unattended-upgr"), and the driver bump's script by its path.
+_PACKAGE_WORKERS = "^(dpkg|apt|apt-get|aptitude|unattended-upgr|packagekitd)$"
+#: The driver bump's apt step (files/driver/bump.sh, roles/driver.py move_driver).
+BUMP_SCRIPT = "/opt/rigbook/driver/bump.sh"
+_BUMP = BUMP_SCRIPT.replace("bump.sh", "[b]ump.sh")  # [b]: not the shell that runs pgrep
+_MARK = "rigbook-dpkg:"
+#: A package line of `dpkg --audit`: one space, the name (":arch" on multiarch), its summary.
+_AUDIT_PACKAGE = re.compile(r" ([a-z0-9][a-z0-9+.-]+(?::[a-z0-9]+)?)(?: .*)?")
+
+
+@dataclass(frozen=True)
+class DpkgWork:
+    """Package work left half-done, and what is changing packages right now."""
+
+    journal: bool = False  # DPKG_UPDATES is not empty
+    packages: tuple[str, ...] = ()  # what `dpkg --audit` names, in its order
+    busy: tuple[str, ...] = ()  # "PID NAME" of each process at work, "lock PATH" of a held lock
+
+    @property
+    def interrupted(self) -> bool:
+        return self.journal or bool(self.packages)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form (`pyinfra @rig fact ...`)."""
+        return {**asdict(self), "interrupted": self.interrupted}
+
+    def describe(self) -> str:
+        """What was left half-done, in words."""
+        parts = [f"{', '.join(self.packages)} not fully installed"] if self.packages else []
+        if self.journal:
+            parts.append(f"{DPKG_UPDATES}/ not empty")
+        return "; ".join(parts)
+
+
+def parse_dpkg_audit(lines: list[str]) -> tuple[str, ...]:
+    """The packages `dpkg --audit` names, each once: its lines that start with one space (the
+    headings of its sections, in any language, do not)."""
+    found: list[str] = []
+    for line in lines:
+        if not line.startswith(" "):
+            continue
+        matched = _AUDIT_PACKAGE.fullmatch(line.rstrip(" "))
+        if matched is None:
+            raise FactProcessError(f"not a dpkg --audit package line: {line!r}")
+        if matched[1] not in found:
+            found.append(matched[1])
+    return tuple(found)
+
+
+class DpkgInterrupted(FactBase[DpkgWork]):
+    """
+    Package work a dead apt or dpkg left half-done (apt then refuses everything with "E: dpkg
+    was interrupted, you must manually run 'dpkg --configure -a' to correct the problem"), and
+    the processes or locks that say package work is under way now. Reads dpkg's journal
+    (/var/lib/dpkg/updates), the processes that change packages, dpkg's locks (/proc/locks)
+    and ``dpkg --audit``, whose real output (tests/fixtures/real/apt/) looks like::
+
+        The following packages are only half configured, probably due to problems
+        configuring them the first time.  The configuration should be retried using
+        dpkg --configure <package> or the configure menu option in dselect:
+         initramfs-tools      tools for generating an initramfs
+
+    .. code:: python
+
+        DpkgWork(journal=False, packages=("initramfs-tools",), busy=())
+    """
+
+    def requires_command(self) -> str:
+        return "dpkg"
+
+    def command(self) -> str:
+        locks = " ".join(DPKG_LOCKS)
+        return (
+            f"ls -A {DPKG_UPDATES} 2>/dev/null | grep -q . && echo '{_MARK}journal'; "
+            f"pgrep -l '{_PACKAGE_WORKERS}' | sed 's/^/{_MARK}busy /'; "
+            f"pgrep -f '{_BUMP}' | sed 's/$/ bump.sh/; s/^/{_MARK}busy /'; "
+            f"for lock in {locks}; do [ -e \"$lock\" ] && "
+            f"grep -q \":$(stat -c %i \"$lock\") \" /proc/locks 2>/dev/null && "
+            f"echo \"{_MARK}busy lock $lock\"; done; "
+            "dpkg --audit; [ $? -le 1 ]"  # dpkg 1.20 and later exit 1 when it found something
+        )
+
+    @staticmethod
+    def default() -> DpkgWork:
+        return DpkgWork()
+
+    def process(self, output: list[str]) -> DpkgWork:
+        marks = [line[len(_MARK):] for line in output if line.startswith(_MARK)]
+        return DpkgWork(
+            journal="journal" in marks,
+            packages=parse_dpkg_audit([line for line in output if not line.startswith(_MARK)]),
+            busy=tuple(mark.removeprefix("busy ") for mark in marks if mark.startswith("busy ")),
+        )
+
+
+@operation()
+def finish_interrupted():
+    """
+    Finish the package work a dead apt or dpkg left half-done (``dpkg --configure -a``), so
+    that apt runs again; nothing when none was left, and nothing while package work is under way
+    (a dpkg or apt process, the driver bump, a held dpkg lock): that work is not interrupted.
+
+    Configuration files the packages ship are kept as they are on the rig (--force-confold).
+    """
+    work = once(DpkgInterrupted)
+    if work.busy:
+        host.noop(f"package work under way ({', '.join(work.busy)}): left to finish")
+    elif not work.interrupted:
+        host.noop("no interrupted package work")
+    else:
+        yield StringCommand("DEBIAN_FRONTEND=noninteractive dpkg --force-confdef "
+                            "--force-confold --configure -a")

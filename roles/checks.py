@@ -96,12 +96,15 @@ class Check:
 
     `gpus`: it needs working GPUs. On a rig whose driver the run is about to install, it is
     deferred until the driver is in (roles/preflight.py).
+    `said`: the preflight prints its findings even when they refuse nothing (what the run is
+    about to repair, which the operator should know of).
     """
 
     name: str
     reads: Callable[[Rig, str], Iterable[Read]]
     run: Callable[[Rig, Facts, str], Iterable[Finding]]
     gpus: bool = False
+    said: bool = False
 
 
 class Facts:

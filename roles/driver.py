@@ -33,8 +33,18 @@ from pyinfra.operations import apt, systemd
 from pyinfra.operations.util import any_changed
 
 from rigbook import FILES
-from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
-from rigbook.checks import Check, Facts, Finding, Read, drift, error
+from rigbook.apt import (
+    BUMP_SCRIPT,
+    AptHolds,
+    AptVersions,
+    DpkgInstalled,
+    DpkgInterrupted,
+    DpkgWork,
+    apt_hold,
+    finish_interrupted,
+    upstream_version,
+)
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.checks import refusal as refusal_finding
 from rigbook.driver_source import (
     SOURCE_READ,
@@ -138,8 +148,7 @@ BLACKLIST = "/etc/apt/apt.conf.d/51rigbook-nvidia-blacklist"
 PERSISTENCED = "nvidia-persistenced.service"
 PERSISTENCED_DROPIN = "/etc/systemd/system/nvidia-persistenced.service.d/override.conf"
 MODPROBE_CONF = "/etc/modprobe.d/rigbook-nvidia.conf"
-#: The bump's apt step (files/driver/bump.sh), installed by the bump itself, and where it logs.
-BUMP_SCRIPT = "/opt/rigbook/driver/bump.sh"
+#: Where the bump's apt step (BUMP_SCRIPT, installed by the bump itself) logs.
 BUMP_LOGS = "/var/log/rigbook/driver-bump-*.log"
 
 #: A Debian package name as dpkg reports it (Debian policy 5.6.1), with an optional :arch.
@@ -680,6 +689,8 @@ def driver(rig: Rig):
     if plan.platform == "wsl2":
         check_wsl(name="WSL2: the Windows driver serves the GPUs")
         return
+    # First: apt refuses everything after a dead dpkg; what follows reads the packages again.
+    finish_interrupted(name="Finish interrupted package work (dpkg --configure -a)")
     foreign = _foreign_now(rig)
     if foreign is not None:
         _keep_foreign(rig, foreign)
@@ -813,6 +824,24 @@ def driver_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     return found
 
 
+def dpkg_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """Package work a dead apt or dpkg left half-done, which the converge finishes before the
+    driver (apt refuses everything until then); none while such work is under way. WSL2 gets
+    no driver role, so nothing is finished there."""
+    if rig.platform == "wsl2":
+        return []
+    if facts.missing("dpkg"):
+        return facts.missing("dpkg")
+    work: DpkgWork | None = facts.dpkg
+    if work is None or not work.interrupted:
+        return []
+    if work.busy:
+        return [warn("driver", f"package work under way ({', '.join(work.busy)}): "
+                     f"{work.describe()}; the converge leaves it to finish")]
+    return [drift("driver", f"dpkg was interrupted ({work.describe()}): the converge runs "
+                  "dpkg --configure -a, then holds the driver")]
+
+
 def foreign_of(rig: Rig, facts: Facts) -> Foreign | None:
     """foreign_driver from a check's facts (those of source_reads)."""
     return foreign_driver(rig, facts, CUDA_REPO, driver_versions(facts.installed or {}))
@@ -853,6 +882,15 @@ def _driver_reads(rig: Rig, rig_name: str) -> list[Read]:
 
 
 DRIVER = Check("driver", _driver_reads, driver_findings)
+
+
+def _dpkg_reads(rig: Rig, rig_name: str) -> list[Read]:
+    return [] if rig.platform == "wsl2" else [
+        Read("dpkg", DpkgInterrupted, "interrupted package work")]
+
+
+#: Said by the preflight (`said`): what the converge finishes before the driver.
+DPKG = Check("interrupted package work", _dpkg_reads, dpkg_findings, said=True)
 
 
 # --- onboarding a real box: nouveau, Secure Boot, DKMS, headers, other sources (roles/kernel.py)
@@ -931,4 +969,4 @@ def _onboard(rig: Rig):
 
 
 ONBOARD = Check("driver onboarding", _onboard_reads, _onboard_findings)
-CHECKS = (DRIVER, ONBOARD)
+CHECKS = (DRIVER, DPKG, ONBOARD)

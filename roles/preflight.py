@@ -104,6 +104,8 @@ def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
     if refusing:
         _fail_now(refusal_text(host.name, refusing), refusal_reason(refusing))
         return False
+    for finding in run_checks(rig, host.name, [c for c in checks if c.said], facts):
+        logger.warning(f"{host.print_prefix}{finding.text}")
     _DEFERRED.pop(host.name, None)
     if deferred:
         _DEFERRED[host.name] = deferred

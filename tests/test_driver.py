@@ -22,12 +22,23 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 from pyinfra.api import Config, FunctionCommand, Inventory, State
+from pyinfra.api.exceptions import FactProcessError
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.server import LinuxDistribution
 
 from rigbook import driver as drv
 from rigbook import reboot
-from rigbook.apt import AptHolds, AptVersions, DpkgInstalled, apt_hold, upstream_version
+from rigbook.apt import (
+    AptHolds,
+    AptVersions,
+    DpkgInstalled,
+    DpkgInterrupted,
+    DpkgWork,
+    apt_hold,
+    finish_interrupted,
+    parse_dpkg_audit,
+    upstream_version,
+)
 from rigbook.checks import Facts
 from rigbook.errors import RigbookError
 from rigbook.gpus import GpuProbe, parse_query_csv
@@ -1017,3 +1028,59 @@ def test_a_version_the_archive_no_longer_carries_is_refused_before_any_change():
     assert drv.archive_finding(r, installed) is None
     nothing = drv.archive_finding(rig(platform="ubuntu"), Facts(driver_policy=[], installed={}))
     assert "no apt source of this rig offers nvidia-driver-580-open" in nothing.reason
+
+
+# --- package work a dead apt or dpkg left half-done (issue 30) ------------------------------
+
+HALF = DpkgWork(packages=("nvidia-kernel-open-dkms", "nvidia-open"))
+
+
+def test_interrupted_package_work_is_finished_once_and_never_under_running_apt():
+    commands, _ = run_op(finish_interrupted, {"DpkgInterrupted": HALF})
+    assert shell(commands) == [
+        "DEBIAN_FRONTEND=noninteractive dpkg --force-confdef --force-confold --configure -a"]
+    journal_only = DpkgWork(journal=True)
+    assert journal_only.interrupted
+    assert journal_only.describe() == "/var/lib/dpkg/updates/ not empty"
+    assert shell(run_op(finish_interrupted, {"DpkgInterrupted": journal_only})[0])
+    commands, fake = run_op(finish_interrupted, {"DpkgInterrupted": DpkgWork()})
+    assert commands == [] and fake.noops == ["no interrupted package work"]
+    busy = DpkgWork(packages=HALF.packages, busy=("4242 bump.sh", "lock /var/lib/dpkg/lock"))
+    commands, fake = run_op(finish_interrupted, {"DpkgInterrupted": busy})
+    assert commands == [] and fake.noops == [
+        "package work under way (4242 bump.sh, lock /var/lib/dpkg/lock): left to finish"]
+
+
+def test_the_dpkg_fact_reads_the_journal_the_workers_the_locks_and_the_audit():
+    command = DpkgInterrupted().command()
+    assert "ls -A /var/lib/dpkg/updates" in command and "dpkg --audit; [ $? -le 1 ]" in command
+    assert "pgrep -f '/opt/rigbook/driver/[b]ump.sh'" in command  # not its own shell
+    assert "/proc/locks" in command and "/var/lib/dpkg/lock-frontend" in command
+    work = DpkgInterrupted().process([
+        "rigbook-dpkg:journal", "rigbook-dpkg:busy 77 apt-get",
+        "rigbook-dpkg:busy lock /var/lib/dpkg/lock-frontend",
+    ])
+    assert work == DpkgWork(journal=True, busy=("77 apt-get", "lock /var/lib/dpkg/lock-frontend"))
+    assert DpkgInterrupted().process([]) == DpkgWork() and not DpkgWork().interrupted
+
+
+@pytest.mark.parametrize("line", [" Bad-Name summary", " nvidia-open\n", " $(reboot)", "  ", " A"])
+def test_a_dpkg_audit_line_that_names_no_package_is_a_parse_error(line):
+    with pytest.raises(FactProcessError):
+        parse_dpkg_audit([line])
+
+
+def test_the_preflight_says_interrupted_work_and_the_converge_finishes_it_first():
+    facts = Facts(dpkg=HALF)
+    (finding,) = drv.dpkg_findings(rig(), facts, "rig1")
+    assert finding.level == "drift" and drv.DPKG.said
+    assert finding.text == (
+        "dpkg was interrupted (nvidia-kernel-open-dkms, nvidia-open not fully installed): the "
+        "converge runs dpkg --configure -a, then holds the driver")
+    busy = Facts(dpkg=DpkgWork(packages=HALF.packages, busy=("9 dpkg",)))
+    assert [f.level for f in drv.dpkg_findings(rig(), busy, "rig1")] == ["warn"]
+    assert drv.dpkg_findings(rig(), Facts(dpkg=DpkgWork()), "rig1") == []
+    assert drv.dpkg_findings(rig(platform="wsl2"), facts, "rig1") == []
+    assert drv.DPKG in drv.CHECKS and drv.DPKG not in drv.ONBOARD.reads(rig(), "rig1")
+    unread = Facts(unread={"dpkg": "exit 2"})
+    assert [f.level for f in drv.dpkg_findings(rig(), unread, "rig1")] == ["error"]

@@ -334,3 +334,68 @@ def test_the_keyring_is_installed_only_when_its_sha256_matches(sandbox, tmp_path
     finally:
         rig_ssh(rig, f"systemctl stop rigbook-test-keyring; dpkg -r cuda-keyring >/dev/null; "
                      f"rm -rf {KEYRING_DIR}", check=False)
+
+
+def kill_apt_mid_postinst(rig: dict) -> None:
+    """SIGKILL apt-get, dpkg and the stand-in DKMS postinst while it "builds": what a rig that
+    dies in the middle of apt leaves (the processes are the ones this test started)."""
+    wait_until(lambda: rig_ssh(rig, f"test -e {DKMS_BUILDING}", check=False).returncode == 0,
+               "the DKMS build to start")
+    rig_ssh(rig, "post=$(pgrep -f '[n]vidia-kernel-open-dkms.postinst'); "
+            "kill -KILL $(pgrep -x apt-get) $(pgrep -x dpkg) $post $(for p in $post; do "
+            f"pgrep -P $p; done); rm -f {DKMS_BUILDING}", check=False)
+
+
+def test_a_driver_install_killed_mid_apt_is_finished_and_held_by_the_next_converge(sandbox):
+    """Issue 30: a rig that died in the middle of apt ("E: dpkg was interrupted, you must
+    manually run 'dpkg --configure -a'"): the preflight says so, the next converge runs
+    dpkg --configure -a before the driver and holds it, and a second converge changes nothing."""
+    rig1 = sandbox["rig1"]
+    forget_driver(rig1)
+    try:
+        rig_ssh(rig1, f"mkdir -p /etc/rigbook-sim && echo 60 > {DKMS_SECONDS}")
+        converge = subprocess.Popen(
+            [PYINFRA, "-y", SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            kill_apt_mid_postinst(rig1)
+        finally:
+            converge.kill()
+            converge.wait()
+        rig_ssh(rig1, f"rm -f {DKMS_SECONDS}")
+        states = dpkg_states(rig1)
+        assert states["nvidia-kernel-open-dkms"][1] in "UF", states  # not configured
+        assert not holds(rig1) & set(PACKAGES)
+        audit = rig_ssh(rig1, "dpkg --audit", check=False).stdout
+        assert "nvidia-kernel-open-dkms" in audit, audit
+        apt = rig_ssh(rig1, "apt-get install -s nvidia-open", check=False)
+        assert "dpkg was interrupted" in apt.stderr, apt.stdout + apt.stderr
+
+        # status says it, and so does the converge's preflight; the converge finishes the work
+        # before the driver, then installs nothing more and holds every package.
+        seen = rigbook("status", SANDBOX_INVENTORY, "--json", "--limit", "rig1", check=False)
+        (status,) = json.loads(seen.stdout)["rigs"]
+        said = [f["reason"] for f in status["findings"] if "dpkg was interrupted" in f["reason"]]
+        assert said and "nvidia-kernel-open-dkms" in said[0], status["findings"]
+        repair = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1")
+        assert repair.returncode == 0, repair.explain()
+        assert "dpkg was interrupted (" in repair.stderr + repair.stdout, repair.explain()
+        changed = driver_changes(repair)
+        assert changed.get("NVIDIA driver | Finish interrupted package work "
+                           "(dpkg --configure -a)") == ["rig1"], repair.explain()
+        assert changed.get("NVIDIA driver | Hold the driver packages (apt-mark hold)") == ["rig1"]
+        assert versions(rig1) == {name: f"{OLD}-1" for name in PACKAGES}
+        assert holds(rig1) >= set(PACKAGES)
+        assert rig_ssh(rig1, "dpkg --audit").stdout == ""
+        assert smi_driver(rig1) == OLD
+
+        again = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1")
+        assert again.returncode == 0 and again.changed() == {}, again.explain()
+    finally:
+        # Back to a rig whose packages are all configured and held, whatever failed above.
+        rig_ssh(rig1, f"rm -f {DKMS_SECONDS} {DKMS_FAILS} {DKMS_BUILDING}; "
+                "if [ -n \"$(dpkg --audit)\" ]; then DEBIAN_FRONTEND=noninteractive "
+                "dpkg --configure -a; fi; "
+                f"apt-mark hold $(dpkg-query -W -f='${{Package}}\\n' {' '.join(PACKAGES)} "
+                "2>/dev/null) >/dev/null 2>&1", check=False)
