@@ -197,11 +197,13 @@ class DpkgWork:
     """Package work left half-done, and what is changing packages right now."""
 
     journal: bool = False  # DPKG_UPDATES is not empty
-    packages: tuple[str, ...] = ()  # what `dpkg --audit` names, in its order
+    packages: tuple[str, ...] = ()  # what `dpkg --audit` names that --configure finishes
+    broken: tuple[str, ...] = ()  # what it names that --configure cannot (to reinstall)
     busy: tuple[str, ...] = ()  # "PID NAME" of each process at work, "lock PATH" of a held lock
 
     @property
     def interrupted(self) -> bool:
+        """dpkg --configure -a has work to finish."""
         return self.journal or bool(self.packages)
 
     def to_json(self) -> dict[str, Any]:
@@ -216,19 +218,27 @@ class DpkgWork:
         return "; ".join(parts)
 
 
-def parse_dpkg_audit(lines: list[str]) -> tuple[str, ...]:
-    """The packages `dpkg --audit` names, each once: its lines that start with one space (the
-    headings of its sections, in any language, do not)."""
-    found: list[str] = []
+def parse_dpkg_audit(lines: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The packages `LC_ALL=C dpkg --audit` names, each once: those of a section whose heading
+    says `dpkg --configure` (unpacked, half-configured, triggers awaited or pending), which
+    `dpkg --configure -a` finishes, and the others (half-installed, to reinstall, no md5sums or
+    file list), which it cannot. Package lines start with one space; headings do not."""
+    heading: list[str] = []
+    configure: list[str] = []
+    broken: list[str] = []
     for line in lines:
-        if not line.startswith(" "):
-            continue
-        matched = _AUDIT_PACKAGE.fullmatch(line.rstrip(" "))
-        if matched is None:
-            raise FactProcessError(f"not a dpkg --audit package line: {line!r}")
-        if matched[1] not in found:
-            found.append(matched[1])
-    return tuple(found)
+        if not line.strip():
+            heading = []
+        elif not line.startswith(" "):
+            heading.append(line)
+        else:
+            matched = _AUDIT_PACKAGE.fullmatch(line.rstrip(" "))
+            if matched is None:
+                raise FactProcessError(f"not a dpkg --audit package line: {line!r}")
+            found = configure if "--configure" in " ".join(heading) else broken
+            if matched[1] not in found:
+                found.append(matched[1])
+    return tuple(configure), tuple(broken)
 
 
 class DpkgInterrupted(FactBase[DpkgWork]):
@@ -239,14 +249,15 @@ class DpkgInterrupted(FactBase[DpkgWork]):
     (/var/lib/dpkg/updates), the processes that change packages, dpkg's locks (/proc/locks)
     and ``dpkg --audit``, whose real output (tests/fixtures/real/apt/) looks like::
 
-        The following packages are only half configured, probably due to problems
-        configuring them the first time.  The configuration should be retried using
-        dpkg --configure <package> or the configure menu option in dselect:
-         initramfs-tools      tools for generating an initramfs
+        The following packages are missing the md5sums control file in the
+        database, they need to be reinstalled:
+         default-jre          Standard Java or Java compatible Runtime
 
     .. code:: python
 
-        DpkgWork(journal=False, packages=("initramfs-tools",), busy=())
+        DpkgWork(journal=False, packages=(), broken=("default-jre",), busy=())
+
+    (A section whose heading names ``dpkg --configure`` goes to ``packages``.)
     """
 
     def requires_command(self) -> str:
@@ -261,7 +272,7 @@ class DpkgInterrupted(FactBase[DpkgWork]):
             f"for lock in {locks}; do [ -e \"$lock\" ] && "
             f"grep -q \":$(stat -c %i \"$lock\") \" /proc/locks 2>/dev/null && "
             f"echo \"{_MARK}busy lock $lock\"; done; "
-            "dpkg --audit; [ $? -le 1 ]"  # dpkg 1.20 and later exit 1 when it found something
+            "LC_ALL=C dpkg --audit; [ $? -le 1 ]"  # dpkg 1.20 and later exit 1 on a finding
         )
 
     @staticmethod
@@ -270,9 +281,12 @@ class DpkgInterrupted(FactBase[DpkgWork]):
 
     def process(self, output: list[str]) -> DpkgWork:
         marks = [line[len(_MARK):] for line in output if line.startswith(_MARK)]
+        packages, broken = parse_dpkg_audit(
+            [line for line in output if not line.startswith(_MARK)])
         return DpkgWork(
             journal="journal" in marks,
-            packages=parse_dpkg_audit([line for line in output if not line.startswith(_MARK)]),
+            packages=packages,
+            broken=broken,
             busy=tuple(mark.removeprefix("busy ") for mark in marks if mark.startswith("busy ")),
         )
 

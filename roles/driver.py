@@ -832,14 +832,17 @@ def dpkg_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         return []
     if facts.missing("dpkg"):
         return facts.missing("dpkg")
-    work: DpkgWork | None = facts.dpkg
-    if work is None or not work.interrupted:
-        return []
+    work: DpkgWork = facts.dpkg or DpkgWork()
+    found = [warn("driver", f"dpkg --audit: {', '.join(work.broken)} need reinstalling "
+                  "(apt-get install --reinstall), which dpkg --configure -a cannot do")
+             ] if work.broken else []
+    if not work.interrupted:
+        return found
     if work.busy:
-        return [warn("driver", f"package work under way ({', '.join(work.busy)}): "
-                     f"{work.describe()}; the converge leaves it to finish")]
-    return [drift("driver", f"dpkg was interrupted ({work.describe()}): the converge runs "
-                  "dpkg --configure -a, then holds the driver")]
+        return [*found, warn("driver", f"package work under way ({', '.join(work.busy)}): "
+                             f"{work.describe()}; the converge leaves it to finish")]
+    return [*found, drift("driver", f"dpkg was interrupted ({work.describe()}): the converge "
+                          "runs dpkg --configure -a, then holds the driver")]
 
 
 def foreign_of(rig: Rig, facts: Facts) -> Foreign | None:

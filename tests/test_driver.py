@@ -47,6 +47,7 @@ from rigbook.render import render as render_template
 from rigbook.spec import Rig
 from rigbook.wsl import WslSignals
 from tests.opkit import Calls, FakeHost, describe, file_states, shell
+from tests.test_real_fixtures import REAL, readings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-h200"
 TEMPLATES = drv.TEMPLATES
@@ -1064,10 +1065,24 @@ def test_the_dpkg_fact_reads_the_journal_the_workers_the_locks_and_the_audit():
     assert DpkgInterrupted().process([]) == DpkgWork() and not DpkgWork().interrupted
 
 
-@pytest.mark.parametrize("line", [" Bad-Name summary", " nvidia-open\n", " $(reboot)", "  ", " A"])
+@pytest.mark.parametrize(
+    "line", [" Bad-Name summary", " nvidia-open\n", " $(reboot)", "  nvidia-open", " A"])
 def test_a_dpkg_audit_line_that_names_no_package_is_a_parse_error(line):
     with pytest.raises(FactProcessError):
         parse_dpkg_audit([line])
+
+
+AUDITS = [(n, w) for n, w in readings("apt/") if w.get("kind") == "dpkg-audit"]
+
+
+@pytest.mark.parametrize("name, want", AUDITS, ids=[n for n, _ in AUDITS])
+def test_dpkg_audit_as_published(name, want):
+    """What --configure -a finishes and what it cannot, from the section headings."""
+    text = (REAL / name).read_text().splitlines()
+    packages, broken = parse_dpkg_audit(text)
+    assert {"configure": list(packages), "reinstall": list(broken)} == want["packages"]
+    work = DpkgInterrupted().process(text)
+    assert work.interrupted == bool(packages)
 
 
 def test_the_preflight_says_interrupted_work_and_the_converge_finishes_it_first():
@@ -1082,5 +1097,8 @@ def test_the_preflight_says_interrupted_work_and_the_converge_finishes_it_first(
     assert drv.dpkg_findings(rig(), Facts(dpkg=DpkgWork()), "rig1") == []
     assert drv.dpkg_findings(rig(platform="wsl2"), facts, "rig1") == []
     assert drv.DPKG in drv.CHECKS and drv.DPKG not in drv.ONBOARD.reads(rig(), "rig1")
+    broken = Facts(dpkg=DpkgWork(broken=("default-jre",)))
+    (finding,) = drv.dpkg_findings(rig(), broken, "rig1")  # not interrupted: nothing to finish
+    assert finding.level == "warn" and "default-jre need reinstalling" in finding.text
     unread = Facts(unread={"dpkg": "exit 2"})
     assert [f.level for f in drv.dpkg_findings(rig(), unread, "rig1")] == ["error"]
