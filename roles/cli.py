@@ -18,6 +18,7 @@ from pathlib import Path
 from rigbook import sandbox
 from rigbook.docs import stale_docs, write_docs
 from rigbook.errors import EXIT_USAGE, RigbookError
+from rigbook.schema import host_data_schema, recipe_schema
 
 
 class Parser(argparse.ArgumentParser):
@@ -242,6 +243,22 @@ def add_docs_command(commands: argparse._SubParsersAction) -> None:
     docs.set_defaults(func=docs_command)
 
 
+def schema_command(args: argparse.Namespace) -> int:
+    schema = recipe_schema() if args.kind == "recipe" else host_data_schema(args.partial)
+    print(json.dumps(schema, indent=2))
+    return 0
+
+
+def add_schema_command(commands: argparse._SubParsersAction) -> None:
+    schema = commands.add_parser(
+        "schema", help="print the JSON Schema of host data or of a recipe, for editors"
+    )
+    schema.add_argument("kind", choices=("host-data", "recipe"))
+    schema.add_argument("--partial", action="store_true",
+                        help="host-data: no key required (a group-data file carries only some)")
+    schema.set_defaults(func=schema_command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="rigbook", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"rigbook {_version()}")
@@ -253,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_sandbox_commands(commands)
     add_docs_command(commands)
+    add_schema_command(commands)
     add_status_command(commands)
     add_models_commands(commands)
     add_bench_commands(commands)

@@ -26,7 +26,7 @@ def commands(tool: str) -> list[tuple[str, str]]:
                 continue
             text = line.strip() if inside else (m.group(2).strip() if (m := _BLOCK.match(line))
                                                 else "")
-            for part in re.split(r"\s(?:&&|\|\||;|\|)\s", text.split(" # ")[0]):
+            for part in re.split(r"\s(?:&&|\|\||;|\||>)\s", text.split(" # ")[0]):
                 # a prompt and environment assignments go; a tool's own output ("rigbook
                 # status: reading ...") and placeholders (<commit>, ...) are not commands
                 part = re.sub(r"^(\$ )?([A-Z_]+=\S* )*", "", part.strip())
