@@ -9,6 +9,7 @@ import shlex
 
 import pytest
 
+from rigbook import jobs
 from rigbook.cli import build_parser
 from tests.conftest import ROOT
 
@@ -57,3 +58,5 @@ def test_every_deploy_the_docs_run_exists(where, command):
     deploys = [w for w in shlex.split(command) if re.fullmatch(r"deploys/\w+\.py", w)]
     for deploy in deploys:
         assert (ROOT / deploy).is_file(), f"{where}: {deploy} does not exist"
+    for job in re.findall(r"\brigbook\.jobs\.(\w+)", command):
+        assert callable(getattr(jobs, job, None)), f"{where}: rigbook.jobs.{job} does not exist"

@@ -9,6 +9,7 @@ found by accident: everything rigbook reads must be package data.
 from __future__ import annotations
 
 import json
+import runpy
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SANDBOX_INVENTORY
+from tests.conftest import ROOT, SANDBOX_INVENTORY, run_pyinfra
+from tests.test_spec import listener  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +96,76 @@ def test_status_of_sandbox_rigs_from_the_installed_package(installed, sandbox, t
     (rig,) = json.loads(done.stdout)["rigs"]
     assert rig["name"] == "rig2" and rig["state"] != "unreachable", rig
     assert rig["error"] is None and rig["driver"] is not None, rig  # its facts were read
+
+
+def _fleet(installed: Path, where: Path) -> Path:
+    """`rigbook init fleet` in `where`, as a user who installed the wheel runs it."""
+    made = run(installed, "init", "fleet", cwd=where)
+    assert made.returncode == 0, made.stderr
+    return where / "fleet"
+
+
+def test_init_writes_a_fleet_folder_and_never_overwrites_it(installed, tmp_path):
+    fleet = _fleet(installed, tmp_path)
+    names = {str(path.relative_to(fleet)) for path in fleet.rglob("*") if path.is_file()}
+    assert names == {"config.py", "inventory.py", "group_data/all.py", "README.md", ".gitignore",
+                     "docs/host-data.md", "docs/recipes.md"}
+    assert "secrets/" in (fleet / ".gitignore").read_text()
+    assert (fleet / "secrets").stat().st_mode & 0o077 == 0
+    assert run(installed, "docs", "--check", cwd=fleet).returncode == 0  # docs of this install
+    validated = subprocess.run(
+        [str(installed / "python"), "-c", "from rigbook.inventory import load_rigs; "
+         "print(sorted(load_rigs('inventory.py')))"], cwd=fleet, capture_output=True, text=True)
+    assert validated.stdout.strip() == "['rig-dual3090']", validated.stderr
+    (fleet / "inventory.py").write_text("mine\n")
+    again = run(installed, "init", "fleet", cwd=tmp_path)
+    assert again.returncode == 3 and "nothing was written" in again.stderr, again
+    assert (fleet / "inventory.py").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("where", ["the fleet folder", "another folder"])
+@pytest.mark.parametrize("bad", [True, False], ids=["a bad value", "good data (the control)"])
+def test_a_bad_value_in_an_init_folder_is_refused_before_any_connection(
+        installed, tmp_path, listener, where, bad):  # noqa: F811
+    """The folder's inventory ends with rigbook's check: from the folder (config.py too) and
+    from anywhere else, bad data connects to nothing; good data does reach the listener."""
+    fleet = _fleet(installed, tmp_path)
+    inventory = fleet / "inventory.py"
+    text = inventory.read_text().replace(
+        '"ssh_hostname": "192.0.2.21",',
+        f'"ssh_hostname": "127.0.0.1", "ssh_port": {listener.port}, "ssh_connect_retries": 0,')
+    if bad:
+        text = text.replace('"gpu_count": 2,', '"gpu_count": 99,')
+    inventory.write_text(text)
+    cwd = fleet if where == "the fleet folder" else tmp_path
+    proc = subprocess.run(
+        [str(installed / "python"), "-m", "pyinfra", "-y", str(inventory),
+         "rigbook.jobs.converge"], cwd=cwd, capture_output=True, text=True, timeout=120)
+    if bad:
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "rig-dual3090: gpu_count: Input should be less than or equal to 8" in proc.stderr
+        assert listener.connections == 0
+    else:
+        assert listener.connections > 0, proc.stderr[-3000:]
+
+
+@pytest.mark.sandbox
+def test_a_fleet_folder_converges_a_sandbox_rig_with_the_packaged_job(installed, sandbox,
+                                                                       tmp_path):
+    """pip install, `rigbook init`, the rig's data pasted in, `pyinfra inventory.py
+    rigbook.jobs.converge` twice: the second run changes nothing."""
+    fleet = _fleet(installed, tmp_path)
+    name, data = next(rig for rig in runpy.run_path(str(ROOT / SANDBOX_INVENTORY))["sandbox_rigs"]
+                      if rig[0] == "rig2")
+    inventory = fleet / "inventory.py"
+    head, _, tail = inventory.read_text().partition("rigs = [")
+    inventory.write_text(f"{head}rigs = [({name!r}, {data!r})]\n\ncheck_before_connecting()\n")
+    python = (str(installed / "python"), "-m", "pyinfra")
+    first = run_pyinfra("inventory.py", "rigbook.jobs.converge", cwd=fleet, pyinfra=python)
+    assert first.returncode == 0 and first.results, first.explain()
+    second = run_pyinfra("inventory.py", "rigbook.jobs.converge", cwd=fleet, pyinfra=python)
+    assert second.returncode == 0 and second.results, second.explain()
+    assert second.changed() == {}, second.changed()
+    status = run(installed, "status", "--json", cwd=fleet)  # no path: the folder's inventory
+    (rig,) = json.loads(status.stdout)["rigs"]
+    assert rig["name"] == "rig2" and rig["state"] == "as-declared", rig
