@@ -1,5 +1,6 @@
 """A real install: the wheel built from this checkout, in a fresh venv outside it.
 
+The release files are what `python -m build` makes (an sdist and a wheel, checked by twine).
 The venv gets rigbook from the wheel alone (pip --no-deps --no-index); its dependencies are the
 ones this test run already has, reached through a .pth file, so nothing is downloaded. The
 commands then run from a folder outside the checkout, where neither roles/ nor files/ can be
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,8 @@ from tests.test_spec import listener  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """The fresh venv's bin folder, with rigbook installed from its wheel."""
+def dist(tmp_path_factory) -> Path:
+    """The sdist and the wheel `python -m build` makes of this checkout, as a release has them."""
     base = tmp_path_factory.mktemp("package")
     # Built from a copy of the tracked files (what a fresh clone has): a build in the checkout
     # leaves build/ there, whose stale modules would slip into the next wheel.
@@ -34,13 +36,17 @@ def installed(tmp_path_factory) -> Path:
         (base / "src" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, base / "src" / name)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "--no-index", "-w", str(base / "dist"), str(base / "src")],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(base / "dist"),
+         str(base / "src")], capture_output=True, text=True, timeout=300,
     )
     assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = (base / "dist").glob("rigbook-*.whl")
-    venv = base / "venv"
+    return base / "dist"
+
+
+def fresh_venv(where: Path, package: Path) -> Path:
+    """A venv with rigbook from the wheel `package` alone (no index, no dependencies): its bin
+    folder."""
+    venv = where / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     site = subprocess.run(
         [str(venv / "bin" / "python"), "-c",
@@ -50,15 +56,42 @@ def installed(tmp_path_factory) -> Path:
     (Path(site) / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     done = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-         str(wheel)], capture_output=True, text=True, timeout=300,
+         str(package)], capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return venv / "bin"
 
 
+@pytest.fixture(scope="module")
+def installed(dist, tmp_path_factory) -> Path:
+    """The fresh venv's bin folder, with rigbook installed from its wheel."""
+    (wheel,) = dist.glob("rigbook-*.whl")
+    return fresh_venv(tmp_path_factory.mktemp("wheel"), wheel)
+
+
 def run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(bin_dir / "rigbook"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=600)
+
+
+def test_the_release_files_pass_twine_check_and_the_sdist_installs_too(dist, tmp_path):
+    checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict",
+                              *map(str, sorted(dist.iterdir()))], capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout
+    (sdist,) = dist.glob("rigbook-*.tar.gz")  # built by this run's setuptools, as pip would
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index",
+                            "--no-build-isolation", "-w", str(tmp_path / "from-sdist"), str(sdist)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    from_sdist = fresh_venv(tmp_path, next((tmp_path / "from-sdist").glob("*.whl")))
+    version = run(from_sdist, "--version", cwd=tmp_path)
+    assert version.stdout.strip() == f"rigbook {_project_version()}", version
+    assert _fleet(from_sdist, tmp_path).joinpath("docs", "recipes.md").is_file()
+
+
+def _project_version() -> str:
+    """The one version: pyproject.toml's, which the installed package reports."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
 def test_the_wheel_holds_one_import_name_and_its_data(installed, tmp_path):
@@ -81,7 +114,7 @@ def test_the_wheel_holds_one_import_name_and_its_data(installed, tmp_path):
 def test_help_version_and_docs_check_run_outside_the_checkout(installed, tmp_path):
     assert "status" in run(installed, "--help", cwd=tmp_path).stdout
     version = run(installed, "--version", cwd=tmp_path)
-    assert version.returncode == 0 and version.stdout.strip() == "rigbook 0.1.0", version
+    assert version.returncode == 0 and version.stdout.strip() == f"rigbook {_project_version()}"
     checked = run(installed, "docs", "--check", "--dir", str(ROOT / "docs"), cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     nowhere = run(installed, "docs", "--check", cwd=tmp_path)  # no docs/ here: a usage error
