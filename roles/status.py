@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.text import Text
 
-from rigbook.checks import Facts, every_check, read_facts, reads_of, run_checks
+from rigbook.checks import Facts, Read, every_check, read_facts, reads_of, run_checks
 from rigbook.checks import Finding as CheckFinding
 from rigbook.disks import by_mount
 from rigbook.driver import driver_packages, driver_versions, foreign_of, wanted
@@ -577,9 +577,11 @@ class _QuietLoggers:
 
 
 def gather(
-    inventory_file: str, limit: list[str] | None, console: Console
+    inventory_file: str, limit: list[str] | None, console: Console,
+    extra: tuple[Read, ...] = (), facts_of: dict[str, Facts] | None = None,
 ) -> FleetStatus:
-    """Read every (limited) rig of an inventory in parallel and build the fleet's status."""
+    """Read every (limited) rig of an inventory in parallel and build the fleet's status.
+    `extra` reads more facts in the same round trip, into `facts_of` (`rigbook report`)."""
     if not Path(inventory_file).is_file():  # pyinfra would read a missing file as host names
         raise RigbookError(f"no inventory file {inventory_file}")
     # every rig of the limit validated before anything is contacted
@@ -612,8 +614,10 @@ def gather(
             return
         state.activate_host(host)
         progress.update(task, description=f"{host.name}: reading facts", advance=1)
-        reads = reads_of(rig, host.name, every_check())
+        reads = [*reads_of(rig, host.name, every_check()), *extra]
         facts = read_facts(state, host, reads, timeout=FACT_TIMEOUT_S)
+        if facts_of is not None:
+            facts_of[host.name] = facts
         lost = log.lines[host.name]  # pyinfra logs a connection that dropped while reading
         if lost:
             facts.unread.update({read.name: "; ".join(lost[-3:]) for read in reads})
