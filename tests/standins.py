@@ -91,6 +91,36 @@ def wheelhouse_for_llama() -> float:
     return built
 
 
+#: Debian packages for the rigs, downloaded once with this machine's apt (Debian 12, as the rigs).
+DEBIAN_DEBS = wheelhouse().parent / "debian-debs"
+
+
+def debian_subset(package: str, installed: set[str]) -> bytes:
+    """A flat apt repository (a tar of the .debs and their Packages index) of `package` and what
+    a rig lacks of its dependencies, from Debian's archive through this machine's apt; apt on
+    the rig then resolves the install itself. Downloaded once into DEBIAN_DEBS."""
+    tree = subprocess.run(
+        ["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
+         "--no-conflicts", "--no-breaks", "--no-replaces", "--no-enhances", package],
+        capture_output=True, text=True, check=True).stdout
+    names = sorted({line for line in tree.splitlines()
+                    if line and not line.startswith((" ", "<"))} - installed)
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        DEBIAN_DEBS.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if not list(DEBIAN_DEBS.glob(f"{name}_*.deb")):
+                subprocess.run(["apt-get", "download", "-q", name], cwd=DEBIAN_DEBS, check=True,
+                               capture_output=True, timeout=600)
+            for deb in DEBIAN_DEBS.glob(f"{name}_*.deb"):
+                (repo / deb.name).write_bytes(deb.read_bytes())
+        index = subprocess.run(["dpkg-scanpackages", "--multiversion", "."], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout
+        (repo / "Packages").write_text(index)
+        return subprocess.run(["tar", "-c", "-C", tmp, "."], capture_output=True,
+                              check=True).stdout
+
+
 def ssh_with_input(rig: dict, command: str, data: bytes) -> None:
     done = subprocess.run(
         ["ssh", "-i", rig["ssh_key"], "-o", "StrictHostKeyChecking=no",
