@@ -7,6 +7,10 @@ tests use these instead of an index or the hub:
     python -m tests.standins serving RIG            # the CPU llama.cpp engine's wheels, and the
                                                     # tiny model in RIG's Hugging Face cache
 
+Debian packages a test installs on a rig (unattended-upgrades: tests/test_unattended_e2e.py)
+come from Debian's archive through this machine's apt (`debian_subset`), as a flat repository
+that the rig's own apt installs from.
+
 llama-cpp-python is an sdist only: `wheelhouse_for_llama` builds it once into the wheelhouse
 (a small CPU-only build; about 4.5 minutes on 2 cores) and downloads its server's dependencies
 for the rigs' Python 3.11. The tiny model is placed in the rig's cache exactly as a completed
