@@ -993,6 +993,29 @@ def test_kernel_log_from_the_journal(tmp_path):
         (-2, [13]), (-1, [13]), (0, [79, 79])]
 
 
+def test_a_boot_list_line_that_is_no_boot_never_reaches_journalctl(tmp_path):
+    """Only a 32-hex-digit id is passed to `journalctl -b`: what else --list-boots could print
+    (a header, a shell word, an option) is skipped by the probe and by the parser alike."""
+    hostile = ["IDX BOOT ID FIRST ENTRY LAST ENTRY",
+               f" -2 $(touch${{IFS}}{tmp_path}/pwned) Mon 2026-11-27 07:59:00 UTC",
+               f" -3 43f6209bfc284a7d9ef1e1f24d7721c9;touch${{IFS}}{tmp_path}/pwned Mon",
+               " -1 --since=yesterday Mon 2026-11-27 07:59:00 UTC",
+               "  x 43f6209bfc284a7d9ef1e1f24d7721c9 Fri 2026-11-27 07:59:00 UTC",
+               *real("boots/list-boots-old-v246-unpadded.txt").splitlines()[2:]]
+    env = fake_tools(tmp_path, [XID_79], [XID_13_OLD], dmesg=None, boots=hostile)
+    calls = tmp_path / "calls"
+    script = tmp_path / "bin" / "journalctl"
+    script.write_text(script.read_text().replace(
+        "#!/bin/sh\n", f"#!/bin/sh\necho \"$*\" >> {calls}\n", 1))
+    log = kernel_log_here(env)
+    assert [(b.boot.index, b.boot.boot_id) for b in log.boots] == [
+        (0, "bde6e48dd6084030856f26129514ee03")]
+    read = [line for line in calls.read_text().splitlines() if " -b " in f" {line} "]
+    assert [line.split(" -b ")[1].split()[0] for line in read] == [
+        "0", "0", "bde6e48dd6084030856f26129514ee03"]
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_kernel_log_reads_no_header_as_a_boot(tmp_path):
     boots = real("boots/list-boots-header-v253-five.txt").splitlines()
     log = kernel_log_here(fake_tools(tmp_path, [XID_79], [XID_13_OLD], dmesg=None, boots=boots))
