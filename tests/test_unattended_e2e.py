@@ -6,7 +6,8 @@ package (from Debian's archive, through the rig's apt: `debian_subset` in tests/
 runs on the rig, allowed to take packages from that repository, as Ubuntu's allows its
 restricted archive. One story, in order:
 
-1. the converge installs 580.95.05, holds it and writes the unattended-upgrades blacklist;
+1. the converge installs 580.95.05, holds it and writes the unattended-upgrades blacklist (a
+   second converge changes nothing);
 2. with them, nothing moves: `apt-get -s upgrade` keeps the driver back,
    `unattended-upgrade --dry-run -d` and a real `unattended-upgrade -d` upgrade none of it;
 3. with the hold and the blacklist removed by hand, `unattended-upgrade -d` moves the driver
@@ -90,6 +91,8 @@ def test_unattended_upgrade_moves_nothing_held_and_breaks_the_driver_unheld(sand
         first = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", "--limit", "rig1")
         assert first.returncode == 0, first.explain()
         assert versions(rig) == {name: f"{OLD}-1" for name in PACKAGES}
+        again = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", "--limit", "rig1")
+        assert again.returncode == 0 and again.changed() == {}, again.explain()
         install_unattended_upgrades(rig)
         rig_ssh(rig, f"mv {PREFERENCES} /root/rigbook-nvidia.pref && apt-get update -qq")
         assert f"{NEW}-1" in rig_ssh(rig, "apt-cache madison nvidia-open").stdout
