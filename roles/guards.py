@@ -334,7 +334,8 @@ def _boot_date(boot: BootXids, xids: list[Xid]) -> str:
 
 def history_findings(rig: Rig, log: KernelLog, gpus: Iterable[Gpu]) -> list[Finding]:
     """A card with reset- or reboot-bound Xids on two or more boots: the pattern, its dates and,
-    for Xid 79 / 154, the mitigations the field report names and what a lower cap buys."""
+    for a card falling off the bus (Xid 79, with or without 154), the mitigations the field
+    report names and what a lower cap buys."""
     gpus = tuple(gpus)
     found = []
     for pci, boots in card_history(log).items():
@@ -348,7 +349,7 @@ def history_findings(rig: Rig, log: KernelLog, gpus: Iterable[Gpu]) -> list[Find
         codes = sorted({xid.code for _, xids in boots for xid in xids})
         dates = ", ".join(_boot_date(boot, xids) for boot, xids in boots)
         what = ", ".join(f"Xid {code}" for code in codes)
-        if 79 in codes or 154 in codes:
+        if 79 in codes:
             modprobe = rig.driver_modprobe_options.get("NVreg_DynamicPowerManagement")
             applied = (
                 f"NVreg_DynamicPowerManagement=0x00 "
