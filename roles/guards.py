@@ -306,10 +306,23 @@ def fault_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
 HISTORY_SOURCE = "docs/sources.md#xid-79-and-154"
 
 
-def card_history(log: KernelLog) -> dict[str, list[tuple[BootXids, list[Xid]]]]:
+@dataclass(frozen=True)
+class CardHistory:
+    """One card's reset- or reboot-bound Xids over the boots the journal keeps."""
+
+    pci: str
+    gpu: Gpu | None  # the listed GPU at that address, None when nvidia-smi no longer lists it
+    serial: str | None  # the board serial the log printed, where not 0
+    codes: tuple[int, ...]
+    dates: tuple[str, ...]  # one per boot, oldest first
+    actions: tuple[str, ...]
+
+
+def card_histories(log: KernelLog, gpus: Iterable[Gpu]) -> list[CardHistory]:
     """Per card (PCI domain:bus:device), the boots on which it had reset- or reboot-bound Xids,
     oldest first; a boot the journal lists twice counts once."""
-    history: dict[str, list[tuple[BootXids, list[Xid]]]] = {}
+    gpus = tuple(gpus)
+    boots: dict[str, list[tuple[BootXids, list[Xid]]]] = {}
     seen: set[str] = set()
     for boot in sorted(log.boots, key=lambda b: b.boot.index):
         if boot.boot.boot_id in seen:
@@ -320,8 +333,18 @@ def card_history(log: KernelLog) -> dict[str, list[tuple[BootXids, list[Xid]]]]:
             if xid.gone and xid.pci is not None:
                 gone.setdefault(xid.pci, []).append(xid)
         for pci, xids in gone.items():
-            history.setdefault(pci, []).append((boot, xids))
-    return history
+            boots.setdefault(pci, []).append((boot, xids))
+    histories = []
+    for pci, fatal in boots.items():
+        cards = [card for boot, _ in fatal for card in boot.cards if card.pci == pci]
+        xids = [xid for _, found in fatal for xid in found]
+        histories.append(CardHistory(
+            pci, next((g for g in gpus if same_device(pci, g.bus_id)), None),
+            next((card.serial for card in reversed(cards) if card.serial), None),
+            tuple(sorted({xid.code for xid in xids})),
+            tuple(_boot_date(boot, found) for boot, found in fatal),
+            tuple(sorted({xid.action or "?" for xid in xids}))))
+    return histories
 
 
 def _boot_date(boot: BootXids, xids: list[Xid]) -> str:
@@ -336,20 +359,15 @@ def history_findings(rig: Rig, log: KernelLog, gpus: Iterable[Gpu]) -> list[Find
     """A card with reset- or reboot-bound Xids on two or more boots: the pattern, its dates and,
     for a card falling off the bus (Xid 79, with or without 154), the mitigations the field
     report names and what a lower cap buys."""
-    gpus = tuple(gpus)
     found = []
-    for pci, boots in card_history(log).items():
-        if len(boots) < 2:
+    for card in card_histories(log, gpus):
+        if len(card.dates) < 2:
             continue
-        gpu = next((g for g in gpus if same_device(pci, g.bus_id)), None)
-        cards = [card for boot, _ in boots for card in boot.cards if card.pci == pci]
-        serial = next((card.serial for card in reversed(cards) if card.serial), None)
-        where = f"GPU {gpu.index} (PCI {pci}" if gpu else f"PCI {pci} (not listed now"
-        where += f", serial {serial})" if serial else ")"
-        codes = sorted({xid.code for _, xids in boots for xid in xids})
-        dates = ", ".join(_boot_date(boot, xids) for boot, xids in boots)
-        what = ", ".join(f"Xid {code}" for code in codes)
-        if 79 in codes:
+        gpu = card.gpu
+        where = f"GPU {gpu.index} (PCI {card.pci}" if gpu else f"PCI {card.pci} (not listed now"
+        where += f", serial {card.serial})" if card.serial else ")"
+        what = ", ".join(f"Xid {code}" for code in card.codes)
+        if 79 in card.codes:
             modprobe = rig.driver_modprobe_options.get("NVreg_DynamicPowerManagement")
             applied = (
                 f"NVreg_DynamicPowerManagement=0x00 "
@@ -363,12 +381,11 @@ def history_findings(rig: Rig, log: KernelLog, gpus: Iterable[Gpu]) -> list[Find
                 "odds and does not remove them (what it costs in tok/s is measured, what it "
                 "buys in fault rate is not)")
         else:
-            actions = sorted({xid.action or "?" for _, xids in boots for xid in xids})
             advice = (f"a card that keeps needing a reset (NVIDIA's action: "
-                      f"{', '.join(actions)}); no mitigation is documented for it")
+                      f"{', '.join(card.actions)}); no mitigation is documented for it")
         found.append(warn(
-            "faults", f"{where}: {what} on {len(boots)} boots ({dates}): {advice} "
-            f"({HISTORY_SOURCE})", gpu=gpu.uuid if gpu else None))
+            "faults", f"{where}: {what} on {len(card.dates)} boots ({', '.join(card.dates)}): "
+            f"{advice} ({HISTORY_SOURCE})", gpu=gpu.uuid if gpu else None))
     return found
 
 

@@ -1048,6 +1048,10 @@ def test_a_card_falling_off_the_bus_on_two_boots_is_a_pattern():
         "power cap lowers the odds and does not remove them (what it costs in tok/s is "
         "measured, what it buys in fault rate is not) (docs/sources.md#xid-79-and-154)")]
     assert "Xid 79 on 2 boots" in table_text(status)
+    # the JSON keeps the card's history: its address, the codes and each boot's day
+    assert [card.model_dump() for card in status.kernel_log.history] == [{
+        "pci": "0000:2b:00", "gpu_index": None, "serial": None, "codes": [79],
+        "dates": ["2020-10-12", "2020-10-12"]}]
 
 
 def test_the_history_names_the_listed_gpu_and_a_reset_pattern_without_xid_79():
