@@ -51,7 +51,7 @@ from rigbook.driver import driver_packages, driver_versions, foreign_of, wanted
 from rigbook.driver_source import describe
 from rigbook.errors import RigbookError
 from rigbook.gpus import Gpu
-from rigbook.guards import gpu_lost_reason, xid_events
+from rigbook.guards import card_histories, gpu_lost_reason, xid_events
 from rigbook.inventory import load_inventory
 from rigbook.models import model_state, unreferenced, wanted_models
 from rigbook.power import asked_cap, unit_caps
@@ -172,10 +172,21 @@ class DiskStatus(StrictModel):
     avail_bytes: int
 
 
+class CardHistoryStatus(StrictModel):
+    """A card's reset- or reboot-bound Xids over the boots the journal keeps (roles/guards.py)."""
+
+    pci: str
+    gpu_index: int | None
+    serial: str | None
+    codes: list[int]
+    dates: list[str]
+
+
 class KernelLogStatus(StrictModel):
     source: str | None
     error: str | None
     xids: list[XidEvent]
+    history: list[CardHistoryStatus] = []
 
 
 class VenvStatus(StrictModel):
@@ -443,6 +454,10 @@ def _kernel_log_row(facts: Facts, gpus: tuple[Gpu, ...]) -> KernelLogStatus | No
                  gpu_index=gpu.index if gpu else None, when=xid.when, message=xid.message,
                  this_boot=this_boot)
         for xid, this_boot, gpu in xid_events(log, gpus)
+    ], history=[
+        CardHistoryStatus(pci=card.pci, gpu_index=card.gpu.index if card.gpu else None,
+                          serial=card.serial, codes=list(card.codes), dates=list(card.dates))
+        for card in card_histories(log, gpus)
     ])
 
 
