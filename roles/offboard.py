@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pyinfra import host
+from pyinfra import host, state
 from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.facts.files import FileContents
 from pyinfra.facts.server import Groups, Users
@@ -116,6 +116,19 @@ def footprint(rig: Rig) -> tuple[Item, ...]:
                  else i for i in FOOTPRINT)
 
 
+def roots(rig: Rig) -> tuple[str, ...]:
+    """ROOTS and the folders between one of them and a path of the footprint (the HF cache's
+    /var/lib/rigbook/hf), deepest first: the order they can be removed in once empty."""
+    found = set(ROOTS)
+    for item in footprint(rig):
+        for root in ROOTS:
+            parent = posixpath.dirname(item.path)
+            while parent.startswith(root + "/"):
+                found.add(parent)
+                parent = posixpath.dirname(parent)
+    return tuple(sorted(found, key=lambda path: (-path.count("/"), path)))
+
+
 def kept(rig: Rig) -> tuple[str, ...]:
     """The paths this offboard keeps."""
     return tuple(i.path for i in footprint(rig)
@@ -165,16 +178,20 @@ def absent_tree(path: str) -> Iterator:
 @operation()
 def empty_root(path: str, removed: tuple[str, ...]) -> Iterator:
     """
-    Remove one of rigbook's own folders when all it holds is removed by this offboard (what
-    is kept stays, and so does the folder).
+    Remove one of rigbook's own folders once it is empty (what is kept stays, and so does the
+    folder).
 
     + path: the folder
-    + removed: the paths this offboard removes before it
+    + removed: the paths this offboard removes before it: a plan (--dry) counts them gone
+
+    Read when it runs, after the removals before it; a plan, where nothing was removed, leaves
+    out what the offboard removes before it.
     """
     if state_of(path) is None:
         host.noop(f"{path} does not exist")
         return
-    left = sorted(set(host.get_fact(Entries, path=path)) - set(removed))
+    left = set(host.get_fact(Entries, path=path))
+    left = sorted(left if state.is_executing else left - set(removed))
     if left:
         host.noop(f"{path} stays: it holds {', '.join(left)}")
         return
@@ -271,7 +288,8 @@ def offboard(rig: Rig) -> None:
     of the driver, the venvs and the models (see the module docstring)."""
     keep = kept(rig)
     items = [i for i in footprint(rig) if i.path not in keep]
-    expect(*(i.path for i in items), *ROOTS, serving.PIDFILE)  # one read for all of them
+    folders = roots(rig)
+    expect(*(i.path for i in items), *folders, serving.PIDFILE)  # one read for all of them
     on_systemd = booted()
     native = rig.platform != "wsl2"
     if on_systemd:
@@ -288,9 +306,10 @@ def offboard(rig: Rig) -> None:
     no_serve_user(name=f"Remove the {serving.SERVE_USER} user and group")
     removed = {i.path: absent_tree(name=f"Remove {i.path} ({i.what})", path=i.path)
                for i in items}
-    for n, root in enumerate(ROOTS):
+    holding = {f for f in folders if any(path.startswith(f + "/") for path in keep)}
+    for n, root in enumerate(folders):
         empty_root(name=f"Remove {root} when empty", path=root,
-                   removed=(*removed, *ROOTS[:n]))
+                   removed=(*removed, *(f for f in folders[:n] if f not in holding)))
     if on_systemd:
         systemd.daemon_reload(name="systemctl daemon-reload (rigbook's units gone)",
                               _if=any_changed(*removed.values()))
@@ -334,5 +353,6 @@ def footprint_markdown() -> str:
     lines += [f"| `{i.path}` | {i.role} | {i.what} | {i.kept_with or ''} |" for i in FOOTPRINT]
     lines += ["", "Folders rigbook makes, removed once nothing is left in them (what is kept, "
               "or an operator's own drop-in, stays): "
-              + ", ".join(f"`{root}`" for root in ROOTS) + "."]
+              + ", ".join(f"`{root}`" for root in ROOTS) + ", and the folders between one "
+              "of them and a path above (the default HF cache's `/var/lib/rigbook/hf`)."]
     return "\n".join(lines) + "\n"

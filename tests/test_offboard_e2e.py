@@ -2,11 +2,14 @@
 and removed at the end, so the default fleet is unchanged), through the pyinfra CLI.
 
 The rig's file list is taken before anything ran; deploys/rig.py converges it (driver, holds,
-tuning, guards, power unit, caps); `deploys/offboard.py --dry` changes nothing; the offboard
+tuning, guards, power unit, caps), then it serves tests/recipes' tiny CPU recipe (its venv, its
+model in the HF cache, rigbook-serve.service and its user, as tests/test_serving_e2e.py
+serves); `deploys/offboard.py --dry` changes nothing; the offboard
 then leaves none of rigbook's files (docs/footprint.md), units, user or holds: the file list
 is the one from before, but for what the offboard keeps (the driver's packages and apt source,
 the HF cache) and what the system itself changes (apt's and dpkg's state, the journal); the
-caps are the cards' defaults again. A second offboard changes nothing.
+caps are the cards' defaults again. A second offboard changes nothing; one with
+`offboard_remove: [venvs, models]` leaves only the driver's files.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ import pytest
 from inventory.sandbox import PROFILE_DATA
 from rigbook.inventory import parse_rig
 from rigbook.offboard import FOOTPRINT, UNITS, kept
-from rigbook.serving import SERVE_USER
+from rigbook.serving import SERVE_USER, UNIT_NAME
+from rigbook.venvs import VENVS_DIR
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.standins import place_model, wheelhouse_for_llama
+from tests.test_serving_e2e import CONVERGE, tiny_cpu_args
+from tests.tinymodel import FILE, revision_of, write_tiny_gguf
 
 pytestmark = pytest.mark.sandbox
 
@@ -61,7 +68,9 @@ def files(rig: dict) -> set[str]:
 
 
 def under(path: str, tops) -> bool:
-    return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
+    """Whether `path` is one of `tops`, in one, or a folder that holds one."""
+    return any(path == top or path.startswith(top.rstrip("/") + "/")
+               or top.startswith(path.rstrip("/") + "/") for top in tops)
 
 
 def package_files(rig: dict) -> set[str]:
@@ -70,7 +79,7 @@ def package_files(rig: dict) -> set[str]:
     return set(out.splitlines())
 
 
-def test_offboard_leaves_nothing_of_rigbook(fresh_rig):
+def test_offboard_leaves_nothing_of_rigbook(fresh_rig, tmp_path):
     name = fresh_rig["name"]
     before = files(fresh_rig)
     assert not any(line.split(" ", 1)[1].startswith(item.path) for line in before
@@ -78,6 +87,14 @@ def test_offboard_leaves_nothing_of_rigbook(fresh_rig):
 
     converge = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", "--limit", name)
     assert converge.returncode == 0, converge.explain()
+    wheelhouse_for_llama()  # then serving, as tests/test_serving_e2e.py serves: venv, model
+    gguf = write_tiny_gguf(tmp_path / FILE)
+    revision = revision_of(gguf)
+    place_model(fresh_rig, gguf, revision)
+    serve = run_pyinfra(SANDBOX_INVENTORY, CONVERGE,
+                        *tiny_cpu_args(name, "tiny-cpu-a", revision))
+    assert serve.returncode == 0, serve.explain()
+    assert rig_ssh(fresh_rig, f"systemctl is-active {UNIT_NAME}").stdout.strip() == "active"
     held = rig_ssh(fresh_rig, "apt-mark showhold").stdout.split()
     assert held, "the converge held the driver"
     caps = rig_ssh(fresh_rig, "nvidia-smi --query-gpu=power.limit,power.default_limit "
@@ -113,3 +130,17 @@ def test_offboard_leaves_nothing_of_rigbook(fresh_rig):
     again = run_pyinfra(SANDBOX_INVENTORY, "deploys/offboard.py", "--limit", name)
     assert again.returncode == 0, again.explain()
     assert again.changed() == {}, again.changed()
+    assert rig_ssh(fresh_rig, f"ls {VENVS_DIR}").stdout.split() != []  # kept
+
+    # asked for: the venvs and the models go too, and only the driver's files stay
+    asked = run_pyinfra(SANDBOX_INVENTORY, "deploys/offboard.py", "--limit", name,
+                        "--data", 'offboard_remove=["venvs", "models"]')
+    assert asked.returncode == 0, asked.explain()
+    keep = kept(parse_rig(name, {**PROFILE_DATA["single-4090"],
+                                 "offboard_remove": ["venvs", "models"]}))
+    assert keep == ("/etc/apt/sources.list.d/rigbook-nvidia.sources",
+                    "/etc/modprobe.d/rigbook-blacklist-nouveau.conf")
+    new = sorted(line for line in files(fresh_rig) - before
+                 if not under(path := line.split(" ", 1)[1], (*keep, *NOT_RIGBOOKS))
+                 and path not in owned)
+    assert new == [], "left on the rig:\n" + "\n".join(new)
