@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from rigbook.docs import generated_docs
 from tests.conftest import ROOT, SANDBOX_INVENTORY, run_pyinfra
 from tests.test_spec import listener  # noqa: F401 (a fixture)
 
@@ -141,8 +142,9 @@ def _fleet(installed: Path, where: Path) -> Path:
 def test_init_writes_a_fleet_folder_and_never_overwrites_it(installed, tmp_path):
     fleet = _fleet(installed, tmp_path)
     names = {str(path.relative_to(fleet)) for path in fleet.rglob("*") if path.is_file()}
+    generated = {f"docs/{path.name}" for path in generated_docs(Path("docs"))}
     assert names == {"config.py", "inventory.py", "group_data/all.py", "README.md", ".gitignore",
-                     "docs/host-data.md", "docs/recipes.md"}
+                     *generated} and "docs/host-data.md" in generated
     assert "secrets/" in (fleet / ".gitignore").read_text()
     assert (fleet / "secrets").stat().st_mode & 0o077 == 0
     assert run(installed, "docs", "--check", cwd=fleet).returncode == 0  # docs of this install
