@@ -53,6 +53,8 @@ ARGS_HINT = ("the call's arguments are not a JSON object: the tool parser does n
              "model's call format; set tool_parser to the model family's own parser")
 HTTP_HINT = ("the engine refused a request with tools: vLLM needs --enable-auto-tool-choice "
              "(rendered from tool_parser); read the engine's journal for the reason")
+SHAPE_HINT = ("the engine answered a request with tools in another shape than the OpenAI "
+              "chat completion (the chat step passed): read the engine's journal for it")
 FINISH_HINT = ("the stream did not end with finish_reason tool_calls: clients that wait for it "
                "never run the tool; update the engine or use a parser that streams calls")
 
@@ -128,9 +130,9 @@ def check_answer(data: dict) -> str:
     message = first.get("message") if isinstance(first.get("message"), dict) else None
     if message is None:
         raise ToolProblem("an OpenAI chat completion with choices[0].message",
-                          json.dumps(data)[:300], HTTP_HINT)
+                          json.dumps(data)[:300], SHAPE_HINT)
     calls = []
-    for item in message.get("tool_calls") or []:
+    for item in _list(message.get("tool_calls")):
         function = item.get("function") if isinstance(item, dict) else None
         if isinstance(function, dict):
             arguments = function.get("arguments")
@@ -151,7 +153,11 @@ def sse_chunks(lines: Iterable[bytes | str]) -> Iterable[dict]:
         payload = line[5:].strip()
         if payload == "[DONE]":
             return
-        yield json.loads(payload)
+        try:
+            yield json.loads(payload)
+        except ValueError as error:
+            raise ToolProblem("a stream of JSON chunks", f"{payload[:200]!r} ({error})",
+                              SHAPE_HINT) from None
 
 
 def check_stream(lines: Iterable[bytes | str]) -> str:
@@ -160,11 +166,13 @@ def check_stream(lines: Iterable[bytes | str]) -> str:
     calls: dict[int, Call] = {}
     content, finish, deltas = [], None, 0
     for chunk in sse_chunks(lines):
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
+        for choice in _list(chunk.get("choices") if isinstance(chunk, dict) else None):
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
             if isinstance(delta.get("content"), str):
                 content.append(delta["content"])
-            for item in delta.get("tool_calls") or []:
+            for item in _list(delta.get("tool_calls")):
                 function = item.get("function") if isinstance(item, dict) else None
                 if not isinstance(function, dict):
                     continue
@@ -174,7 +182,8 @@ def check_stream(lines: Iterable[bytes | str]) -> str:
                 call.name = call.name or function.get("name")
                 if isinstance(function.get("arguments"), str):
                     call.arguments += function["arguments"]
-            finish = choice.get("finish_reason") or finish
+            if isinstance(choice.get("finish_reason"), str):
+                finish = choice["finish_reason"]
     text = "".join(content)
     detail = check_calls([calls[i] for i in sorted(calls)], text, finish, where="delta.tool_calls")
     if finish != "tool_calls":
@@ -182,6 +191,10 @@ def check_stream(lines: Iterable[bytes | str]) -> str:
                           f"finish_reason {finish!r} after {deltas} tool-call delta(s)",
                           FINISH_HINT)
     return f"{detail}, {deltas} delta(s)"
+
+
+def _list(value: object) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _quote(text: str) -> str:

@@ -318,12 +318,22 @@ def test_adversarial_tool_answers_fail_the_step_not_the_ladder():
                  {"choices": [{"message": {"tool_calls": ["x", {"function": 3}]}}]},
                  {"choices": [{"message": {"content": 5, "tool_calls": [
                      {"function": {"name": None, "arguments": None}}]}}]}):
-        with pytest.raises(toolcheck.ToolProblem):
+        with pytest.raises(toolcheck.ToolProblem) as problem:
             toolcheck.check_answer(data)
+        assert problem.value.hint in (toolcheck.SHAPE_HINT, toolcheck.NO_CALL_HINT,
+                                      toolcheck.NAME_HINT), data
     odd = ['data: {"choices":[{"delta":{"tool_calls":["x",{"index":[1],"function":'
            '{"name":"get_current_weather","arguments":7}}]}}]}', "data: [DONE]"]
     with pytest.raises(toolcheck.ToolProblem, match="to parse as JSON"):
         toolcheck.check_stream(odd)
+    for line in ("data: [1]", 'data: {"choices":5}', 'data: {"choices":["x",{"delta":3}]}',
+                 'data: {"choices":[{"delta":{"tool_calls":7},"finish_reason":9}]}'):
+        with pytest.raises(toolcheck.ToolProblem, match="a call of get_current_weather"):
+            toolcheck.check_stream([line, "data: [DONE]"])
+    with pytest.raises(toolcheck.ToolProblem, match="a call of"):
+        toolcheck.check_answer({"choices": [{"message": {"content": "hi", "tool_calls": 5}}]})
+    with pytest.raises(toolcheck.ToolProblem, match="a stream of JSON chunks"):
+        toolcheck.check_stream(["data: {not json", "data: [DONE]"])
 
 
 def test_stream_arithmetic():
