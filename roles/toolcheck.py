@@ -37,8 +37,8 @@ PROMPT = "What's the weather like in Boston, MA, in celsius? Call the get_curren
 MAX_TOKENS = 512
 
 #: Call markup of the parsers' model families, which a working parser takes out of the text:
-#: Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 <|python_tag|>, Llama 4 / Qwen3-Coder
-#: <function=, DeepSeek's <｜tool▁calls▁begin｜>, and a call written as JSON with the tool's name.
+#: Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 <|python_tag|>, Qwen3-Coder's and
+#: Llama 3.1's <function=, DeepSeek's <｜tool▁calls▁begin｜>, a call written as JSON by name.
 MARKUP = re.compile(
     r"<tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>|<function=|<｜tool▁calls?▁begin｜>"
     rf'|"name"\s*:\s*"{TOOL_NAME}"'

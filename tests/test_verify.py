@@ -312,6 +312,21 @@ def test_an_engine_without_auto_tool_choice_refuses_tools(server):
                                'requires --enable-auto-tool-choice')
 
 
+@pytest.mark.parametrize("text", [
+    "[TOOL_CALLS][{'name': 'get_current_weather'}]", "<|python_tag|>get_current_weather.call()",
+    "<function=get_current_weather>{}</function>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
+    '{"name" : "get_current_weather", "parameters": {}}',
+])
+def test_each_familys_call_markup_in_the_text_is_a_leak(text):
+    with pytest.raises(toolcheck.ToolProblem) as problem:
+        toolcheck.check_calls([], f"Sure. {text}", "stop", where="tool_calls")
+    assert problem.value.hint == toolcheck.LEAK_HINT
+    plain = "The weather in Boston is mild; I would call a weather service for you."
+    with pytest.raises(toolcheck.ToolProblem) as problem:
+        toolcheck.check_calls([], plain, "stop", where="tool_calls")
+    assert problem.value.hint == toolcheck.NO_CALL_HINT
+
+
 def test_adversarial_tool_answers_fail_the_step_not_the_ladder():
     """Shapes no engine should send still give a step failure, never a crash."""
     for data in ({}, {"choices": []}, {"choices": ["x"]}, {"choices": [{"message": "x"}]},
