@@ -429,7 +429,7 @@ def summary_rows(run: SweepRun) -> list[str]:
             rows.append(
                 f"| {gpu} | {s.cooling} | {s.engine} {workload} ({s.engine_build}) | {s.model} | "
                 f"{w(point.cap_w)}W{star} | {narr} | {tps('code')} | "
-                f"{per_w.mean:.3f} | rigbook sweep of {run.rig}, {run.started:%Y-%m-%d}, "
+                f"{per_w.mean:.3f} | sweep of {run.rig} by rigbook, {run.started:%Y-%m-%d}, "
                 f"{len(run.points)} caps |")
     return rows
 

@@ -299,7 +299,7 @@ def test_the_summary_rows_are_the_notes_format():
     assert rows[0] == ("| GPU | Cooling | Engine | Model | Cap | Narr TPS | Code TPS | TPS/W | "
                        "Source |")
     assert rows[2] == ("| NVIDIA GeForce RTX 3090 | air | llama.cpp decode-single (llama-cpp) | "
-                       "org/tiny | 290W ⭐ | 32.20 | 32.10 | 0.111 | rigbook sweep of rig1, "
+                       "org/tiny | 290W ⭐ | 32.20 | 32.10 | 0.111 | sweep of rig1 by rigbook, "
                        "2026-12-01, 6 caps |")
     assert rows[3].split(" | ")[4:8] == ["360W", "34.20", "34.10", "0.095"]
     assert any("(n/a)" in row and "prefill-heavy" in row for row in rows)
