@@ -2,9 +2,10 @@
 
 deploys/power_sweep.py, per rig (docs/sweep.md):
 
-1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any asked cap
-   (`sweep_watts`) lies outside any card's own min/max, when no boot unit caps every GPU (the
-   caps could not be restored), or when persistence mode is off;
+1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any cap
+   (`sweep_watts`, or by default every card's whole range at 10 W) lies outside any card's own
+   min/max, when no boot unit caps every GPU (the caps could not be restored), or when
+   persistence mode is off; a step over 20 W is a warning;
 2. a guard is started on the rig as a unit of its own (files/power/sweep_rig.py under
    `systemd-run`, outside the SSH login, which logind may kill when it ends): it holds
    a lease that the sweep renews before every request, and once the sweep releases it, or the
@@ -13,12 +14,13 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
    (a hung or missing nvidia-smi); where that record is missing or leaves a GPU out, the sweep
    sets those caps itself and fails the rig;
 3. per cap: the live cap of every GPU (`nvidia-smi -i UUID -pl W`, never the unit), then the
-   verify bench of roles/verify.py (decode at 1 stream, at verify_bench_concurrency where the
-   engine allows it, prefill) while a meter on the rig samples the draw through NVML (nvidia-smi
-   where the tools venv's pynvml is missing): mean and p95 watts, energy from the card's
-   total-energy counter where it has one (else mean watts x seconds);
-4. the restore is read back and the run stored as JSON beside the verify results, with a PNG
-   chart; `rigbook bench sweep` tables them and suggests a cap per workload.
+   sources' protocol while a meter on the rig samples the draw and the cards' state: decode
+   windows of sweep_window_s timed from the first token (narrative and code, at 1 stream and at
+   verify_bench_concurrency where the engine allows it), and cold prefills of one frozen long
+   prompt with a new salt at its very start each time (no cached prefix to hit);
+4. the restore is read back and the run stored as JSON beside the verify results
+   (rigbook.sweepresult: each window's evidence and intervals, the suggestion, the diagnosis),
+   with a chart per workload class (rigbook.charts).
 """
 
 from __future__ import annotations
