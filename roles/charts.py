@@ -99,9 +99,8 @@ def sweep_figure(run: SweepRun, workload: str, note: str | None = None):
         best = per_w[caps.index(suggestion.best_w)]
         mid.plot([suggestion.best_w], [best.mean], "*", ms=18, color="#c4a000", mec="black",
                  label=f"sweet spot {suggestion.best_w:g} W")
-        mid.annotate(suggestion.text(), (suggestion.best_w, best.mean), xytext=(0, -38),
-                     textcoords="offset points", ha="center", fontsize=8,
-                     bbox={"boxstyle": "round", "fc": "#fce94f", "alpha": 0.9})
+        mid.set_title(suggestion.text(), fontsize=9,
+                      bbox={"boxstyle": "round", "fc": "#fce94f", "alpha": 0.9})
 
     draws = [[win.evidence.mean_w for win in p.windows if win.workload == workload]
              for p in points]
@@ -117,8 +116,10 @@ def sweep_figure(run: SweepRun, workload: str, note: str | None = None):
 
     handles = [Patch(color="#fce94f", alpha=0.5, label="within noise of the best"),
                Patch(color="#ef2929", alpha=0.25, label="the cap does not bind (draw below)")]
-    top.legend(loc="lower right", fontsize=8)
-    mid.legend(handles=mid.get_legend_handles_labels()[0] + handles, loc="lower left", fontsize=8)
+    top.legend(loc="best", fontsize=8)
+    top.set_ylim(bottom=0)
+    mid.set_ylim(bottom=0)
+    mid.legend(handles=mid.get_legend_handles_labels()[0] + handles, loc="best", fontsize=8)
     low.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     return fig

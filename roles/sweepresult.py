@@ -49,12 +49,13 @@ class Interval(StrictModel):
 
     @classmethod
     def of(cls, e: Estimate) -> Interval:
+        """From an estimate; rates are never negative, so the interval stops at 0."""
         half = e.half_width if math.isfinite(e.half_width) else abs(e.mean)
-        return cls(mean=round(e.mean, 6), low=round(e.mean - half, 6),
+        return cls(mean=round(e.mean, 6), low=round(max(e.mean - half, 0.0), 6),
                    high=round(e.mean + half, 6), n_eff=round(e.n_eff, 2), tau_s=round(e.tau_s, 3))
 
     def estimate(self) -> Estimate:
-        half = (self.high - self.low) / 2
+        half = self.high - self.mean  # the upper side: the lower one may stop at 0
         se = half / 1.96
         return Estimate(self.mean, se * math.sqrt(self.n_eff), 0, self.tau_s, self.n_eff, half)
 
