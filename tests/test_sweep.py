@@ -425,7 +425,7 @@ def test_the_meter_samples_each_card_until_stopped(rigside):
     assert lines[1][1] == {
         UUID0: {"w": 123.45, "mj": None, "t": 61, "u": 97, "sm": 1695, "why": ["sw_power_cap"]},
         UUID1: {"w": 99.0, "mj": None, "t": 58, "u": None, "sm": 1500, "why": []}}
-    assert lines[1][2] == [[4242, "?"]]  # no such process here: seen by the card, not by /proc
+    assert lines[1][2] == [[4242, "(not visible here)"]]  # seen by the card, not in /proc
     assert all(line[2] is None for line in lines[2:4])  # processes: every 2 s, not every sample
 
 

@@ -238,7 +238,7 @@ def others(pids, engine_unit: str) -> list:
             with open(f"/proc/{pid}/comm") as handle:
                 name = handle.read().strip()
         except OSError:
-            name = "?"  # gone, or in a namespace this one cannot see
+            name = "(not visible here)"  # gone, or in a pid namespace this one cannot see
         found.append([pid, name])
     return found
 
