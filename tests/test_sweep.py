@@ -294,6 +294,23 @@ def test_a_plateau_of_caps_that_do_not_bind_is_diagnosed():
     assert diagnosis(sample_run(), "prefill-heavy") == []
 
 
+def test_a_lone_cap_that_does_not_bind_and_the_plateaus_causes():
+    run = sample_run()
+    lone = run.model_copy(update={"points": run.points[:4]})  # only 340 W stays below its cap
+    assert diagnosis(lone, "decode-single") == [
+        "decode-single: the 340 W cap does not bind (drew 334.0 W)"]
+
+    def plateau(**evidence) -> list[str]:
+        points = tuple(p.model_copy(update={"windows": tuple(
+            w.model_copy(update={"evidence": w.evidence.model_copy(update=evidence)})
+            if not w.evidence.cap_bound else w for w in p.windows)}) for p in run.points)
+        return diagnosis(run.model_copy(update={"points": points}), "decode-single")
+    assert "a plateau, thermal: the cards reached 83 C" in plateau(temp_c_max=83)[0]
+    assert "a plateau, workload too small: utilisation 20 %" in plateau(util_pct_mean=20)[0]
+    lines = report_lines(run)
+    assert any(line.startswith("this sweep resolves draw differences of ~8 W") for line in lines)
+
+
 def test_the_summary_rows_are_the_notes_format():
     rows = summary_rows(sample_run())
     assert rows[0] == ("| GPU | Cooling | Engine | Model | Cap | Narr TPS | Code TPS | TPS/W | "
