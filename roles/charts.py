@@ -162,7 +162,8 @@ def compare_png(runs: list[VerifyRun], rig: str | None = None) -> bytes:
                   [f.decode_tps.max - f.decode_tps.median if f else 0 for f in figures]]
         bars = ax.bar(xs, values, width, yerr=errors, capsize=3, color=COLOURS[prompt],
                       label=prompt)
-        ax.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
+        ax.bar_label(bars, labels=[f"{v:.1f}" if f else "no bench" for v, f in
+                                   zip(values, figures, strict=True)], fontsize=8, padding=2)
     ax.set_xticks(range(len(rows)),
                   [f"{r.rig}\n{r.recipe}\n{r.started:%m-%d %H:%M}" for r in rows], fontsize=8)
     ax.set_ylabel("decode tok/s, 1 stream (median, runs' range)")
