@@ -587,7 +587,7 @@ def test_move_driver_installs_the_bump_script_and_runs_it_detached():
         "mkdir -p /opt/rigbook/driver",
         "upload /opt/rigbook/driver/bump.sh",
         "chmod 755 /opt/rigbook/driver/bump.sh",
-        "setsid -w /opt/rigbook/driver/bump.sh 'libnvidia-ml1=580.159.04-*' "
+        "/opt/rigbook/driver/bump.sh --detach 'libnvidia-ml1=580.159.04-*' "
         "'nvidia-kernel-open-dkms=580.159.04-*' 'nvidia-open=580.159.04-*' "
         "'nvidia-persistenced=580.159.04-*' 'nvidia-smi=580.159.04-*'",
     ]
