@@ -81,6 +81,7 @@ from rigbook.reboot import (
 )
 from rigbook.render import template, template_commands
 from rigbook.runfacts import once
+from rigbook.serving import hold_serving
 from rigbook.spec import Rig
 from rigbook.units import booted, service
 from rigbook.venvs import VenvBuilds
@@ -758,6 +759,9 @@ def driver_bump(rig: Rig):
     if why:
         report(name="Bump done: the target is running", message=why)
         return
+    hold_serving(name="Stop serving and hold it until the venvs match the new driver",
+                 reason=f"serving is held by the driver bump to {target}: rebuild the venvs "
+                        "(pyinfra INVENTORY deploys/venvs.py), which starts it again")
     _apt_source(plan)
     _pin(rig, plan)
     apt.update(name="apt-get update (to see the target)")
@@ -772,8 +776,8 @@ def driver_bump(rig: Rig):
             name="Next: rebuild the venvs",
             message=(
                 f"driver {target} runs; venv(s) {', '.join(stale)} were built for another "
-                "driver: rebuild them (pyinfra INVENTORY deploys/venvs.py), then start serving "
-                "again (pyinfra INVENTORY deploys/serve.py)"
+                "driver: rebuild them (pyinfra INVENTORY deploys/venvs.py), which starts "
+                "serving again"
             ),
         )
 
