@@ -3,6 +3,8 @@
 #
 #     /opt/rigbook/driver/bump.sh --detach PACKAGE=VERSION...
 #
+# (without systemd as PID 1, --detach runs the apt step under `setsid -w` instead).
+#
 # Releases the hold of each PACKAGE, installs it at VERSION (an apt version glob) and holds every
 # PACKAGE that is on the system again on ANY exit: apt failing, a signal (HUP, INT, TERM), an error
 # here. Only SIGKILL skips the hold. Run as one SSH command, the bump died with a dropped session
@@ -84,6 +86,11 @@ state() {
     esac
 }
 
+if [[ -n $detach && ! -d /run/systemd/system ]]; then
+    # No systemd as PID 1 (a container, WSL2 without it): no unit and no logind session to
+    # outlive; a session of its own keeps the hang-up of a dropped connection away.
+    exec setsid -w "$0" "$@"
+fi
 if [[ -n $detach ]]; then
     case $(state) in
         running)
