@@ -64,6 +64,9 @@ class Release:
     distro: str  # "debian" or "ubuntu"
     version: str  # VERSION_ID, as the docs and the tests name it
     include: tuple[str, ...] = INCLUDE
+    #: Its systemd needs the unified cgroup hierarchy: 256 and later refuse to run as PID 1 on
+    #: the legacy one, which nspawn gives a container on a hybrid host unless told otherwise.
+    unified_cgroups: bool = False
 
 
 #: The releases of sandbox rigs (a profile's "release"; bookworm when it names none).
@@ -71,7 +74,7 @@ RELEASES = {
     "bookworm": Release("bookworm", "debian", "12"),
     "trixie": Release("trixie", "debian", "13"),
     "noble": Release("noble", "ubuntu", "24.04", UBUNTU_INCLUDE),
-    "resolute": Release("resolute", "ubuntu", "26.04", UBUNTU_INCLUDE),
+    "resolute": Release("resolute", "ubuntu", "26.04", UBUNTU_INCLUDE, unified_cgroups=True),
 }
 #: debootstrap's script for every Ubuntu release since 7.10 (newer suites may lack a link).
 UBUNTU_SCRIPT = "gutsy"
@@ -746,6 +749,8 @@ def _start(rig: Rig, root: Path, repo: Path) -> None:
         nspawn += ["--as-pid2", "/bin/sh", "-c", NO_SYSTEMD_ENTRYPOINT]
     # nspawn's read-only /proc/sys stays: a writable one leaks fs.inotify.* to this machine.
     env = {k: v for k, v in os.environ.items() if k != "SYSTEMD_NSPAWN_API_VFS_WRITABLE"}
+    if rig.release.unified_cgroups:
+        env["SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"] = "1"
     with open(rig.console, "ab") as console:
         supervisor = subprocess.Popen(
             ["sh", "-c", SUPERVISOR, "rigbook-supervisor", *map(str, cgroups), "--", *nspawn],
