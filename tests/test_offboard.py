@@ -33,6 +33,8 @@ NOT_IN_FOOTPRINT = {
     "/run/lock/rigbook/run.lock": "the run lock every deploy takes (tmpfs)",
     "/run/rigbook-sim/modules": "the sandbox's simulation",
     "/run/rigbook-sim/loaded-version": "the sandbox's simulation",
+    "/etc/rigbook-sim/ubuntu-archive.sources": "an Ubuntu sandbox rig's image (its real indexes)",
+    "/var/lib/rigbook-sim/ubuntu-lists": "an Ubuntu sandbox rig's image (its real indexes)",
 }
 
 
