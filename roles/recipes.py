@@ -452,12 +452,8 @@ def _model_problems(r: Recipe) -> list[str]:
     return problems
 
 
-#: Card classes with SM86 silicon (Ampere consumer / workstation).
-SM86_CLASSES = ("rtx3090", "rtx3090ti", "a6000")
 #: The only CUDA runtime GDN kernels build and load with (docs/sources.md, GDN models).
 GDN_CUDA = "13.0"
-#: Longest context for a GDN model on one SM86 card (Cliff 2: "may OOM at >50K single-prompt").
-GDN_SM86_SINGLE_MAX = 50_000
 
 
 def _gdn_problems(r: Recipe) -> list[str]:
@@ -480,28 +476,11 @@ def _gdn_problems(r: Recipe) -> list[str]:
 
 
 def gdn_fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
-    """The GDN traps that need the rig: FlashInfer's GDN kernels on SM86, and a venv whose CUDA
-    is known (a shipped pin set) and is not 13.0."""
+    """The GDN trap that needs the rig's host data: a venv whose CUDA is known (a shipped pin
+    set) and is not 13.0. The card's own GDN limits are rigbook.cards'."""
     if not any(pin.gdn for pin in recipe.models):
         return []
     problems = []
-    if rig.gpu_class in SM86_CLASSES and any("flashinfer" in a.lower() for a in recipe.extra_args):
-        problems.append(
-            f"extra_args select FlashInfer, whose GDN kernels need SM90+; a {rig.gpu_class} is "
-            "SM86, where only the Triton linear-attention backend runs (the failure log; "
-            "docs/sources.md, GDN models)"
-        )
-    context = max_model_len_of(recipe, rig)
-    if (
-        recipe.engine != "llama.cpp" and recipe.tensor_parallel_size == 1
-        and rig.gpu_class in SM86_CLASSES and context > GDN_SM86_SINGLE_MAX
-    ):
-        problems.append(
-            f"max_model_len {context} on one SM86 card: a GDN model's single prompts past ~50K "
-            "may OOM there (Cliff 2), and the hardware notes recommend llama.cpp past ~60K "
-            "(docs/sources.md, Long context on SM86); set serving_max_model_len "
-            f"<= {GDN_SM86_SINGLE_MAX}, split over two cards, or use llama.cpp"
-        )
     venv = next((v for v in rig.venvs if v.name == recipe.venv), None)
     cuda = venv_cuda(venv.packages) if venv is not None else None
     if cuda is not None and cuda != GDN_CUDA:
@@ -656,6 +635,11 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     if fits.nvlink == "forbidden" and rig.nvlink:
         problems.append("the recipe is for rigs without NVLink (this rig has nvlink: true)")
     problems += gdn_fit_problems(recipe, rig) + override_problems(recipe, rig)
+    from rigbook.cards import card_problems, class_card  # cards reads recipes: imported here
+
+    card = class_card(rig.gpu_class)
+    if card is not None:
+        problems += card_problems(recipe, rig, card)
     card = VRAM_GIB.get(rig.gpu_class)
     need = vram_need_gib(recipe, rig)
     if card is not None and need > card - VRAM_MARGIN_GIB:
@@ -944,6 +928,7 @@ START_WITH: tuple[tuple[GpuClass, int, tuple[Platform, ...], str], ...] = (
     ("rtx3090ti", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
     ("rtx4090", 1, ("ubuntu", "debian", "wsl2"), "qwen36-27b-llamacpp"),
     ("rtx5090", 1, ("ubuntu", "debian", "wsl2"), "qwen36-27b-5090"),
+    ("a5000", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
     ("a6000", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
     ("other", 2, ("ubuntu", "debian"), "qwen36-27b-dual-20g"),
 )

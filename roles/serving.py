@@ -42,7 +42,8 @@ from pyinfra.facts.files import FileContents, FindInFile
 from pyinfra.operations import server
 
 from rigbook import FILES, cap_check, power
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal
+from rigbook.cards import Card, card_problems, card_warnings, facts_card
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal, warn
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
 from rigbook.gpus import GpuProbe
@@ -458,8 +459,16 @@ def fit_problems(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None) -> l
                                 f"cards; the rig shows {len(gpus.gpus)}")
         else:
             _vram(checks, plan, probe, gpus)
+            card = serving_card(plan, gpus)
+            for problem in card_problems(plan.recipe, plan.rig, card) if card else ():
+                checks.fail("card", problem)
     _host_ram(checks, plan, probe)
     return checks.problems
+
+
+def serving_card(plan: ServePlan, gpus: GpuProbe) -> Card | None:
+    """The card the recipe runs on, as nvidia-smi shows the GPUs it is split over."""
+    return facts_card(sorted(gpus.gpus, key=lambda g: g.index)[: plan.recipe.tensor_parallel_size])
 
 
 def _venv(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe | None,
@@ -825,6 +834,17 @@ def fit_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
             for problem in fit_problems(plan, facts.serving, gpus)]
 
 
+def advice_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """What the card the rig shows costs its recipe, short of refusing it (warnings)."""
+    plan, _ = plan_of(rig, rig_name)
+    probe = facts.probe
+    if plan is None or not plan.gpu or probe is None or not probe.ok or not probe.gpus:
+        return []
+    card = serving_card(plan, probe)
+    return [warn("serving", f"recipe {plan.recipe.name}: {text}", key="recipe")
+            for text in (card_warnings(plan.recipe, rig, card) if card else ())]
+
+
 def _serving_reads(rig: Rig, rig_name: str) -> list[Read]:
     plan, _ = plan_of(rig, rig_name)
     if plan is None:
@@ -841,4 +861,5 @@ CHECKS = (
     Check("serving", _serving_reads, serving_findings),
     GPUS,
     Check("serving fit", _serving_reads, fit_findings, gpus=True),
+    Check("card advice", _serving_reads, advice_findings, gpus=True, said=True),
 )

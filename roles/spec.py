@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from rigbook.cards import CLASS_CARDS
 from rigbook.errors import RigbookError
 from rigbook.secrets import looks_secret
 from rigbook.shmglob import pattern_problem
@@ -37,7 +38,7 @@ from rigbook.types import (
     rig_path,
 )
 
-GpuClass = Literal["rtx3090", "rtx3090ti", "rtx4090", "rtx5090", "a6000", "other"]
+GpuClass = Literal["rtx3090", "rtx3090ti", "rtx4090", "rtx5090", "a5000", "a6000", "other"]
 Cooling = Literal["air", "water", "aio"]
 Platform = Literal["ubuntu", "debian", "wsl2"]
 PowerProfile = Literal["sweet-spot", "prefill", "stock"]
@@ -66,8 +67,8 @@ SWEET_SPOTS: dict[tuple[str, str], dict[str, int]] = {
     ("rtx5090", "prefill"): {"air": 400},
 }
 
-#: VRAM per card class in GiB, for recipe fit checks.
-VRAM_GIB = {"rtx3090": 24, "rtx3090ti": 24, "rtx4090": 24, "rtx5090": 32, "a6000": 48}
+#: VRAM per card class in GiB, for recipe fit checks (rigbook.cards.CLASS_CARDS).
+VRAM_GIB = {name: card.vram_gib for name, card in CLASS_CARDS.items()}
 
 #: Host-data keys that belong to pyinfra itself (connectors, global arguments), not to rigbook.
 _PYINFRA_KEY = re.compile(r"^(_|ssh_|winrm_|docker_|local_|chroot_|podman_|vagrant_)")
@@ -257,6 +258,19 @@ class Rig(StrictModel):
     )
     power_caps: dict[str, Watts] = Field(
         {}, description="Per-GPU caps in watts keyed by GPU index ('0') or UUID; override the rest."
+    )
+
+    psu_watts: Annotated[StrictInt, Field(ge=200, le=5000)] | None = Field(
+        None,
+        description="The power supply's rating in watts (single rail); none = not checked. The "
+        "GPUs' caps (stock: each card's default limit, read on the rig) plus psu_host_watts "
+        "must fit in it: the hardware notes' \"2 x 330 W ... at least 850 W single rail\" "
+        "(docs/power.md, Power supply).",
+    )
+    psu_host_watts: Annotated[StrictInt, Field(ge=0, le=2000)] = Field(
+        190,
+        description="What the rest of the host draws under load, in watts, beside the GPUs' "
+        "caps (the notes' 850 W for 2 x 330 W leaves 190 W).",
     )
 
     # -- host tuning --------------------------------------------------------------------------

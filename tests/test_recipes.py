@@ -470,34 +470,6 @@ def gdn_rig(gpu_class="rtx3090", packages=("vllm==0.33.0", "torch==2.14.0")) -> 
                venvs=[{"name": "v", "engine": "vllm", "packages": list(packages)}])
 
 
-def test_gdn_models_refuse_flashinfer_on_sm86():
-    recipe = gdn_recipe(extra_args=["--linear-attention-backend=flashinfer"],
-                        fits={"gpu_class": ["rtx3090", "rtx4090"], "gpu_count": 2,
-                              "platforms": ["debian"]})
-    problems = fit_problems(recipe, gdn_rig())
-    assert len(problems) == 1 and "GDN kernels need SM90+; a rtx3090 is SM86" in problems[0]
-    assert "docs/sources.md, GDN models" in problems[0]
-    assert fit_problems(recipe, gdn_rig(gpu_class="rtx4090")) == []
-    assert fit_problems(gdn_recipe(), gdn_rig()) == []  # Triton (the default) on SM86 is fine
-    plain = Recipe.model_validate(recipe_data(extra_args=["--linear-attention-backend=flashinfer"]))
-    assert fit_problems(plain, gdn_rig()) == []  # not a GDN model
-
-
-def test_gdn_models_past_50k_on_one_sm86_card_are_refused():
-    """Hardware notes: Cliff 2, "may OOM at >50K single-prompt context" on a single 3090; TP=2
-    escapes it (docs/sources.md, Long context on SM86)."""
-    one = {"gpu_class": ["rtx3090", "rtx4090"], "gpu_count": 1, "platforms": ["debian"]}
-    long = gdn_recipe(max_model_len=131072, fits=one)
-    rig = Rig(platform="debian", gpu_class="rtx3090", gpu_count=1,
-              venvs=[{"name": "v", "engine": "vllm", "packages": ["vllm==1.0"]}])
-    (problem,) = fit_problems(long, rig)
-    assert problem.startswith("max_model_len 131072 on one SM86 card: a GDN model's single")
-    assert fit_problems(long, rig.model_copy(update={"serving_max_model_len": 50000})) == []
-    assert fit_problems(long, rig.model_copy(update={"gpu_class": "rtx4090"})) == []
-    two = gdn_recipe(max_model_len=131072, tensor_parallel_size=2)
-    assert fit_problems(two, gdn_rig(packages=("vllm==1.0",))) == []
-
-
 def test_gdn_models_need_a_cuda_13_0_venv(monkeypatch):
     from rigbook import recipes
 
