@@ -196,7 +196,15 @@ class MeasuredOn(StrictModel):
     engine: Engine = Field(description="The engine it ran on.")
     venv: str = Field(
         pattern=r"^[a-z0-9][a-z0-9_.-]*$",
-        description="The engine build it is shipped for: the venv (files/venvs/pins.toml).",
+        description="The venv rigbook ships the configuration with (files/venvs/pins.toml): a "
+        "copy with another venv is another configuration.",
+    )
+    build: Line = Field(
+        min_length=1,
+        description="The engine build the source measured it on, in the source's words (`vLLM "
+        "nightly with the notes' patches`), or as a pin (`vllm==0.29.0`). Unless it is one of "
+        "the pins the venv installs, the figures are shown as the source's, measured on "
+        "another build than the recipe's (docs/recipes.md).",
     )
 
 
@@ -424,6 +432,33 @@ def _measured_on_problem(r: Recipe) -> str | None:
     return (f"measured: {'; '.join(differ)}: this is not the configuration its source measured "
             "(a copy with new fits or another engine build); set measured = false, drop "
             "measured_on and quote none of its figures")
+
+
+def installed_packages(recipe: Recipe) -> tuple[str, ...]:
+    """The pins of the venv a shipped recipe installs (files/venvs/pins.toml; empty: unknown)."""
+    for pins in engine_pins().values():
+        if pins.get("venv") == recipe.venv:
+            return tuple(pins["packages"])
+    return ()
+
+
+def measured_on_its_build(recipe: Recipe) -> bool:
+    """Whether the source measured the build the recipe installs: its figures are then the
+    recipe's own; otherwise they are the source's, on another build."""
+    on = recipe.measured_on
+    return on is not None and on.build in installed_packages(recipe)
+
+
+def figures_text(recipe: Recipe) -> str | None:
+    """What a measured recipe's figures are, in the docs (None: it quotes none)."""
+    on = recipe.measured_on
+    if not recipe.measured or on is None:
+        return None
+    if measured_on_its_build(recipe):
+        return f"measured by its source on `{on.build}`, the build this recipe installs"
+    installs = ", ".join(f"`{p}`" for p in installed_packages(recipe)) or f"venv `{recipe.venv}`"
+    return (f"the source's: measured on {on.build}; this recipe installs {installs}, a build no "
+            "source measured, so they are not this recipe's figures")
 
 
 def _model_problems(r: Recipe) -> list[str]:
@@ -913,8 +948,10 @@ Words such as TP, SM86, GDN, MTP and Cliff 2 are in the [glossary](glossary.md).
 
 The recipes a source measured come first: their model, flags, context, KV type and memory
 share are that source's configuration, and the figures they quote were measured on it
-(docs/sources.md). The generic recipes that follow serve other models with the settings the
-sources give for the hardware, and quote no figure.
+(docs/sources.md). Each says which engine build the source ran (`measured_on.build`): where
+that is not the build the recipe installs, its figures are the source's, not a promise of what
+rigbook's build serves (their `figures` row says so). The generic recipes that follow serve
+other models with the settings the sources give for the hardware, and quote no figure.
 """
 
 
@@ -944,7 +981,10 @@ def _start_with_lines(recipes: dict[str, Recipe]) -> list[str]:
         "| cards | platforms | start with | measured |", "| --- | --- | --- | --- |",
     ]
     for gpu_class, count, platforms, name in START_WITH:
-        measured = "yes: its figures apply" if recipes[name].measured else "no: quotes no figure"
+        recipe = recipes[name]
+        measured = ("no: quotes no figure" if not recipe.measured else
+                    "yes, on this build" if measured_on_its_build(recipe) else
+                    "yes, on another engine build: the figures are the source's")
         lines.append(f"| {count}x {gpu_class} | {', '.join(platforms)} | [`{name}`](#{name}) "
                      f"| {measured} |")
     return lines + [""]
@@ -985,6 +1025,9 @@ def _recipe_section(recipe: Recipe) -> list[str]:
             rev = "placeholder" if pin.placeholder else f"`{pin.revision}`"
             file = f", file `{pin.file}`" if pin.file else ""
             rows.append((label, f"`{pin.repo}` at {rev}{file}, ~{pin.weights_gib:g} GiB"))
+    figures = figures_text(recipe)
+    if figures:
+        rows.append(("figures", figures))
     est = recipe.estimate
     rows.append((
         "estimate",
@@ -1002,6 +1045,14 @@ def _recipe_section(recipe: Recipe) -> list[str]:
         "",
     ]
     return lines
+
+
+def _configuration(recipe: Recipe) -> str:
+    if not recipe.measured:
+        return "generic: quotes no figure"
+    if measured_on_its_build(recipe):
+        return "measured by its source, on this build"
+    return f"measured by its source on {recipe.measured_on.build}, not on this build"
 
 
 def _fits_text(recipe: Recipe) -> str:
@@ -1043,8 +1094,7 @@ def recipes_markdown() -> str:
     parts = [_DOC_INTRO.format(placeholder=PLACEHOLDER_REVISION[:8] + "...")]
     parts += _start_with_lines({r.name: r for r in recipes}) + ["## Catalogue\n"]
     parts += ["| recipe | engine | fits | configuration |", "| --- | --- | --- | --- |"]
-    parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} | "
-              f"{'measured by its source' if r.measured else 'generic: quotes no figure'} |"
+    parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} | {_configuration(r)} |"
               for r in recipes]
     parts.append("")
     for recipe in recipes:

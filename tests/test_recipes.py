@@ -199,7 +199,7 @@ def test_a_generic_recipe_quoting_a_figure_is_refused(description):
         Recipe.model_validate(data)
     data["measured"] = True
     data["measured_on"] = {"gpu_class": ["rtx3090"], "gpu_count": 2, "engine": "vllm",
-                           "venv": "v"}
+                           "venv": "v", "build": "vllm==0.33.0"}
     assert Recipe.model_validate(data).measured
     data["sources"] = []
     with pytest.raises(Exception, match="names the source that measured it"):
@@ -591,3 +591,33 @@ def test_test_recipes_load_from_their_own_folder_without_shadowing(tmp_path: Pat
 def test_recipes_docs_are_generated_from_the_catalogue():
     docs = (ROOT / "docs" / "recipes.md").read_text()
     assert docs == recipes_markdown(), "run `rigbook docs` to regenerate"
+
+
+def test_figures_measured_on_another_engine_build_are_shown_as_the_sources():
+    """Issue 36: qwen36-27b-dual-20g's 82.4 / 107.9 TPS were measured on vLLM nightly with the
+    notes' patches (a patched source clone); rigbook installs the stock vLLM 0.33.0 wheel. The
+    docs show them as the source's; a recipe measured on the build it installs shows its own."""
+    import tomllib
+
+    from rigbook.recipes import figures_text, measured_on_its_build
+
+    docs = (ROOT / "docs" / "recipes.md").read_text()
+    for name in ("qwen36-27b-dual-20g", "qwen36-27b-5090", "qwen36-27b-llamacpp"):
+        recipe = catalogue()[name]
+        assert not measured_on_its_build(recipe), name
+        text = figures_text(recipe)
+        assert text.startswith(f"the source's: measured on {recipe.measured_on.build}; this "
+                               "recipe installs `"), text
+        assert f"| figures | {text} |" in docs
+        assert "not this build's" in " ".join(recipe.description.split()), name
+    assert "vLLM nightly with the notes' patches" in catalogue()[
+        "qwen36-27b-dual-20g"].measured_on.build
+    data = tomllib.loads((RECIPES_DIR / "qwen36-27b-dual-20g.toml").read_text())
+    data["measured_on"]["build"] = "vllm==0.33.0"  # a source that measured rigbook's own pins
+    same = Recipe.model_validate(data)
+    assert measured_on_its_build(same)
+    assert figures_text(same) == ("measured by its source on `vllm==0.33.0`, the build this "
+                                  "recipe installs")
+    del data["measured_on"]["build"]
+    with pytest.raises(ValidationError, match="measured_on.build"):
+        Recipe.model_validate(data)
