@@ -288,7 +288,7 @@ class Recipe(StrictModel):
     def _consistent(self) -> Recipe:
         problems = (
             _engine_problems(self) + _model_problems(self) + _env_problems(self)
-            + _gdn_problems(self) + _figure_problems(self)
+            + _gdn_problems(self) + _figure_problems(self) + _offload_problems(self)
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -459,6 +459,53 @@ def figures_text(recipe: Recipe) -> str | None:
     installs = ", ".join(f"`{p}`" for p in installed_packages(recipe)) or f"venv `{recipe.venv}`"
     return (f"the source's: measured on {on.build}; this recipe installs {installs}, a build no "
             "source measured, so they are not this recipe's figures")
+
+
+#: vLLM's CPU KV-offload buffer, in GiB; vLLM keeps it in /dev/shm (the runbook's
+#: vllm_offload_<uuid>.mmap, "sized by --kv-offloading-size").
+KV_OFFLOAD_FLAG = "--kv-offloading-size"
+
+
+def kv_offload_gib(recipe: Recipe) -> float | None:
+    """The --kv-offloading-size a vLLM recipe's extra_args pass, in GiB (None: none)."""
+    if recipe.engine != "vllm":
+        return None
+    args = list(recipe.extra_args)
+    for i, arg in enumerate(args):
+        if engine_flag("vllm", arg) != KV_OFFLOAD_FLAG:
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _offload_problems(r: Recipe) -> list[str]:
+    size = kv_offload_gib(r)
+    if size is None or r.estimate.host_ram_gib >= size:
+        return []
+    return [f"estimate.host_ram_gib {r.estimate.host_ram_gib:g} is below the {KV_OFFLOAD_FLAG} "
+            f"{size:g} GiB buffer, which vLLM keeps in /dev/shm, in host RAM (the runbook's "
+            "vllm_offload_<uuid>.mmap; docs/sources.md, Shutdown drain and /dev/shm): count it"]
+
+
+def shm_offload_problem(recipe: Recipe, shm_size: str | None,
+                        mem_total_bytes: int = 0) -> str | None:
+    """The rig's shm_size against the recipe's KV-offload buffer (None: it holds it, or
+    nothing to compare: no buffer, no shm_size, or a percentage without the host's RAM)."""
+    from rigbook.tuning import size_bytes  # tuning imports the roles this module feeds
+
+    size = kv_offload_gib(recipe)
+    if size is None or shm_size is None or (shm_size.endswith("%") and not mem_total_bytes):
+        return None
+    have = size_bytes(shm_size, mem_total_bytes)
+    if have >= size * 1024**3:
+        return None
+    return (f"shm_size {shm_size} ({have / 1024**3:.1f} GiB) cannot hold the recipe's "
+            f"{KV_OFFLOAD_FLAG} {size:g} GiB buffer, which vLLM keeps in /dev/shm "
+            "(docs/sources.md, Shutdown drain and /dev/shm); raise shm_size")
 
 
 def _model_problems(r: Recipe) -> list[str]:
@@ -657,6 +704,9 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     elif venv.engine != VENV_ENGINE[recipe.engine]:
         problems.append(f"venv {venv.name} is a {venv.engine} venv; the recipe is {recipe.engine}")
     problems += pattern_problems(recipe, rig)
+    shm = shm_offload_problem(recipe, rig.shm_size)
+    if shm is not None:
+        problems.append(shm)
     if recipe.cpu_only:
         return problems
     if rig.gpu_class not in fits.gpu_class:

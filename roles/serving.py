@@ -74,6 +74,7 @@ from rigbook.recipes import (
     port_of,
     recipe_for,
     recipe_pins,
+    shm_offload_problem,
     vram_need_gib,
 )
 from rigbook.render import env_line, render, systemd_word
@@ -463,6 +464,9 @@ def fit_problems(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None) -> l
             for problem in card_problems(plan.recipe, plan.rig, card) if card else ():
                 checks.fail("card", problem)
     _host_ram(checks, plan, probe)
+    shm = shm_offload_problem(plan.recipe, plan.rig.shm_size, probe.mem_total_kib * KIB)
+    if shm is not None:
+        checks.fail("host RAM", shm)
     return checks.problems
 
 

@@ -621,3 +621,34 @@ def test_figures_measured_on_another_engine_build_are_shown_as_the_sources():
     del data["measured_on"]["build"]
     with pytest.raises(ValidationError, match="measured_on.build"):
         Recipe.model_validate(data)
+
+
+def test_the_kv_offload_buffer_counts_against_host_ram_and_shm_size():
+    """Runbook: /dev/shm "holds vllm_offload_<uuid>.mmap, 42,945,576,960 bytes (40.0 GiB) —
+    vLLM's CPU KV-offload region, sized by --kv-offloading-size", on a host whose free -g read
+    "182 total" and whose /dev/shm is "a 92 G tmpfs"."""
+    from rigbook.recipes import kv_offload_gib, shm_offload_problem
+
+    args = ["--kv-offloading-backend", "native", "--kv-offloading-size", "40"]
+    data = recipe_data(extra_args=args, estimate={"kv_gib": 1, "host_ram_gib": 24})
+    with pytest.raises(ValidationError, match="estimate.host_ram_gib 24 is below the "
+                                              "--kv-offloading-size 40 GiB buffer"):
+        Recipe.model_validate(data)
+    data["estimate"]["host_ram_gib"] = 64
+    recipe = Recipe.model_validate(data)
+    assert kv_offload_gib(recipe) == 40.0
+    for spelling in (["--kv-offloading-size=40"], ["--kv_offloading_size", "40"]):
+        assert kv_offload_gib(Recipe.model_validate({**data, "extra_args": spelling})) == 40.0
+    assert 42_945_576_960 / 1024**3 == pytest.approx(40.0, abs=0.01)
+    assert shm_offload_problem(recipe, "92G") is None
+    problem = shm_offload_problem(recipe, "32G")
+    assert problem.startswith("shm_size 32G (32.0 GiB) cannot hold the recipe's "
+                              "--kv-offloading-size 40 GiB buffer")
+    rig = Rig(platform="debian", gpu_class="rtx3090", gpu_count=2, shm_size="32G",
+              venvs=[{"name": "v", "engine": "vllm", "packages": ["vllm==1.0"]}])
+    assert problem in fit_problems(recipe, rig)
+    # a percentage needs the host's RAM: the serving preflight has MemTotal
+    assert shm_offload_problem(recipe, "50%") is None
+    assert shm_offload_problem(recipe, "50%", 182 * 1024**3) is None  # 91 GiB
+    assert shm_offload_problem(recipe, "20%", 182 * 1024**3).startswith("shm_size 20% (36.4 GiB)")
+    assert shm_offload_problem(Recipe.model_validate(recipe_data()), "1G") is None  # no buffer
