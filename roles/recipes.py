@@ -36,6 +36,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rigbook import FILES
+from rigbook.envvars import env_problems
 from rigbook.errors import RigbookError
 from rigbook.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
 from rigbook.types import IpAddress, Line, LocalPath, StrictModel, Word
@@ -60,21 +61,6 @@ VLLM_KV_DTYPES = (
 )
 SGLANG_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "bf16")
 
-#: Environment rigbook itself owns: a recipe may not set these.
-OWN_ENV = (
-    "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME", "CUDA_HOME", "VLLM_API_KEY", "API_KEY",
-    "LLAMA_API_KEY", "HOST", "PORT", "MODEL", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES",
-)
-#: What the dynamic loader and libc read from the environment, which glibc removes for a
-#: privileged program (glibc's sysdeps/generic/unsecvars.h; and every LD_*): a recipe's
-#: environment reaches every program its unit starts, also the pre-start checks that run as root
-#: (before their `env -i`): LD_PRELOAD of a file the engine wrote would run in root's process.
-LOADER_ENV = (
-    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LD_AUDIT", "LD_DEBUG",
-    "LD_DEBUG_OUTPUT", "LD_DYNAMIC_WEAK", "LD_HWCAP_MASK", "LD_LIBRARY_PATH", "LD_ORIGIN_PATH",
-    "LD_PRELOAD", "LD_PROFILE", "LD_SHOW_AUXV", "LD_USE_LOAD_BIAS", "LOCALDOMAIN", "LOCPATH",
-    "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TMPDIR", "TZDIR",
-)
 #: Flags rigbook renders itself (model, address, key, context, memory, parallelism) or that read
 #: a file of further flags (--config, --config_file), as each engine's parser declares them,
 #: aliases included (docs/sources.md, "Engine flags"). extra_args may not carry them in any
@@ -100,7 +86,6 @@ OWN_FLAGS: dict[Engine, tuple[str, ...]] = {
 #: declares a flag that looks like one).
 _NEGATIVE = re.compile(r"-\d+|-\d*\.\d+")
 
-_ENV_KEY = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 class ModelPin(StrictModel):
@@ -626,16 +611,7 @@ def mtp_index_problem(recipe: Recipe, index_text: str | None) -> str | None:
 
 
 def _env_problems(r: Recipe) -> list[str]:
-    problems = []
-    for key in r.env:
-        if not _ENV_KEY.fullmatch(key):
-            problems.append(f"env: {key!r} is not an environment variable name")
-        elif key in OWN_ENV:
-            problems.append(f"env: {key} is set by rigbook")
-        elif key in LOADER_ENV or key.startswith("LD_"):
-            problems.append(f"env: {key} is read by the dynamic loader or libc of every program "
-                            "the unit starts, the root pre-start checks too (docs/serving.md)")
-    return problems
+    return env_problems(r.env, "env")
 
 
 # --- the catalogue ---------------------------------------------------------------------------

@@ -187,6 +187,7 @@ def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:
     recipe's engine is shown no GPU (an empty CUDA_VISIBLE_DEVICES), as its unit allows none."""
     env = dict(recipe.env)
     env.update(serving_environment(rig))
+    env.update(rig.serving_env)
     env.update({
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_CACHE": rig.models_cache,

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from rigbook.cards import CLASS_CARDS
+from rigbook.envvars import env_problems
 from rigbook.errors import RigbookError
 from rigbook.secrets import looks_secret
 from rigbook.shmglob import pattern_problem
@@ -25,6 +26,7 @@ from rigbook.types import (
     Glob,
     HttpUrl,
     IpAddress,
+    Line,
     LocalPath,
     RepoId,
     Requirement,
@@ -446,6 +448,24 @@ class Rig(StrictModel):
     serving_recipe_dirs: tuple[LocalPath, ...] = Field(
         (), description="More recipe folders on the operator's machine (no shadowing names)."
     )
+    serving_env: dict[str, Line] = Field(
+        {},
+        description="Engine environment for this rig over the recipe's and the platform's, e.g. "
+        "{'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:False'} (the hardware notes' override "
+        "knob, \"no edits to tracked files\"): no copied recipe needed. Refused like a "
+        "recipe's env: rigbook's own names, the loader's, and a name that reads as a secret "
+        "(a key goes in serving_api_key_file).",
+    )
+
+    @field_validator("serving_env")
+    @classmethod
+    def _serving_env(cls, env: dict[str, str]) -> dict[str, str]:
+        problems = env_problems(env)
+        problems += [f"{name} reads as a secret; a key goes in a file "
+                     "(serving_api_key_file)" for name in env if _SECRET_FIELD.search(name)]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return env
 
     @model_validator(mode="after")
     def _serving_section(self) -> Rig:
@@ -766,7 +786,7 @@ _DOCS = "docs/host-data.md lists every key"
 def _shown(value: Any, field: str) -> str:
     """How a refused value is shown: short, and never when it could be a secret."""
     text = repr(value)
-    if looks_secret(text) or _SECRET_FIELD.search(field):
+    if looks_secret(text) or _SECRET_FIELD.search(field) or _SECRET_FIELD.search(text):
         return "a value that looks like a secret (not shown)"
     return text if len(text) <= 80 else text[:77] + "..."
 

@@ -197,6 +197,41 @@ def test_env_file_layers_venv_recipe_platform_and_rigbook():
         serve_plan(wsl, "rig3"), LAUNCHER)
 
 
+def test_a_rig_sets_an_engine_variable_without_a_copied_recipe():
+    """Hardware notes: PYTORCH_CUDA_ALLOC_CONF "as a ${...} override knob ... No edits to
+    tracked files needed": serving_env overrides the recipe's and the platform's on one rig,
+    escaped like every env-file value."""
+    rig = dual_rig(serving_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False",
+                                "NCCL_P2P_DISABLE": "0", "ODD": 'a"$b\\c'})
+    body = [x for x in render_env(serve_plan(rig, "rig1"), LAUNCHER).splitlines()
+            if not x.startswith("#")]
+    assert 'PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False"' in body
+    assert 'NCCL_P2P_DISABLE="0"' in body and 'NCCL_P2P_DISABLE="1"' not in body
+    assert 'ODD="a\\"\\$b\\\\c"' in body
+    assert body[-3:] == ['HF_HUB_OFFLINE="1"', 'HF_HUB_CACHE="/var/lib/rigbook/hf/hub"',
+                         'RIGBOOK_RECIPE="dual-3090-draft"']  # rigbook's own still win
+
+
+@pytest.mark.parametrize("env, refused", [
+    ({"LD_PRELOAD": "/var/lib/rigbook-serve/x.so"}, "LD_PRELOAD is read by the dynamic loader"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.check=3"}, "GLIBC_TUNABLES is read by the dynamic loader"),
+    ({"HF_HUB_OFFLINE": "0"}, "HF_HUB_OFFLINE is set by rigbook"),
+    ({"CUDA_VISIBLE_DEVICES": "1"}, "CUDA_VISIBLE_DEVICES is set by rigbook"),
+    ({"lower": "1"}, "'lower' is not an environment variable name"),
+    ({"A B": "1"}, "'A B' is not an environment variable name"),
+    ({"A\nB": "1"}, "is not an environment variable name"),
+    ({"OK": "x\nExecStartPre=/bin/sh"}, "serving_env.OK: one line of text"),
+    ({"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz012345"}, "HF_TOKEN reads as a secret"),
+])
+def test_serving_env_refuses_what_a_recipe_env_may_not_set(env, refused):
+    from rigbook.spec import parse_rig
+
+    data = {**dual_rig().model_dump(exclude_defaults=True), "serving_env": env}
+    with pytest.raises(RigbookError, match=re.escape(refused)) as error:
+        parse_rig("rig1", data)
+    assert "hf_abcdef" not in str(error.value)  # a secret is never shown back
+
+
 # --- the plan's checks --------------------------------------------------------------------------
 
 
