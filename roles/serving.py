@@ -56,6 +56,7 @@ from rigbook.guards import (
     gpu_lost_reason,
     p2p_disable_problem,
 )
+from rigbook.journal import journal_hints
 from rigbook.managed import put_commands
 from rigbook.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
 from rigbook.models import CacheState, ModelCache, snapshot_status
@@ -602,11 +603,12 @@ def _await_health(state, host, plan: ServePlan, arguments: dict, systemd: bool =
     lines = journal.stdout
     if plan.key is not None:
         lines = plan.key.redact(lines).replace(plan.key.reveal().split("=", 1)[1], "***")
+    hints = "".join(f"\nWhat it shows: {hint}" for hint in journal_hints(lines, plan.rig))
     host.log_styled(
         f"{plan.label} did not come up healthy on {plan.url} "
         f"({result.get('stage', '?')}: {result.get('message')}). Last {JOURNAL_LINES} "
-        f"{'journal' if systemd else 'log'} lines of {what}:\n{lines}\n{what} is stopped: "
-        "this rig serves nothing now.",
+        f"{'journal' if systemd else 'log'} lines of {what}:\n{lines}{hints}\n{what} is "
+        "stopped: this rig serves nothing now.",
         fg="red", log_func=logger.error,
     )
     return False

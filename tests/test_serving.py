@@ -33,6 +33,7 @@ from rigbook.serving import (
     UNIT_PATH,
     ServeProbe,
     ServeState,
+    _await_health,
     parse_probe,
     preflight,
     probe_args,
@@ -669,6 +670,20 @@ def test_a_failed_health_check_shows_the_journal_and_stops_the_unit(tmp_path: Pa
     )
     assert "unrecognized arguments: --no_such_flag 1" in message and "k3y-secret" not in message
     assert message.endswith("rigbook-serve.service is stopped: this rig serves nothing now.")
+    assert "What it shows:" not in message  # no known signature in these lines
+
+
+def test_a_failed_start_on_wsl2_says_a_tdr_reset_is_not_oom():
+    """The hardware notes' TDR signature in the journal of a failed start on a WSL2 rig."""
+    wsl = Rig.model_validate({**dual_rig().model_dump(exclude_defaults=True),
+                              "platform": "wsl2", "recipe": "wsl2-dual-3090-tp2"})
+    plan = serve_plan(wsl, "rig3")
+    tdr = (ROOT / "tests/fixtures/real/journal/tdr-signature-club3090-50.txt").read_text()
+    host = ShellHost({"python3 /opt/rigbook/serving/health.py": json.dumps(
+        {"ok": False, "stage": "engine", "message": "the engine exited"}), "journalctl": tdr})
+    assert _await_health(None, host, plan, {}) is False
+    (message,) = host.logged
+    assert "\nWhat it shows: Windows reset the GPU mid-kernel (TDR" in message
 
 
 # --- caps that fail closed (roles/cap_check.py) -------------------------------------------------
