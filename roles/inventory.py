@@ -150,14 +150,17 @@ def rig_problems(rig: Rig, name: str) -> list[str]:
 
 def rig_warnings(rig: Rig, name: str) -> list[str]:
     """What the host data asks for that costs the rig, short of refusing it: the card's advice
-    for the recipe (from the class; rigbook.cards) and the caps' (rigbook.capadvice)."""
+    for the recipe (from the class; rigbook.cards), the recipe's own flags'
+    (rigbook.recipes.recipe_warnings) and the caps' (rigbook.capadvice)."""
     from rigbook.capadvice import cap_warnings
     from rigbook.cards import card_warnings, class_card
+    from rigbook.recipes import recipe_warnings
     from rigbook.serving import plan_of
 
     plan, _ = plan_of(rig, name)
     card = class_card(rig.gpu_class)
     found = card_warnings(plan.recipe, rig, card) if plan is not None and card else []
+    found += recipe_warnings(plan.recipe, rig) if plan is not None else []
     return [f"{name}: {text}" for text in found + cap_warnings(rig)]
 
 

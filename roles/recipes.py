@@ -493,6 +493,38 @@ def shm_offload_problem(recipe: Recipe, shm_size: str | None,
             "(docs/sources.md, Shutdown drain and /dev/shm); raise shm_size")
 
 
+#: The runbook: CPU co-execution for weight offload "cannot pay" below this CPU/PCIe bandwidth
+#: ratio (FreeToken's own rule; its X870E dual-channel desktop measured 1.15x).
+OFFLOAD_PAYS_RATIO = 2.0
+#: vLLM flags that put weights in host RAM for the GPU to read over PCIe.
+WEIGHT_OFFLOAD_FLAGS = ("--cpu-offload-gb",)
+#: The failure log: "A 2048 chunked-prefill size ... quadrupled prefill iterations on
+#: single-request 50-90K contexts".
+SMALL_CHUNK, LONG_SINGLE = 2048, 50_000
+
+
+def recipe_warnings(recipe: Recipe, rig: Rig) -> list[str]:
+    """What the sources say a recipe's own flags cost on one rig, short of refusing it."""
+    found = []
+    flags = {engine_flag(recipe.engine, arg) for arg in recipe.extra_args}
+    for flag in WEIGHT_OFFLOAD_FLAGS:
+        if recipe.engine == "vllm" and flag in flags:
+            found.append(
+                f"extra_args {flag}: weights offloaded to host RAM are read over PCIe; the "
+                f"runbook's host measured CPU memory at 1.15x PCIe (a dual-channel desktop), "
+                f"where offload \"cannot pay\" below {OFFLOAD_PAYS_RATIO:g}x: measure the "
+                "rig's ratio before relying on it (docs/sources.md, CPU weight offload)")
+    chunk = recipe.max_num_batched_tokens
+    if (recipe.max_num_seqs == 1 and chunk is not None and chunk <= SMALL_CHUNK
+            and max_model_len_of(recipe, rig) >= LONG_SINGLE):
+        found.append(
+            f"max_num_batched_tokens {chunk} for one sequence of up to "
+            f"{max_model_len_of(recipe, rig)} tokens: the failure log found a 2048 chunk "
+            "\"quadrupled prefill iterations on single-request 50-90K contexts\"; a single "
+            "user is better served by a larger chunk (docs/sources.md, Chunked prefill)")
+    return found
+
+
 def _model_problems(r: Recipe) -> list[str]:
     problems = []
     spec = r.speculative

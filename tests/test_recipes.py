@@ -652,3 +652,27 @@ def test_the_kv_offload_buffer_counts_against_host_ram_and_shm_size():
     assert shm_offload_problem(recipe, "50%", 182 * 1024**3) is None  # 91 GiB
     assert shm_offload_problem(recipe, "20%", 182 * 1024**3).startswith("shm_size 20% (36.4 GiB)")
     assert shm_offload_problem(Recipe.model_validate(recipe_data()), "1G") is None  # no buffer
+
+
+def test_weight_offload_and_a_small_chunk_for_one_long_sequence_are_said():
+    """Runbook: "CPU STREAM read 64.6 GB/s ... against PCIe H2D 56.4" (1.15x): offload "cannot
+    pay" below FreeToken's 2.0x. Failure log: a 2048 chunk "quadrupled prefill iterations on
+    single-request 50-90K contexts"."""
+    from rigbook.inventory import rig_warnings
+    from rigbook.recipes import recipe_warnings
+
+    rig = Rig(platform="debian", gpu_class="rtx4090", gpu_count=2)
+    (text,) = recipe_warnings(Recipe.model_validate(recipe_data(
+        extra_args=["--cpu_offload_gb", "8"])), rig)
+    assert text.startswith("extra_args --cpu-offload-gb: weights offloaded to host RAM")
+    assert "1.15x PCIe" in text and "below 2x" in text
+    assert round(64.6 / 56.4, 2) == 1.15
+    one = recipe_data(max_num_seqs=1, max_num_batched_tokens=2048, max_model_len=65536)
+    (text,) = recipe_warnings(Recipe.model_validate(one), rig)
+    assert text.startswith("max_num_batched_tokens 2048 for one sequence of up to 65536 tokens")
+    assert recipe_warnings(Recipe.model_validate({**one, "max_num_batched_tokens": 16384}),
+                           rig) == []
+    assert recipe_warnings(Recipe.model_validate({**one, "max_num_seqs": 8}), rig) == []
+    shipped = catalogue()
+    assert all(recipe_warnings(r, example_rig(r)) == [] for r in shipped.values())
+    assert rig_warnings(example_rig(shipped["single-24g-long"]), "r") == []
