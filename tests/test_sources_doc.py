@@ -130,3 +130,34 @@ def test_the_false_statements_issue_36_named_are_gone():
     flat = " ".join(SOURCES.split())
     assert "rigbook ships no GDN recipe" not in flat
     assert "is the only one-card recipe past 60K" not in flat
+
+
+def seed_rows() -> list[list[str]]:
+    section = SOURCES.split("## The seeds item by item", 1)[1].split("\n## ", 1)[0]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")]
+            for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+
+
+def test_the_seed_table_names_where_rigbook_acts_or_why_not_and_its_counts_hold():
+    from rigbook.recipes import anchor
+
+    rows = seed_rows()
+    assert [int(row[0]) for row in rows] == list(range(1, len(rows) + 1))
+    assert {row[1] for row in rows} == {"Hardware notes", "Failure log", "Runbook"}
+    headings = {anchor(line[3:]) for line in SOURCES.splitlines() if line.startswith("## ")}
+    counts = {"done": 0, "partial": 0, "not for a tool": 0}
+    for number, _seed, item, where, status in rows:
+        kind, _, why = status.partition(": ")
+        assert kind in counts, (number, status)
+        counts[kind] += 1
+        assert item and where, number
+        if kind != "done":
+            assert why, f"row {number}: a {kind} row says why"
+        if where == "none":
+            assert kind != "done", f"row {number}: done, but acts nowhere"
+        for link in re.findall(r"\]\(#([^)]+)\)", where):
+            assert link in headings, (number, link)
+    total = sum(counts.values())
+    assert (f"Counts: {total} items: {counts['done']} done, {counts['partial']} partial, "
+            f"{counts['not for a tool']} not for a tool.") in " ".join(SOURCES.split())
+    assert total >= 110  # the issue's reading found 110 actionable items
