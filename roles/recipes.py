@@ -642,6 +642,39 @@ def mtp_index_problem(recipe: Recipe, index_text: str | None) -> str | None:
     return None
 
 
+def mixed_linear_attention(index: dict) -> list[str]:
+    """The linear-attention (GDN) projections a checkpoint stores both ways across its layers:
+    `.weight_packed` (quantised) in some layers and plain `.weight` in others, the failure log's
+    half-quantised checkpoint ("some linear-attention layers stored as plain `weight` rather than
+    `weight_packed`"). A projection kept plain in every layer is a choice, not a mix."""
+    kinds: dict[str, set[str]] = {}
+    for name in index.get("weight_map") or {}:
+        parts = name.split(".")
+        if "linear_attn" not in parts or parts[-1] not in ("weight", "weight_packed"):
+            continue
+        at = parts.index("linear_attn")
+        kinds.setdefault(".".join(parts[at:-1]), set()).add(parts[-1])
+    return sorted(module for module, seen in kinds.items() if len(seen) == 2)
+
+
+def gdn_index_problem(recipe: Recipe, index_text: str | None) -> str | None:
+    """An SGLang recipe's GDN checkpoint whose linear-attention layers mix quantised and plain
+    storage: SGLang hung loading such a checkpoint (the failure log; None: fine, or no index)."""
+    if recipe.engine != "sglang" or not recipe.model.gdn or not index_text:
+        return None
+    try:
+        index = json.loads(index_text)
+    except ValueError:
+        return None
+    mixed = mixed_linear_attention(index) if isinstance(index, dict) else []
+    if not mixed:
+        return None
+    return (f"{WEIGHT_INDEX} stores {', '.join(mixed)} as weight_packed in some layers and as "
+            "plain weight in others: SGLang hung loading such a half-quantised checkpoint in the "
+            "failure log, while the fully quantised one loaded (docs/sources.md, MTP); use a "
+            "checkpoint quantised the same way in every layer")
+
+
 def _env_problems(r: Recipe) -> list[str]:
     return env_problems(r.env, "env")
 

@@ -68,6 +68,7 @@ from rigbook.recipes import (
     api_key_variable,
     bind_of,
     engine_argv,
+    gdn_index_problem,
     gpu_memory_utilization_of,
     is_loopback,
     model_path,
@@ -441,15 +442,24 @@ def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: 
                                  "add it to the rig's models and run deploys/models.py")
         elif pin.file and pin.file not in cache.repos[spec.repo].snapshots[spec.revision]:
             checks.fail("model", f"{name} has no {pin.file}")
-    mtp = mtp_index_problem(recipe, weight_index)
-    if mtp is not None:
-        checks.fail("model", mtp)
+    for problem in (mtp_index_problem(recipe, weight_index),
+                    gdn_index_problem(recipe, weight_index)):
+        if problem is not None:
+            checks.fail("model", problem)
     _venv(checks, plan, probe, gpus, venv)
     if probe.engines:
         listed = "; ".join(f"pid {pid} `{cmd[:80]}`" for pid, cmd in probe.engines)
         checks.fail("one engine", f"another engine runs outside {UNIT_NAME}: {listed}; stop it "
                                   "first (never two big models at once)")
     return checks.problems + fit_problems(plan, probe, gpus)
+
+
+def reads_weight_index(recipe: Recipe) -> bool:
+    """Whether the preflight reads the checkpoint's weight index: for an MTP head's storage,
+    and for an SGLang GDN model's linear-attention layers."""
+    spec = recipe.speculative
+    return ((spec is not None and spec.method == "mtp")
+            or (recipe.engine == "sglang" and recipe.model.gdn))
 
 
 def fit_problems(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None) -> list[str]:
@@ -671,7 +681,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         venv = once(VenvBuilds, venv_name=plan.recipe.venv)
         topology = once(GpuTopology) if plan.gpu else None
         index = None
-        if plan.recipe.speculative is not None and plan.recipe.speculative.method == "mtp":
+        if reads_weight_index(plan.recipe):
             folder = model_path(plan.recipe.model, plan.rig)
             index = host.get_fact(FileContents, path=f"{folder}/{WEIGHT_INDEX}")
             index = "\n".join(index) if index else None

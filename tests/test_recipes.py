@@ -676,3 +676,31 @@ def test_weight_offload_and_a_small_chunk_for_one_long_sequence_are_said():
     shipped = catalogue()
     assert all(recipe_warnings(r, example_rig(r)) == [] for r in shipped.values())
     assert rig_warnings(example_rig(shipped["single-24g-long"]), "r") == []
+
+
+def test_an_sglang_gdn_checkpoint_with_half_quantised_linear_attention_is_refused():
+    """Failure log: SGLang hung loading a checkpoint "half-quantized, with the MTP head and some
+    linear-attention layers stored as plain `weight` rather than `weight_packed`"."""
+    from rigbook.recipes import gdn_index_problem, mixed_linear_attention
+    from rigbook.serving import reads_weight_index
+
+    def index(plain_layers: range, layers: int = 4) -> str:
+        names = {}
+        for i in range(layers):
+            kind = "weight" if i in plain_layers else "weight_packed"
+            names[f"model.layers.{i}.linear_attn.in_proj_qkvz.{kind}"] = "a"
+            names[f"model.layers.{i}.linear_attn.out_proj.weight"] = "a"  # plain everywhere
+            names[f"model.layers.{i}.linear_attn.norm.weight"] = "a"
+        return json.dumps({"weight_map": names})
+
+    model = {"repo": "o/m", "revision": MAIN, "weights_gib": 1, "gdn": True}
+    sglang = Recipe.model_validate(recipe_data(engine="sglang", model=model))
+    problem = gdn_index_problem(sglang, index(range(2, 4)))
+    assert problem.startswith("model.safetensors.index.json stores linear_attn.in_proj_qkvz as "
+                              "weight_packed in some layers and as plain weight in others")
+    assert gdn_index_problem(sglang, index(range(0))) is None  # quantised the same everywhere
+    assert mixed_linear_attention(json.loads(index(range(4)))) == []  # plain everywhere
+    vllm = Recipe.model_validate(recipe_data(model=model))
+    assert gdn_index_problem(vllm, index(range(2, 4))) is None  # the hang was SGLang's
+    assert gdn_index_problem(sglang, "not json") is None
+    assert reads_weight_index(sglang) and not reads_weight_index(vllm)
