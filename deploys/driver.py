@@ -10,13 +10,6 @@ reboot when allow_reboot, check that nvidia-smi reports the target, then say wha
 the other rigs go on. docs/runbooks/driver-bump.md has the whole procedure.
 """
 
-from pyinfra import host
+from rigbook.jobs import driver_bump
 
-from rigbook.driver import ONBOARD, driver_bump
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-if preflight(rig, [PLATFORM, ONBOARD]):  # ONBOARD: a new DKMS module needs Secure Boot's key
-    driver_bump(rig)
+driver_bump()

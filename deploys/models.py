@@ -13,13 +13,6 @@ them with models_prune: true). An HF token comes from models_token_file or the H
 environment variable of this machine. docs/models.md has the details.
 """
 
-from pyinfra import host
+from rigbook.jobs import pull_models
 
-from rigbook.models import CHECKS, models
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-if preflight(rig, [PLATFORM], CHECKS):
-    models(rig)
+pull_models()

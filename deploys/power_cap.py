@@ -10,14 +10,6 @@ other rigs go on. At the end it prints a table of rig / GPU / old / new cap (to 
 pyinfra's own output). docs/runbooks/fleet-cap-change.md walks through it.
 """
 
-from pyinfra import host, state
+from rigbook.jobs import power_cap
 
-from rigbook import power
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-power.print_cap_table_at_end(state)
-if preflight(rig, [PLATFORM], power.CHECKS):
-    power.power_limit(rig)
+power_cap()

@@ -11,14 +11,6 @@ nvidia-power-limit.service says, also when a step fails or this process is kille
 JSON and a PNG beside the verify results; `rigbook bench sweep` tables them. docs/sweep.md.
 """
 
-from pyinfra import host
+from rigbook.jobs import power_sweep
 
-from rigbook import sweep
-from rigbook.guards import FAULTS
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-if preflight(rig, [PLATFORM, FAULTS], sweep.SWEEP_CHECKS):
-    sweep.power_sweep(rig)
+power_sweep()

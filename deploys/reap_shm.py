@@ -10,13 +10,6 @@ it cannot read makes it refuse: that rig fails with the reason and nothing is de
 docs/guards.md has the details; rigbook-serve.service runs the same reaper after every stop.
 """
 
-from pyinfra import host
+from rigbook.jobs import reap_shm
 
-from rigbook.guards import reap_shm_now
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-if preflight(rig, [PLATFORM]):
-    reap_shm_now(rig)
+reap_shm()

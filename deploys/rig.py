@@ -11,22 +11,6 @@ docs/guards.md) come before the power caps: they need no GPU, and must be in pla
 anything serves.
 """
 
-from pyinfra import host
+from rigbook.jobs import converge
 
-from rigbook import driver, guards, models, power, serving, tuning, venvs, wsl
-from rigbook.preflight import deferred_checks, preflight
-from rigbook.spec import rig_of
-
-rig = rig_of(host)
-
-if preflight(rig, driver.CHECKS, tuning.CHECKS, wsl.CHECKS, guards.CHECKS, power.CHECKS,
-             venvs.CHECKS, models.CHECKS, serving.CHECKS):
-    driver.driver(rig)
-    deferred_checks(rig)
-    tuning.host_tuning(rig)
-    wsl.wsl_host(rig)
-    guards.guards(rig)
-    power.power_limit(rig)
-    venvs.venvs(rig)
-    models.models(rig)
-    serving.serving(rig)
+converge()

@@ -13,20 +13,6 @@ serving nothing (the failure is reported; never two engines on one GPU). Without
 the rig's own recipe is converged. docs/runbooks/switch-recipe.md walks through it.
 """
 
-from pyinfra import host
+from rigbook.jobs import serve
 
-from rigbook import guards, serving
-from rigbook.messages import refused
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-if rig.recipe is None:
-    refused(
-        name="Check the serving recipe",
-        message=f"{host.name}: recipe: no recipe to serve; pass --data recipe=NAME "
-        "(docs/recipes.md lists them)",
-    )
-elif preflight(rig, [PLATFORM], guards.CHECKS, serving.CHECKS):
-    serving.serving(rig)
+serve()

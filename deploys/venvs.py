@@ -12,13 +12,6 @@ rebuilds every venv, stale or not. A build that fails fails that rig with the re
 its working venv in place; the other rigs go on. docs/runbooks/rebuild-venvs.md walks through it.
 """
 
-from pyinfra import host
+from rigbook.jobs import venvs_rebuild
 
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.venvs import REBUILD_CHECKS, venvs
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-if preflight(rig, [PLATFORM], REBUILD_CHECKS):
-    venvs(rig, rebuild_stale=True)
+venvs_rebuild()

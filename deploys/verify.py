@@ -11,14 +11,6 @@ verify_bench_concurrency). Each run is stored as JSON under RIGBOOK_VERIFY_DIR (
 the others go on, and pyinfra exits non-zero. docs/verify.md.
 """
 
-from pyinfra import host
+from rigbook.jobs import verify_serving
 
-from rigbook.guards import FAULTS
-from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.verify import verify
-from rigbook.wsl import PLATFORM
-
-rig = rig_of(host)
-if preflight(rig, [PLATFORM, FAULTS]):
-    verify(rig)
+verify_serving()

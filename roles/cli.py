@@ -18,6 +18,7 @@ from pathlib import Path
 from rigbook import sandbox
 from rigbook.docs import stale_docs, write_docs
 from rigbook.errors import EXIT_USAGE, RigbookError
+from rigbook.schema import host_data_schema, recipe_schema
 
 
 class Parser(argparse.ArgumentParser):
@@ -104,12 +105,25 @@ def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
 def show_status(args: argparse.Namespace) -> int:
     from rigbook.status import status  # imports pyinfra_cli, which gevent-patches the process
 
-    return status(args.inventory, args.limit, args.json)
+    return status(args.inventory or the_inventory(Path.cwd()), args.limit, args.json)
+
+
+def the_inventory(folder: Path) -> str:
+    """The one inventory of a folder: its inventory.py (a `rigbook init` folder), or the only
+    file in its inventory/ (a clone has two: then name one)."""
+    found = [folder / "inventory.py"] if (folder / "inventory.py").is_file() else sorted(
+        (folder / "inventory").glob("*.py"))
+    if len(found) != 1:
+        names = ", ".join(str(path.relative_to(folder)) for path in found) or "none here"
+        raise RigbookError(f"which inventory? name one (found: {names})")
+    return str(found[0])
 
 
 def add_status_command(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="what every rig is doing, and where it drifted")
-    status.add_argument("inventory", help="pyinfra inventory file, e.g. inventory/rigs.py")
+    status.add_argument("inventory", nargs="?",
+                        help="pyinfra inventory file, e.g. inventory/rigs.py; default: this "
+                        "folder's only one (inventory.py, or the one file in inventory/)")
     status.add_argument(
         "--limit", action="append", help="host, group or glob (repeatable), as pyinfra's --limit"
     )
@@ -242,8 +256,52 @@ def add_docs_command(commands: argparse._SubParsersAction) -> None:
     docs.set_defaults(func=docs_command)
 
 
+def init_command(args: argparse.Namespace) -> int:
+    from rigbook.scaffold import init_folder
+
+    written = init_folder(args.dir, _version())
+    print(f"wrote {len(written)} files in {args.dir}; next: cd {args.dir}, describe your rigs in "
+          "inventory.py, then `pyinfra inventory.py rigbook.jobs.converge --dry`")
+    return 0
+
+
+def add_init_command(commands: argparse._SubParsersAction) -> None:
+    init = commands.add_parser("init", help="make a working folder for a fleet (inventory, "
+                               "config.py, docs); never overwrites")
+    init.add_argument("dir", type=Path, help="a new or empty folder")
+    init.set_defaults(func=init_command)
+
+
+def schema_command(args: argparse.Namespace) -> int:
+    schema = recipe_schema() if args.kind == "recipe" else host_data_schema(args.partial)
+    print(json.dumps(schema, indent=2))
+    return 0
+
+
+def add_schema_command(commands: argparse._SubParsersAction) -> None:
+    schema = commands.add_parser(
+        "schema", help="print the JSON Schema of host data or of a recipe, for editors"
+    )
+    schema.add_argument("kind", choices=("host-data", "recipe"))
+    schema.add_argument("--partial", action="store_true",
+                        help="host-data: no key required (a group-data file carries only some)")
+    schema.set_defaults(func=schema_command)
+
+
+def jobs_epilog() -> str:
+    """The jobs are pyinfra runs, not sub-commands: the help says how each is started."""
+    from rigbook.jobs import JOBS  # the roles: only for the help's text
+
+    width = max(len(job.__name__) for job in JOBS) + len("rigbook.jobs.")
+    lines = [f"  pyinfra INVENTORY {'rigbook.jobs.' + job.__name__:<{width}}  or  {path}"
+             for job, path in JOBS.items()]
+    return ("jobs, run with pyinfra; in a clone also as its deploy file (docs/deploys.md):\n"
+            + "\n".join(lines) + "\n\nexit codes: docs/status.md (Exit status)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="rigbook", description=__doc__.splitlines()[0])
+    parser = Parser(prog="rigbook", description=__doc__.splitlines()[0], epilog=jobs_epilog(),
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"rigbook {_version()}")
     loud = parser.add_mutually_exclusive_group()
     loud.add_argument("-v", "--verbose", action="store_const", dest="log_level",
@@ -252,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
                       const=logging.WARNING, help="say only warnings and errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_sandbox_commands(commands)
+    add_init_command(commands)
     add_docs_command(commands)
+    add_schema_command(commands)
     add_status_command(commands)
     add_models_commands(commands)
     add_bench_commands(commands)

@@ -1,7 +1,8 @@
 """The one error type rigbook raises for bad input and refused actions, and the exit codes."""
 
 #: Exit codes of the `rigbook` command: 0 as declared, 1 drift, 2 a rig unreachable or a GPU
-#: gone (roles/status.py decides those three), 3 a usage or configuration error.
+#: gone, 4 a driver mismatch (roles/status.py decides those four), 3 a usage or configuration
+#: error. docs/status.md (Exit status) is their one table.
 EXIT_USAGE = 3
 
 

@@ -73,7 +73,7 @@ SWEET_SPOTS: dict[tuple[str, str], dict[str, int]] = {
 VRAM_GIB = {name: card.vram_gib for name, card in CLASS_CARDS.items()}
 
 #: Host-data keys that belong to pyinfra itself (connectors, global arguments), not to rigbook.
-_PYINFRA_KEY = re.compile(r"^(_|ssh_|winrm_|docker_|local_|chroot_|podman_|vagrant_)")
+PYINFRA_KEY = re.compile(r"^(_|ssh_|winrm_|docker_|local_|chroot_|podman_|vagrant_)")
 
 _SIZE = re.compile(r"[1-9][0-9]*[KMG]|[1-9][0-9]?%")
 #: A sysctl key: dotted path under /proc/sys (a slash stands for a dot inside one part).
@@ -847,7 +847,7 @@ def _field_error(host: str, error: dict[str, Any], fields: set[str]) -> str:
 
 def rig_data(data: dict[str, Any]) -> dict[str, Any]:
     """The keys of a host's data that rigbook owns (pyinfra's connector keys left out)."""
-    return {key: value for key, value in data.items() if not _PYINFRA_KEY.match(key)}
+    return {key: value for key, value in data.items() if not PYINFRA_KEY.match(key)}
 
 
 def parse_rig(host: str, data: dict[str, Any]) -> Rig:

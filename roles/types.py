@@ -205,3 +205,12 @@ ALLOWS = {
 VALIDATORS = {"line": "Line", "word": "Word", "glob": "Glob", "rig_path": "RigPath",
               "local_path": "LocalPath", "http_url": "HttpUrl", "source_url": "SourceUrl",
               "ip_address": "IpAddress", "requirement": "Requirement"}
+#: The same character sets as JSON Schema patterns, for `rigbook schema` (roles/schema.py): each
+#: accepts what the validator accepts, or more (a path's . and .. parts are the validator's alone).
+PATTERNS = {
+    "Line": "^[^\\x00-\\x1f\\x7f-\\x9f]*$",
+    "Word": f"^(?:{_WORD.pattern})$",
+    "Glob": f"^(?:{_GLOB.pattern})$",
+    "RigPath": f"^/{_PATH.pattern}$",
+    "LocalPath": f"^(?!-){_PATH.pattern}$",
+}

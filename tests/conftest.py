@@ -72,11 +72,13 @@ class PyinfraRun:
         return f"exit {self.returncode}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
-def run_pyinfra(inventory: str, deploy: str, *args: str, timeout: int = 900) -> PyinfraRun:
-    """`pyinfra -y --json INVENTORY DEPLOY ARGS`, from the repo root as a user runs it."""
+def run_pyinfra(inventory: str, deploy: str, *args: str, timeout: int = 900,
+                cwd: Path = ROOT, pyinfra: tuple[str, ...] = (PYINFRA,)) -> PyinfraRun:
+    """`pyinfra -y --json INVENTORY DEPLOY ARGS`, from the repo root as a user runs it (or from
+    `cwd` with another install's `pyinfra`)."""
     proc = subprocess.run(
-        [PYINFRA, "-y", "--json", inventory, deploy, *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        [*pyinfra, "-y", "--json", inventory, deploy, *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "PYINFRA_PROGRESS": "off"},
     )
     try:

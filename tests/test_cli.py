@@ -18,7 +18,7 @@ def test_version_is_the_installed_distributions(capsys):
     assert capsys.readouterr().out.startswith("rigbook ")
 
 
-@pytest.mark.parametrize("argv", [[], ["nosuch"], ["status"], ["-v", "-q", "docs"],
+@pytest.mark.parametrize("argv", [[], ["nosuch"], ["status", "a.py", "b.py"], ["-v", "-q", "docs"],
                                   ["bench", "compare", "--rig"]])
 def test_a_usage_error_exits_3_not_2_which_means_a_gpu_is_gone(argv, capsys):
     with pytest.raises(SystemExit) as done:
@@ -31,6 +31,14 @@ def test_a_configuration_error_exits_3_and_says_why(tmp_path):
     done = rigbook("status", str(tmp_path / "missing.py"), check=False)  # (gevent: own process)
     assert done.returncode == 3
     assert f"rigbook: error: no inventory file {tmp_path / 'missing.py'}" in done.stderr
+
+
+def test_status_without_a_path_takes_the_folders_one_inventory_or_asks_which():
+    done = rigbook("status", check=False)  # the clone has two: inventory/rigs.py and sandbox.py
+    assert done.returncode == 3
+    assert ("rigbook: error: which inventory? name one (found: inventory/rigs.py, "
+            "inventory/sandbox.py)") in done.stderr
+    # a folder with one inventory.py: tests/test_package.py runs `rigbook status` in one
 
 
 def test_the_docs_check_passes_on_the_checkout_and_writes_nothing(capsys):

@@ -9,6 +9,7 @@ import shlex
 
 import pytest
 
+from rigbook import jobs
 from rigbook.cli import build_parser
 from tests.conftest import ROOT
 
@@ -26,7 +27,7 @@ def commands(tool: str) -> list[tuple[str, str]]:
                 continue
             text = line.strip() if inside else (m.group(2).strip() if (m := _BLOCK.match(line))
                                                 else "")
-            for part in re.split(r"\s(?:&&|\|\||;|\|)\s", text.split(" # ")[0]):
+            for part in re.split(r"\s(?:&&|\|\||;|\||>)\s", text.split(" # ")[0]):
                 # a prompt and environment assignments go; a tool's own output ("rigbook
                 # status: reading ...") and placeholders (<commit>, ...) are not commands
                 part = re.sub(r"^(\$ )?([A-Z_]+=\S* )*", "", part.strip())
@@ -57,3 +58,5 @@ def test_every_deploy_the_docs_run_exists(where, command):
     deploys = [w for w in shlex.split(command) if re.fullmatch(r"deploys/\w+\.py", w)]
     for deploy in deploys:
         assert (ROOT / deploy).is_file(), f"{where}: {deploy} does not exist"
+    for job in re.findall(r"\brigbook\.jobs\.(\w+)", command):
+        assert callable(getattr(jobs, job, None)), f"{where}: rigbook.jobs.{job} does not exist"
