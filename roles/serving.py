@@ -56,7 +56,7 @@ from rigbook.guards import (
     gpu_lost_reason,
     p2p_disable_problem,
 )
-from rigbook.journal import journal_hints
+from rigbook.journal import SpecAcceptance, acceptance_warning, journal_hints
 from rigbook.managed import put_commands
 from rigbook.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
 from rigbook.models import CacheState, ModelCache, snapshot_status
@@ -874,8 +874,26 @@ def _serving_reads(rig: Rig, rig_name: str) -> list[Read]:
     ]
 
 
+def _speculation_reads(rig: Rig, rig_name: str) -> list[Read]:
+    plan, _ = plan_of(rig, rig_name)
+    if plan is None or plan.recipe.speculative is None:
+        return []
+    return [Read("acceptance", SpecAcceptance, "speculative acceptance (the engine's log)",
+                 (("unit", UNIT_NAME), ("log", SERVE_LOG)))]
+
+
+def speculation_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """A recipe that speculates, against the acceptance its engine logged (a warning)."""
+    plan, _ = plan_of(rig, rig_name)
+    if plan is None or plan.recipe.speculative is None:
+        return []
+    text = acceptance_warning(facts.acceptance)
+    return [warn("serving", f"recipe {plan.recipe.name}: {text}", key="recipe")] if text else []
+
+
 CHECKS = (
     Check("serving", _serving_reads, serving_findings),
+    Check("speculation", _speculation_reads, speculation_findings),
     GPUS,
     Check("serving fit", _serving_reads, fit_findings, gpus=True),
     Check("card advice", _serving_reads, advice_findings, gpus=True, said=True),

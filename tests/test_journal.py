@@ -12,8 +12,12 @@ from rigbook.spec import Rig
 from tests.conftest import ROOT
 
 REAL = ROOT / "tests" / "fixtures" / "real"
-READINGS = {name: want["signature"] for name, want in json.loads(
+FILES = {name: want for name, want in json.loads(
     (REAL / "expected.json").read_text())["files"].items() if name.startswith("journal/")}
+READINGS = {name: want["signature"] for name, want in FILES.items()
+            if want["signature"] in ("tdr", "repack")}
+ACCEPTANCE = {name: want["mean_acceptance_length"] for name, want in FILES.items()
+              if want["signature"] == "acceptance"}
 WSL2 = Rig(platform="wsl2", gpu_class="rtx3090", gpu_count=2)
 TDR, REPACK = ("journal/tdr-signature-club3090-50.txt",
                "journal/repack-device-not-ready-club3090-hardware-md.txt")
@@ -57,3 +61,26 @@ def test_no_signature_no_hint():
     assert journal_hints("python[9]: error: unrecognized arguments: --no_such_flag 1\n",
                          WSL2) == []
     assert journal_hints("", WSL2) == []
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTANCE))
+def test_the_engines_acceptance_length_is_read_from_its_log(name):
+    """vLLM's "SpecDecoding metrics: ... Mean acceptance length: N" as published."""
+    from rigbook.journal import SpecAcceptance
+
+    assert SpecAcceptance().process(journal(name).splitlines()) == ACCEPTANCE[name]
+    assert journal_hints(journal(name), WSL2) == []
+
+
+def test_a_low_acceptance_is_the_failure_logs_quantised_head():
+    """Failure log: the quantised head's "acceptance sat at 1.07-1.27" and bought nothing;
+    the draft model reached 3.7-4.2."""
+    from rigbook.journal import acceptance_warning, last_acceptance
+
+    log = ("SpecDecoding metrics: Mean acceptance length: 1.07,\n"
+           "SpecDecoding metrics: Mean acceptance length: 1.27,\n")
+    assert last_acceptance(log) == 1.27  # the last one the engine logged
+    text = acceptance_warning(last_acceptance(log))
+    assert text.startswith("the engine's mean acceptance length is 1.27 tokens per pass")
+    assert "56 vs 58 tok/s" in text
+    assert acceptance_warning(3.7) is None and acceptance_warning(None) is None

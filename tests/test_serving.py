@@ -765,3 +765,16 @@ def test_a_cpu_only_unit_gets_no_gpu_device_and_its_engine_sees_no_gpu():
     assert 'CUDA_VISIBLE_DEVICES=""\n' in render_env(plan, {"CUDA_VISIBLE_DEVICES": "0,1"})
     gpu = serve_plan(dual_rig(), "rig1")
     assert "CUDA_VISIBLE_DEVICES" not in dict(gpu.env)
+
+
+def test_status_warns_when_a_speculating_recipe_accepts_too_little():
+    from rigbook.checks import Facts
+    from rigbook.serving import speculation_findings
+
+    rig = dual_rig()  # dual-3090-draft speculates with a draft model
+    [finding] = speculation_findings(rig, Facts(acceptance=1.2), "rig1")
+    assert (finding.level, finding.key) == ("warn", "recipe")
+    assert finding.reason.startswith("recipe dual-3090-draft: the engine's mean acceptance "
+                                     "length is 1.2 tokens per pass")
+    assert speculation_findings(rig, Facts(acceptance=3.9), "rig1") == []
+    assert speculation_findings(rig, Facts(acceptance=None), "rig1") == []  # none logged yet
