@@ -9,8 +9,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from rigbook.cards import class_card
-from rigbook.recipes import Recipe, catalogue, installed_packages, measured_on_its_build
+from rigbook.cards import card_warnings, class_card
+from rigbook.recipes import (
+    Recipe,
+    catalogue,
+    example_rig,
+    installed_packages,
+    measured_on_its_build,
+)
 from tests.conftest import ROOT
 
 SOURCES = (ROOT / "docs" / "sources.md").read_text()
@@ -81,7 +87,9 @@ CLAIMS: dict[str, Callable[[], bool]] = {
     "`qwen36-27b-dual-3090` serves 65536 tokens on two SM86 cards (TP=2": lambda: (
         C["qwen36-27b-dual-3090"].max_model_len == 65536
         and C["qwen36-27b-dual-3090"].tensor_parallel_size == 2
-        and sm(C["qwen36-27b-dual-3090"]) == {(8, 6)}),
+        and sm(C["qwen36-27b-dual-3090"]) == {(8, 6)}
+        and bool(card_warnings(C["qwen36-27b-dual-3090"], example_rig(
+            C["qwen36-27b-dual-3090"]), class_card("rtx3090")))),  # "and gets that warning"
     "`single-24g-long` (one sequence) sets a larger `--max-num-batched-tokens`": lambda: (
         C["single-24g-long"].max_num_seqs == 1
         and C["single-24g-long"].max_num_batched_tokens > 2048),
