@@ -223,8 +223,9 @@ class Recipe(StrictModel):
     )
     measured_on: MeasuredOn | None = Field(
         None,
-        description="measured only, required: the cards and engine build the source measured "
-        "(`fits` may not go beyond them, `engine` and `venv` must be theirs).",
+        description="measured only, required: the cards and the engine build the source "
+        "measured on (`fits` may not go beyond the cards; `engine` and `venv` are the ones it "
+        "ships with; `build` says what the source ran).",
     )
     engine: Engine = Field(description="vllm, sglang or llama.cpp (llama-cpp-python's server).")
     venv: str = Field(
@@ -405,7 +406,7 @@ def _measured_on_problem(r: Recipe) -> str | None:
     on = r.measured_on
     if on is None:
         return ("measured_on: a measured configuration says what it was measured on (gpu_class, "
-                "gpu_count, engine, venv)")
+                "gpu_count, engine, venv, build)")
     differ = []
     if not set(r.fits.gpu_class) <= set(on.gpu_class) or r.fits.gpu_count != on.gpu_count:
         differ.append(f"fits {r.fits.gpu_count}x {'/'.join(r.fits.gpu_class)}, measured on "
