@@ -10,8 +10,10 @@ from rigbook.inventory import check_before_connecting
 from rigbook.venvs import engine_venv
 
 #: The commit of Lorbus/Qwen3.6-27B-int4-AutoRound this fleet serves. The all-zeros value is
-#: no commit: every deploy refuses it until you paste the one that
-#: `rigbook models resolve Lorbus/Qwen3.6-27B-int4-AutoRound` prints (docs/models.md).
+#: no commit: every deploy refuses it before connecting, naming the command to run, until you
+#: paste the one that `rigbook models resolve Lorbus/Qwen3.6-27B-int4-AutoRound` prints
+#: (docs/models.md). No published commit of that repo could be confirmed from here, so none is
+#: shipped: a guessed one would pull something nobody checked.
 QWEN36_27B_INT4 = "0000000000000000000000000000000000000000"
 
 dual_3090 = [

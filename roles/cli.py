@@ -119,6 +119,27 @@ def the_inventory(folder: Path) -> str:
     return str(found[0])
 
 
+def report_command(args: argparse.Namespace) -> int:
+    from rigbook.report import report  # imports pyinfra_cli, as status does
+
+    text, code = report(args.inventory, args.rig, _version())
+    if args.output:
+        args.output.write_text(text)
+        print(f"wrote {args.output} (exit {code}: the rig's state, as rigbook status)")
+    else:
+        sys.stdout.write(text)
+    return code
+
+
+def add_report_command(commands: argparse._SubParsersAction) -> None:
+    report = commands.add_parser("report", help="one rig's facts, journal, recipe and last "
+                                 "verify as redacted markdown, to paste when it is wrong")
+    report.add_argument("inventory", help="pyinfra inventory file, e.g. inventory/rigs.py")
+    report.add_argument("rig", help="the rig's name in the inventory")
+    report.add_argument("-o", "--output", type=Path, help="write it here, not to stdout")
+    report.set_defaults(func=report_command)
+
+
 def add_status_command(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="what every rig is doing, and where it drifted")
     status.add_argument("inventory", nargs="?",
@@ -314,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_docs_command(commands)
     add_schema_command(commands)
     add_status_command(commands)
+    add_report_command(commands)
     add_models_commands(commands)
     add_bench_commands(commands)
     return parser

@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from rigbook.errors import RigbookError
+from rigbook.offboard import footprint_markdown
 from rigbook.recipes import recipes_markdown
 from rigbook.spec import SWEET_SPOTS, ModelSpec, Rig, VenvSpec, range_of
 from rigbook.types import ALLOWS, VALIDATORS
@@ -109,10 +110,12 @@ def host_data_markdown() -> str:
 
 def generated_docs(docs: Path) -> dict[Path, str]:
     """The docs the code generates, by path in the docs folder `docs`: host-data.md from the
-    host-data models, recipes.md from the recipe catalogue."""
+    host-data models, recipes.md from the recipe catalogue, footprint.md from the offboard's
+    list of what rigbook writes."""
     if not docs.is_dir():
         raise RigbookError(f"no docs folder {docs}; run in a checkout or pass --dir")
-    return {docs / "host-data.md": host_data_markdown(), docs / "recipes.md": recipes_markdown()}
+    return {docs / "host-data.md": host_data_markdown(), docs / "recipes.md": recipes_markdown(),
+            docs / "footprint.md": footprint_markdown()}
 
 
 def stale_docs(docs: Path) -> list[Path]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from rigbook.runfacts import once
 from rigbook.spec import Rig
 from rigbook.types import JsonValue
 from rigbook.units import SYSTEMD, booted, service
-from rigbook.xid import Xid, parse_xid_lines, same_device
+from rigbook.xid import Boot, Card, Xid, parse_boot, parse_cards, parse_xid_lines, same_device
 
 SOURCES = FILES / "guards"
 XID_SOURCE = Path(__file__).with_name("xid.py")
@@ -160,34 +159,51 @@ def gpu_lost_reason(mark: GpuLost | None) -> str | None:
 
 #: The most Xid lines read per boot: a flapping card can log thousands.
 XID_LINES = 500
-#: The kernel-log lines rigbook.xid reads: Xids, and fallen-off-the-bus reports without one.
+#: The most boots read (the newest): one `journalctl -k -b <id>` each.
+BOOTS_READ = 100
+#: The kernel-log lines rigbook.xid reads: Xids, fallen-off-the-bus reports without one, and
+#: the "GPU at PCI:" / serial lines that name a card.
 KLOG_PATTERN = "NVRM: (Xid|GPU |The NVIDIA GPU )|fallen off the bus"
 _KLOG = "##RIGBOOK_KLOG##"
-_EARLIER = "##RIGBOOK_KLOG_ALL_BOOTS##"
+_BOOT = "##RIGBOOK_KLOG_BOOT##"
+
+
+@dataclass(frozen=True)
+class BootXids(JsonValue):
+    """One boot the journal keeps: its Xids and the cards its log names (UUID, serial)."""
+
+    boot: Boot
+    xids: tuple[Xid, ...] = ()
+    cards: tuple[Card, ...] = ()
 
 
 @dataclass(frozen=True)
 class KernelLog(JsonValue):
-    """Xid lines of the kernel log: this boot's and earlier boots', or why it was unreadable."""
+    """Xid lines of the kernel log: this boot's, earlier boots', and each boot's apart (the
+    journal's); or why the log was unreadable."""
 
     source: str | None  # "journalctl" or "dmesg"; None when neither could be read
     this_boot: tuple[Xid, ...] = ()
     earlier: tuple[Xid, ...] = ()
     error: str | None = None
+    boots: tuple[BootXids, ...] = ()
 
 
 class KernelXids(FactBase[KernelLog]):
     """
     NVIDIA Xid lines from the kernel log, this boot's apart from earlier boots'.
 
-    ``journalctl -k -b 0`` (this boot) and ``journalctl -k -b all`` when the journal holds
-    kernel messages, else ``dmesg`` (this boot only). Output (journal)::
+    ``journalctl -k -b 0`` (this boot), then each boot of ``journalctl --list-boots`` (the
+    newest BOOTS_READ) with ``journalctl -k -b <id> -o short-iso``, when the journal holds kernel
+    messages; else ``dmesg`` (this boot only). Output (journal)::
 
         ##RIGBOOK_KLOG## journalctl
         Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has fallen ...
-        ##RIGBOOK_KLOG_ALL_BOOTS##
-        Nov 27 08:00:01 rig1 kernel: NVRM: Xid (PCI:0000:02:00): 31, pid=4242, name=python3, ...
-        Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has fallen ...
+        ##RIGBOOK_KLOG_BOOT## -1 43f6209bfc284a7d9ef1e1f24d7721c9 Fri 2026-11-27 07:59:00 UTC ...
+        2026-11-27T08:00:01+0000 rig1 kernel: NVRM: GPU at PCI:0000:01:00: GPU-0b6b7808-...
+        2026-11-27T08:00:01+0000 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has ...
+        ##RIGBOOK_KLOG_BOOT## 0 9e2ffa348b354fbc8555aa1f524214e5 Sun 2026-11-29 10:00:00 UTC ...
+        2026-11-29T10:11:12+0000 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has ...
 
     A host whose kernel log cannot be read (a container without CAP_SYSLOG) says why::
 
@@ -202,13 +218,20 @@ class KernelXids(FactBase[KernelLog]):
     def command(self) -> str:
         grep = f"grep -E '{KLOG_PATTERN}' | tail -n {XID_LINES}"
         journal = "journalctl -k -o short -q --no-pager"
+        # a boot id is 32 hex digits: the list's header and anything else are skipped
+        boots = (
+            f"journalctl --list-boots --no-pager 2>/dev/null | tail -n {BOOTS_READ} | "
+            "while read -r idx id rest; do "
+            'case "$idx" in *[!0-9-]*|"") continue;; esac; '
+            'case "$id" in *[!0-9a-f]*|"") continue;; esac; '
+            f'echo "{_BOOT} $idx $id $rest"; '
+            'journalctl -k -b "$id" -o short-iso -q --no-pager 2>/dev/null | '
+            f"{grep}; done"
+        )
         return (
             "if command -v journalctl >/dev/null 2>&1 && "
             f'[ -n "$({journal} -b 0 -n 1 2>/dev/null)" ]; then '
-            f"echo '{_KLOG} journalctl'; {journal} -b 0 2>/dev/null | {grep}; "
-            f"echo '{_EARLIER}'; "
-            f"{{ {journal} -b all 2>/dev/null || "
-            f"journalctl _TRANSPORT=kernel -o short -q --no-pager 2>/dev/null; }} | {grep}; "
+            f"echo '{_KLOG} journalctl'; {journal} -b 0 2>/dev/null | {grep}; {boots}; "
             "elif out=$(dmesg 2>&1); then "
             f"echo '{_KLOG} dmesg'; printf '%s\\n' \"$out\" | {grep}; "
             f"else echo '{_KLOG} none'; printf '%s\\n' \"$out\" | head -n 3; fi; true"
@@ -219,7 +242,7 @@ class KernelXids(FactBase[KernelLog]):
 
 
 def parse_kernel_log(output: list[str]) -> KernelLog:
-    """KernelXids' output into a KernelLog; earlier = all boots' Xids less this boot's."""
+    """KernelXids' output into a KernelLog; earlier = the Xids of every boot but this one."""
     if not output or not output[0].startswith(_KLOG):
         raise FactProcessError(f"not the kernel-log probe: {output!r}")
     source = output[0][len(_KLOG):].strip()
@@ -227,19 +250,17 @@ def parse_kernel_log(output: list[str]) -> KernelLog:
     if source == "none":
         why = " ".join(line.strip() for line in rest if line.strip()) or "no journal, no dmesg"
         return KernelLog(None, error=why)
-    if _EARLIER in rest:
-        at = rest.index(_EARLIER)
-        this_boot, every = rest[:at], rest[at + 1:]
-    else:
-        this_boot, every = rest, []
-    left = Counter(line.strip() for line in this_boot)
-    earlier = []
-    for line in every:  # a multiset difference: the same line may repeat
-        if left[line.strip()] > 0:
-            left[line.strip()] -= 1
+    sections: list[tuple[Boot | None, list[str]]] = [(None, [])]
+    for line in rest:
+        if line.startswith(_BOOT):
+            sections.append((parse_boot(line[len(_BOOT):]), []))
         else:
-            earlier.append(line)
-    return KernelLog(source, tuple(parse_xid_lines(this_boot)), tuple(parse_xid_lines(earlier)))
+            sections[-1][1].append(line)
+    boots = tuple(BootXids(boot, tuple(parse_xid_lines(lines)),
+                           tuple(parse_cards(lines).values()))
+                  for boot, lines in sections[1:] if boot is not None)
+    earlier = tuple(xid for boot in boots if boot.boot.index != 0 for xid in boot.xids)
+    return KernelLog(source, tuple(parse_xid_lines(sections[0][1])), earlier, boots=boots)
 
 
 def xid_events(log: KernelLog, gpus: Iterable[Gpu]) -> list[tuple[Xid, bool, Gpu | None]]:
@@ -276,9 +297,98 @@ def fault_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
             f"{where}: Xid {xid.code} {xid.label} since boot{times}, last at "
             f"{xid.when or '?'}{action}", gpu=gpu.uuid if gpu else None,
         ))
+    found.extend(history_findings(rig, log, probe.gpus if probe is not None and probe.ok
+                                  else ()) if log else [])
     lost = gpu_lost_reason(facts.gpu_lost)
     if lost:  # the Xid watch's mark: serving refuses to start on this boot
         found.append(Finding("gone", "faults", lost))
+    return found
+
+
+#: The Xid 79 + 154 pattern's field report, mitigations and what a cap buys (docs/sources.md).
+HISTORY_SOURCE = "docs/sources.md#xid-79-and-154"
+
+
+@dataclass(frozen=True)
+class CardHistory:
+    """One card's reset- or reboot-bound Xids over the boots the journal keeps."""
+
+    pci: str
+    gpu: Gpu | None  # the listed GPU at that address, None when nvidia-smi no longer lists it
+    serial: str | None  # the board serial the log printed, where not 0
+    codes: tuple[int, ...]
+    dates: tuple[str, ...]  # one per boot, oldest first
+    actions: tuple[str, ...]
+
+
+def card_histories(log: KernelLog, gpus: Iterable[Gpu]) -> list[CardHistory]:
+    """Per card (PCI domain:bus:device), the boots on which it had reset- or reboot-bound Xids,
+    oldest first; a boot the journal lists twice counts once."""
+    gpus = tuple(gpus)
+    boots: dict[str, list[tuple[BootXids, list[Xid]]]] = {}
+    seen: set[str] = set()
+    for boot in sorted(log.boots, key=lambda b: b.boot.index):
+        if boot.boot.boot_id in seen:
+            continue
+        seen.add(boot.boot.boot_id)
+        gone: dict[str, list[Xid]] = {}
+        for xid in boot.xids:
+            if xid.gone and xid.pci is not None:
+                gone.setdefault(xid.pci, []).append(xid)
+        for pci, xids in gone.items():
+            boots.setdefault(pci, []).append((boot, xids))
+    histories = []
+    for pci, fatal in boots.items():
+        cards = [card for boot, _ in fatal for card in boot.cards if card.pci == pci]
+        xids = [xid for _, found in fatal for xid in found]
+        histories.append(CardHistory(
+            pci, next((g for g in gpus if same_device(pci, g.bus_id)), None),
+            next((card.serial for card in reversed(cards) if card.serial), None),
+            tuple(sorted({xid.code for xid in xids})),
+            tuple(_boot_date(boot, found) for boot, found in fatal),
+            tuple(sorted({xid.action or "?" for xid in xids}))))
+    return histories
+
+
+def _boot_date(boot: BootXids, xids: list[Xid]) -> str:
+    """The day of a boot's first fatal Xid (short-iso stamps carry it), else the boot's."""
+    when = xids[0].when or ""
+    if re.match(r"\d{4}-\d{2}-\d{2}", when):
+        return when[:10]
+    return (boot.boot.first or "")[:10] or f"boot {boot.boot.index}"
+
+
+def history_findings(rig: Rig, log: KernelLog, gpus: Iterable[Gpu]) -> list[Finding]:
+    """A card with reset- or reboot-bound Xids on two or more boots: the pattern, its dates and,
+    for a card falling off the bus (Xid 79, with or without 154), the mitigations the field
+    report names and what a lower cap buys."""
+    found = []
+    for card in card_histories(log, gpus):
+        if len(card.dates) < 2:
+            continue
+        gpu = card.gpu
+        where = f"GPU {gpu.index} (PCI {card.pci}" if gpu else f"PCI {card.pci} (not listed now"
+        where += f", serial {card.serial})" if card.serial else ")"
+        what = ", ".join(f"Xid {code}" for code in card.codes)
+        if 79 in card.codes:
+            modprobe = rig.driver_modprobe_options.get("NVreg_DynamicPowerManagement")
+            applied = (
+                f"NVreg_DynamicPowerManagement=0x00 "
+                f"({'set' if modprobe == '0x00' else 'not set'} in driver_modprobe_options) "
+                f"and persistence mode on (driver_persistence: "
+                f"{str(rig.driver_persistence).lower()})")
+            advice = (
+                "a card that keeps falling off the bus: the field report the runbook cites "
+                "treats Xid 79 + 154 as an NVIDIA GSP firmware/driver bug with the card an RMA "
+                f"candidate, and names two mitigations: {applied}; a lower power cap lowers the "
+                "odds and does not remove them (what it costs in tok/s is measured, what it "
+                "buys in fault rate is not)")
+        else:
+            advice = (f"a card that keeps needing a reset (NVIDIA's action: "
+                      f"{', '.join(card.actions)}); no mitigation is documented for it")
+        found.append(warn(
+            "faults", f"{where}: {what} on {len(card.dates)} boots ({', '.join(card.dates)}): "
+            f"{advice} ({HISTORY_SOURCE})", gpu=gpu.uuid if gpu else None))
     return found
 
 

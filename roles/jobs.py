@@ -15,7 +15,19 @@ from __future__ import annotations
 
 from pyinfra import host, state
 
-from rigbook import driver, guards, models, power, serving, sweep, tuning, venvs, verify, wsl
+from rigbook import (
+    driver,
+    guards,
+    models,
+    offboard,
+    power,
+    serving,
+    sweep,
+    tuning,
+    venvs,
+    verify,
+    wsl,
+)
 from rigbook.messages import refused
 from rigbook.preflight import deferred_checks, preflight
 from rigbook.spec import rig_of
@@ -101,6 +113,13 @@ def verify_serving() -> None:
         verify.verify(rig)
 
 
+def offboard_rig() -> None:
+    """What rigbook put on the rig, stopped and removed (deploys/offboard.py)."""
+    rig = rig_of(host)
+    if preflight(rig):
+        offboard.offboard(rig)
+
+
 #: Each job with the deploy file that runs it: `rigbook --help` and docs/deploys.md list them.
 JOBS = {
     converge: "deploys/rig.py",
@@ -112,4 +131,5 @@ JOBS = {
     serve: "deploys/serve.py",
     reap_shm: "deploys/reap_shm.py",
     verify_serving: "deploys/verify.py",
+    offboard_rig: "deploys/offboard.py",
 }

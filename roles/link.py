@@ -14,9 +14,10 @@ sent data stays unacknowledged. The rig's transport then ends, its command fails
 
 The bound: link_keepalive + link_lost_after seconds after the rig stopped answering (60 s by
 default). A busy rig is not a silent one: its kernel acknowledges while apt or a build holds
-its CPUs. Connecting is bounded by pyinfra and paramiko themselves: the TCP connect by
-pyinfra's CONNECT_TIMEOUT (10 s), the SSH banner and authentication by paramiko's 15 s and
-30 s. docs/faults-fleet.md has the operator's side.
+its CPUs. Connecting is bounded by pyinfra and paramiko themselves: the TCP connect and the
+SSH handshake by pyinfra's CONNECT_TIMEOUT (10 s, one for the run), the authentication by
+paramiko's 30 s; a rig's own bound is pyinfra's ssh_paramiko_connect_kwargs host-data key
+({"timeout": N}). docs/faults-fleet.md has the operator's side.
 """
 
 from __future__ import annotations

@@ -60,26 +60,52 @@ VLLM_KV_DTYPES = (
     "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4",
 )
 SGLANG_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "bf16")
+#: The tool-call parsers each engine's own parser takes (docs/sources.md, "Tool-call parsers"):
+#: vLLM's --tool-call-parser (vllm/tool_parsers/__init__.py, _TOOL_PARSERS_TO_REGISTER), SGLang's
+#: --tool-call-parser (FunctionCallParser.ToolCallParserEnum) and the llama-cpp-python
+#: --chat_format that parses tool calls with the GGUF's own tokenizer (the functionary formats
+#: need a separate Hugging Face tokenizer rigbook does not pull).
+TOOL_PARSERS: dict[str, tuple[str, ...]] = {
+    "vllm": (
+        "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31",
+        "deepseek_v32", "deepseek_v4", "ernie45", "functiongemma", "gemma4", "gigachat3",
+        "glm45", "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hunyuan_a13b",
+        "hy_v3", "inkling", "internlm", "jamba", "kimi_k2", "kimi_k3", "lfm2", "llama3_json",
+        "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2",
+        "minimax_m3", "mistral", "olmo3", "openai", "phi4_mini_json", "poolside_v1", "pythonic",
+        "qwen3_coder", "qwen3_xml", "seed_oss", "solar_open2", "step3", "step3p5", "xlam",
+    ),
+    "sglang": (
+        "apertus2509", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32",
+        "deepseekv4", "dots", "gemma4", "gigachat3", "gigachat35", "glm", "glm45", "glm47",
+        "gpt-oss", "hermes", "hunyuan", "inkling", "interns1", "k2_horizon", "kimi_k2",
+        "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5", "minimax-m2", "minimax-m3",
+        "mistral", "muse", "poolside_v1", "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25",
+        "step3", "step3p5", "trinity",
+    ),
+    "llama.cpp": ("chatml-function-calling",),
+}
 
-#: Flags rigbook renders itself (model, address, key, context, memory, parallelism) or that read
-#: a file of further flags (--config, --config_file), as each engine's parser declares them,
-#: aliases included (docs/sources.md, "Engine flags"). extra_args may not carry them in any
-#: spelling that parser takes for them (`owned_flags_of`).
+#: Flags rigbook renders itself (model, address, key, context, memory, parallelism, tool parser)
+#: or that read a file of further flags (--config, --config_file), as each engine's parser
+#: declares them, aliases included (docs/sources.md, "Engine flags"). extra_args may not carry
+#: them in any spelling that parser takes for them (`owned_flags_of`).
 OWN_FLAGS: dict[Engine, tuple[str, ...]] = {
     "vllm": (
         "--model", "--served-model-name", "--host", "--port", "--api-key",
         "--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization",
         "--kv-cache-dtype", "--max-num-seqs", "--enable-chunked-prefill",
         "--max-num-batched-tokens", "--speculative-config", "--shutdown-timeout", "--config",
+        "--enable-auto-tool-choice", "--tool-call-parser",
     ),
     "sglang": (
         "--model-path", "--model", "--host", "--port", "--api-key", "--tp-size",
         "--tensor-parallel-size", "--context-length", "--mem-fraction-static",
-        "--kv-cache-dtype", "--config",
+        "--kv-cache-dtype", "--config", "--tool-call-parser",
     ),
     "llama.cpp": (
         "--model", "--model_alias", "--host", "--port", "--api_key", "--n_ctx", "--n_gpu_layers",
-        "--config_file",
+        "--config_file", "--chat_format",
     ),
 }
 #: What argparse reads as a negative number, a value and never a flag (none of the engines
@@ -251,6 +277,13 @@ class Recipe(StrictModel):
     max_num_batched_tokens: int | None = Field(
         None, ge=256, description="vLLM --max-num-batched-tokens (the prefill chunk)."
     )
+    tool_parser: Word | None = Field(
+        None,
+        description="The engine's parser of the model's tool calls (vLLM "
+        "`--enable-auto-tool-choice --tool-call-parser`, SGLang `--tool-call-parser`, "
+        "llama-cpp-python `--chat_format`), one of `rigbook.recipes.TOOL_PARSERS` for its "
+        "engine; set, verify runs the tool-call steps. None: the engine parses no tool calls.",
+    )
     extra_args: tuple[Line, ...] = Field(
         (),
         description="More engine arguments, verbatim. Each item that starts with `-` is a flag; "
@@ -312,6 +345,9 @@ def _engine_problems(r: Recipe) -> list[str]:
         allowed = VLLM_KV_DTYPES if r.engine == "vllm" else SGLANG_KV_DTYPES
         if r.kv_cache_dtype is not None and r.kv_cache_dtype not in allowed:
             problems.append(f"kv_cache_dtype {r.kv_cache_dtype!r}; allowed: {', '.join(allowed)}")
+    if r.tool_parser is not None and r.tool_parser not in TOOL_PARSERS[r.engine]:
+        problems.append(f"tool_parser {r.tool_parser!r} is not a {r.engine} tool-call parser; "
+                        f"allowed: {', '.join(TOOL_PARSERS[r.engine])}")
     if r.engine == "sglang" and r.model.served_name is not None:
         problems.append("model.served_name: SGLang has no verified flag for it")
     if r.chunked_prefill is False:
@@ -980,6 +1016,8 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
         if recipe.speculative is not None:
             argv += ["--speculative-config", _speculative_json(recipe, rig, allow_placeholder)]
         argv += ["--shutdown-timeout", str(VLLM_SHUTDOWN_TIMEOUT_S)]
+        if recipe.tool_parser is not None:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", recipe.tool_parser]
     elif recipe.engine == "sglang":
         argv = [
             f"{venv}/python", "-m", "sglang.launch_server", "--model-path", path,
@@ -990,6 +1028,8 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
         ]
         if recipe.kv_cache_dtype is not None:
             argv += ["--kv-cache-dtype", recipe.kv_cache_dtype]
+        if recipe.tool_parser is not None:
+            argv += ["--tool-call-parser", recipe.tool_parser]
     else:
         argv = [
             f"{venv}/python", "-m", "llama_cpp.server", "--model", path,
@@ -998,6 +1038,8 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
             "--n_ctx", str(max_model_len_of(recipe, rig)),
             "--n_gpu_layers", "0" if recipe.cpu_only else "-1",
         ]
+        if recipe.tool_parser is not None:
+            argv += ["--chat_format", recipe.tool_parser]
     return argv + list(recipe.extra_args)
 
 

@@ -88,13 +88,14 @@ done
 """
 
 
-# What a rig without systemd runs instead of booting: the stand-in driver "loaded" and its
-# persistence daemon up, as the host of a GPU container keeps them, then sshd in the foreground.
-NO_SYSTEMD_ENTRYPOINT = """
+#: The host's side of a rig without systemd (sandbox/simulated/host-persistence), in the rig.
+HOST_PERSISTENCE = "usr/lib/rigbook-sim/host-persistence"
+# What a rig without systemd runs instead of booting: the stand-in driver "loaded" and
+# persistence on, as the host of a GPU container keeps them, then sshd in the foreground.
+NO_SYSTEMD_ENTRYPOINT = f"""
 mkdir -p /run/sshd
 [ -x /usr/lib/rigbook-sim/load-driver ] && /usr/lib/rigbook-sim/load-driver
-[ -x /usr/bin/nvidia-persistenced ] && /usr/bin/nvidia-persistenced --user nvidia-persistenced \\
-    --persistence-mode
+/{HOST_PERSISTENCE}
 exec /usr/sbin/sshd -D -e
 """
 
@@ -513,6 +514,10 @@ def _write_rig_files(rig: Rig, root: Path, key: Path, profiles: dict) -> None:
         _write_wsl2_files(root, profile["wsl2"])
     if profile.get("systemd", True) is False:  # no systemctl at all (a whiteout in its upper)
         (root / "usr/bin/systemctl").unlink(missing_ok=True)
+        target = root / HOST_PERSISTENCE
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SIM_DIR / "host-persistence", target)
+        target.chmod(0o755)
 
 
 def _sim_gpus(rig: Rig, profiles: dict) -> dict:

@@ -353,6 +353,17 @@ class Rig(StrictModel):
         True, description="Run the Xid watch (marks a lost GPU, logs engine faults)."
     )
 
+    # -- the way back out (roles/offboard.py, deploys/offboard.py) ----------------------------
+    offboard_remove: tuple[Literal["driver", "venvs", "models"], ...] = Field(
+        (),
+        description=(
+            "What deploys/offboard.py removes beyond rigbook's own files, units, user and "
+            "settings: `driver` (purges the driver packages, its apt source and the nouveau "
+            "blacklist), `venvs` (the engine venvs, Python builds, uv cache), `models` (the "
+            "HF cache). None: the driver, venvs and models stay (docs/footprint.md)."
+        ),
+    )
+
     @field_validator("guards_shm_patterns")
     @classmethod
     def _shm_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:

@@ -44,14 +44,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.text import Text
 
-from rigbook.checks import Facts, every_check, read_facts, reads_of, run_checks
+from rigbook.checks import Facts, Read, every_check, read_facts, reads_of, run_checks
 from rigbook.checks import Finding as CheckFinding
 from rigbook.disks import by_mount
 from rigbook.driver import driver_packages, driver_versions, foreign_of, wanted
 from rigbook.driver_source import describe
 from rigbook.errors import RigbookError
 from rigbook.gpus import Gpu
-from rigbook.guards import gpu_lost_reason, xid_events
+from rigbook.guards import card_histories, gpu_lost_reason, xid_events
 from rigbook.inventory import load_inventory
 from rigbook.models import model_state, unreferenced, wanted_models
 from rigbook.power import asked_cap, unit_caps
@@ -172,10 +172,21 @@ class DiskStatus(StrictModel):
     avail_bytes: int
 
 
+class CardHistoryStatus(StrictModel):
+    """A card's reset- or reboot-bound Xids over the boots the journal keeps (roles/guards.py)."""
+
+    pci: str
+    gpu_index: int | None
+    serial: str | None
+    codes: list[int]
+    dates: list[str]
+
+
 class KernelLogStatus(StrictModel):
     source: str | None
     error: str | None
     xids: list[XidEvent]
+    history: list[CardHistoryStatus] = []
 
 
 class VenvStatus(StrictModel):
@@ -443,6 +454,10 @@ def _kernel_log_row(facts: Facts, gpus: tuple[Gpu, ...]) -> KernelLogStatus | No
                  gpu_index=gpu.index if gpu else None, when=xid.when, message=xid.message,
                  this_boot=this_boot)
         for xid, this_boot, gpu in xid_events(log, gpus)
+    ], history=[
+        CardHistoryStatus(pci=card.pci, gpu_index=card.gpu.index if card.gpu else None,
+                          serial=card.serial, codes=list(card.codes), dates=list(card.dates))
+        for card in card_histories(log, gpus)
     ])
 
 
@@ -577,9 +592,11 @@ class _QuietLoggers:
 
 
 def gather(
-    inventory_file: str, limit: list[str] | None, console: Console
+    inventory_file: str, limit: list[str] | None, console: Console,
+    extra: tuple[Read, ...] = (), facts_of: dict[str, Facts] | None = None,
 ) -> FleetStatus:
-    """Read every (limited) rig of an inventory in parallel and build the fleet's status."""
+    """Read every (limited) rig of an inventory in parallel and build the fleet's status.
+    `extra` reads more facts in the same round trip, into `facts_of` (`rigbook report`)."""
     if not Path(inventory_file).is_file():  # pyinfra would read a missing file as host names
         raise RigbookError(f"no inventory file {inventory_file}")
     # every rig of the limit validated before anything is contacted
@@ -612,8 +629,10 @@ def gather(
             return
         state.activate_host(host)
         progress.update(task, description=f"{host.name}: reading facts", advance=1)
-        reads = reads_of(rig, host.name, every_check())
+        reads = [*reads_of(rig, host.name, every_check()), *extra]
         facts = read_facts(state, host, reads, timeout=FACT_TIMEOUT_S)
+        if facts_of is not None:
+            facts_of[host.name] = facts
         lost = log.lines[host.name]  # pyinfra logs a connection that dropped while reading
         if lost:
             facts.unread.update({read.name: "; ".join(lost[-3:]) for read in reads})

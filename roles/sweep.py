@@ -4,7 +4,7 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
 
 1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any asked cap
    (`sweep_watts`) lies outside any card's own min/max, when no boot unit caps every GPU (the
-   caps could not be restored), or when persistence mode is off;
+   caps could not be restored; without systemd none can), or when persistence mode is off;
 2. a guard is started on the rig as a unit of its own (files/power/sweep_rig.py under
    `systemd-run`, outside the SSH login, which logind may kill when it ends): it holds
    a lease that the sweep renews before every request, and once the sweep releases it, or the
@@ -60,7 +60,7 @@ from rigbook.power import watts as w
 from rigbook.spec import Rig
 from rigbook.tools import TOOLS_PYTHON
 from rigbook.types import StrictModel
-from rigbook.units import outside_login
+from rigbook.units import SYSTEMD_READ, outside_login
 from rigbook.verify import (
     BENCH_PROMPTS,
     Client,
@@ -148,15 +148,28 @@ def parse_watts(value: Any) -> tuple[float, ...]:
 # --- the checks ----------------------------------------------------------------------------------
 
 
+#: Without systemd no boot unit can exist: the caps are the host's or only live, and the guard
+#: that restores them is a transient unit itself.
+NO_UNIT_HERE = (
+    f"no systemd as PID 1: no {UNIT_NAME} can hold the caps here (the host or the live state "
+    "owns them), so the sweep has nothing to set them back to afterwards, and its guard runs "
+    "under systemd-run; allowed: a rig with systemd whose caps rigbook manages "
+    "(docs/no-systemd.md)"
+)
+
+
 def sweep_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
-    """Why the sweep may not touch this rig: no caps asked, WSL2, a cap outside a card's range,
-    no unit that caps every GPU (nothing to restore to), persistence mode off."""
+    """Why the sweep may not touch this rig: no caps asked, WSL2, no systemd (no unit can
+    exist), a cap outside a card's range, no unit that caps every GPU (nothing to restore to),
+    persistence mode off."""
     if not rig.sweep_watts:
         return [error("sweep", "no caps to sweep; allowed: --data sweep_watts=START:STOP:STEP "
                       "(e.g. 250:350:10), a comma list or one cap", key="sweep_watts")]
     if rig.platform == "wsl2":
         return [error("sweep", "WSL2: the Windows driver owns the caps (docs/power.md); "
                       "allowed: a Linux rig", key="platform")]
+    if facts.systemd is False:
+        return [error("sweep", NO_UNIT_HERE)]
     if facts.missing("probe", "unit") or not usable(facts.probe):
         return facts.missing("probe", "unit")  # the GPU check says why there are no GPUs
     gpus = facts.probe.gpus
@@ -191,7 +204,7 @@ def sweep_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
 
 
 def _reads(rig: Rig, rig_name: str) -> list[Read]:
-    return [GPUS_READ, UNIT_READ]
+    return [GPUS_READ, UNIT_READ, SYSTEMD_READ]
 
 
 #: The sweep's preflight. Not named CHECKS: `rigbook status` runs every role's CHECKS, and the

@@ -1,8 +1,11 @@
 """Verify and benchmark a serving rig from the operator's machine, over the rig's API address.
 
 A ladder of checks, stopped at the first failure with its evidence (what was expected, what came
-back): `health` (/health when the engine has it, then /v1/models lists the recipe's served
-name), `chat` (one short chat completion with an OpenAI answer shape), `prefill` (a prompt of
+back, and a hint of what to do): `health` (/health when the engine has it, then /v1/models lists
+the recipe's served name), `chat` (one short chat completion with an OpenAI answer shape),
+`tools` and `tools-stream` (when the recipe has a tool_parser: one tool called, its name and JSON
+arguments in tool_calls and no call markup in the text; streamed, delta.tool_calls and
+finish_reason "tool_calls"; rigbook.toolcheck), `prefill` (a prompt of
 verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
 verify_needle_fill of the context is asked back, exact match when verify_needle_exact; and a
 prompt beyond the context must be REJECTED with the engine's context error) and `bench` (a
@@ -36,6 +39,7 @@ from pydantic import ValidationError
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
+from rigbook import toolcheck
 from rigbook.chart import Canvas, png_bytes
 from rigbook.errors import RigbookError
 from rigbook.types import StrictModel
@@ -95,14 +99,15 @@ class Target:
     max_model_len: int
     url: str
     key: str | None = field(default=None, repr=False)
+    tool_parser: str | None = None
 
 
 class StepFailed(Exception):
-    """A ladder step failed: which step, what was expected, what came back."""
+    """A ladder step failed: which step, what was expected, what came back, what to do."""
 
-    def __init__(self, step: str, expected: str, got: str) -> None:
+    def __init__(self, step: str, expected: str, got: str, hint: str = "") -> None:
         super().__init__(f"{step}: expected {expected}; got {got}")
-        self.step, self.expected, self.got = step, expected, truncate(got)
+        self.step, self.expected, self.got, self.hint = step, expected, truncate(got), hint
 
 
 def truncate(text: str, limit: int = EVIDENCE_CHARS) -> str:
@@ -127,12 +132,13 @@ class Stat(StrictModel):
 
 
 class Step(StrictModel):
-    name: Literal["health", "chat", "prefill", "needle", "bench"]
+    name: Literal["health", "chat", "tools", "tools-stream", "prefill", "needle", "bench"]
     ok: bool
     seconds: float
     detail: str = ""
     expected: str | None = None
     got: str | None = None
+    hint: str | None = None
 
 
 class BenchFigures(StrictModel):
@@ -441,6 +447,28 @@ class Ladder:
         content = data["choices"][0]["message"]["content"]
         return f"answered {truncate(content, 60)!r} ({data['usage']['completion_tokens']} tokens)"
 
+    def _tool_request(self, step: str, stream: bool) -> requests.Response:
+        body = toolcheck.request(self.target.served_name, self.target.engine, stream=stream)
+        response = self.client.post("/v1/chat/completions", body, stream=stream)
+        if response.status_code != 200:
+            raise StepFailed(step, "HTTP 200 to a chat completion with a tool", _said(response),
+                             toolcheck.HTTP_HINT)
+        return response
+
+    def tools(self) -> str:
+        try:
+            return toolcheck.check_answer(_json(self._tool_request("tools", False)))
+        except toolcheck.ToolProblem as problem:
+            raise StepFailed("tools", problem.expected, problem.got, problem.hint) from None
+
+    def tools_stream(self) -> str:
+        with self._tool_request("tools-stream", True) as response:
+            try:
+                return toolcheck.check_stream(response.iter_lines())
+            except toolcheck.ToolProblem as problem:
+                raise StepFailed("tools-stream", problem.expected, problem.got,
+                                 problem.hint) from None
+
     def prefill_once(self) -> tuple[int, float]:
         """(prompt tokens the engine counted, seconds) of one ~prefill_tokens prompt."""
         want = self.settings.prefill_tokens
@@ -540,6 +568,9 @@ class Ladder:
     def steps(self) -> Iterator[tuple[str, Callable[[], str]]]:
         yield "health", self.health
         yield "chat", self.chat
+        if self.target.tool_parser is not None:  # the engine parses calls only with a parser
+            yield "tools", self.tools
+            yield "tools-stream", self.tools_stream
         yield "prefill", self.prefill
         yield "needle", self.needle
         yield "bench", self.bench_
@@ -559,7 +590,7 @@ def run_ladder(target: Target, settings: Settings, *, driver: str | None = None,
         except StepFailed as failed:
             steps.append(Step(name=name, ok=False, seconds=time.monotonic() - begun,
                               detail=f"{failed.step}: failed", expected=failed.expected,
-                              got=failed.got))
+                              got=failed.got, hint=failed.hint or None))
             break
         except (requests.RequestException, ValueError) as error:
             steps.append(Step(name=name, ok=False, seconds=time.monotonic() - begun,
@@ -585,7 +616,8 @@ def failure_message(run: VerifyRun) -> str:
     if step is None:
         return f"{run.rig}: {run.recipe} passed every step"
     return (f"{run.rig}: verify of {run.recipe} ({run.url}) failed at step {step.name}: "
-            f"expected {step.expected}; got {step.got}")
+            f"expected {step.expected}; got {step.got}"
+            + (f"\nfix: {step.hint}" if step.hint else ""))
 
 
 # --- compare ---------------------------------------------------------------------------------
@@ -732,7 +764,7 @@ def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
     url = api_url(rig, rig_name, address, bind_of(recipe, rig), port_of(recipe, rig))
     target = Target(rig=rig_name, recipe=recipe.name, engine=recipe.engine,
                     served_name=recipe.served_name(), max_model_len=max_model_len_of(recipe, rig),
-                    url=url, key=key)
+                    url=url, key=key, tool_parser=recipe.tool_parser)
     return target, settings
 
 

@@ -445,3 +445,72 @@ def same_device(pci: str, bus_id: str) -> bool:
     """Whether an Xid's PCI address names the GPU whose nvidia-smi pci.bus_id is `bus_id`."""
     mine, theirs = _pci_parts(pci), _pci_parts(bus_id)
     return mine is not None and mine == theirs
+
+
+# --- the cards a kernel log names, and the boots the journal keeps -----------------------------
+
+#: "NVRM: GPU at PCI:0000:06:00: GPU-0b6b7808-..." (the driver's first words about a card).
+_CARD_UUID = re.compile(rf"NVRM: GPU at PCI:(?P<pci>{_ADDRESS}): (?P<uuid>GPU-[0-9A-Fa-f-]+)\s*$")
+#: "NVRM: GPU Board Serial Number: 1650423013443", the line after it; the open module also
+#: writes "NVRM: GPU 0000:06:00.0: GPU serial number is 0." Consumer cards print 0: no serial.
+_BOARD_SERIAL = re.compile(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)\s*$")
+_SERIAL_IS = re.compile(rf"NVRM: GPU (?P<pci>{_ADDRESS})(?:\.[0-7])?: GPU serial number is "
+                        r"(?P<serial>[^\s.]+)\.?\s*$")
+
+
+@dataclass(frozen=True)
+class Card:
+    """What a kernel log says about one card: its UUID and board serial, where printed."""
+
+    pci: str
+    uuid: str | None = None
+    serial: str | None = None
+
+
+def parse_cards(lines: list[str]) -> dict[str, Card]:
+    """The cards a kernel log names, by PCI domain:bus:device; a serial of 0 is no serial."""
+    cards: dict[str, Card] = {}
+    last: str | None = None  # the card of the last "GPU at PCI:" line: the serial line's card
+    for _, message, _ in log_messages(lines):
+        uuid, board, serial_is = (pattern.match(message)
+                                  for pattern in (_CARD_UUID, _BOARD_SERIAL, _SERIAL_IS))
+        if uuid:
+            last = uuid.group("pci").lower()
+            cards[last] = Card(last, uuid.group("uuid"), cards.get(last, Card(last)).serial)
+            continue
+        match, pci = (board, last) if board else (serial_is, None)
+        if match is None:
+            last = None
+            continue
+        pci = pci or match.group("pci").lower()
+        serial = match.group("serial")
+        if serial.strip("0"):
+            cards[pci] = Card(pci, cards.get(pci, Card(pci)).uuid, serial)
+    return cards
+
+
+#: `journalctl --list-boots`, either layout: before systemd 252 ``-2 <id> Di 2016-06-21
+#: 22:01:04 CEST—Di 2016-06-21 22:21:40 CEST``, since then a header and the two stamps in
+#: columns. Day names and zones are the locale's; the ISO date and time are not.
+_BOOT = re.compile(r"\s*(?P<index>-?\d+)\s+(?P<id>[0-9a-f]{32})\s+(?P<rest>.*)")
+_STAMP_ISO = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}")
+
+
+@dataclass(frozen=True)
+class Boot:
+    """One boot of `journalctl --list-boots`: 0 is the current one, -1 the one before."""
+
+    index: int
+    boot_id: str
+    first: str | None  # the first entry's date and time as printed ("2016-06-21 22:01:04")
+    last: str | None
+
+
+def parse_boot(line: str) -> Boot | None:
+    """One line of `journalctl --list-boots`; None for its header and anything else."""
+    match = _BOOT.fullmatch(line.rstrip("\r\n"))
+    if not match:
+        return None
+    stamps = _STAMP_ISO.findall(match.group("rest"))
+    return Boot(int(match.group("index")), match.group("id"),
+                stamps[0] if stamps else None, stamps[-1] if len(stamps) > 1 else None)

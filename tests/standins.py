@@ -7,6 +7,10 @@ tests use these instead of an index or the hub:
     python -m tests.standins serving RIG            # the CPU llama.cpp engine's wheels, and the
                                                     # tiny model in RIG's Hugging Face cache
 
+Debian packages a test installs on a rig (unattended-upgrades: tests/test_unattended_e2e.py)
+come from Debian's archive through this machine's apt (`debian_subset`), as a flat repository
+that the rig's own apt installs from.
+
 llama-cpp-python is an sdist only: `wheelhouse_for_llama` builds it once into the wheelhouse
 (a small CPU-only build; about 4.5 minutes on 2 cores) and downloads its server's dependencies
 for the rigs' Python 3.11. The tiny model is placed in the rig's cache exactly as a completed
@@ -89,6 +93,36 @@ def wheelhouse_for_llama() -> float:
         *(f"{name}=={version}" for name, version in TOOLS_PINS.items()),
     )
     return built
+
+
+#: Debian packages for the rigs, downloaded once with this machine's apt (Debian 12, as the rigs).
+DEBIAN_DEBS = wheelhouse().parent / "debian-debs"
+
+
+def debian_subset(package: str, installed: set[str]) -> bytes:
+    """A flat apt repository (a tar of the .debs and their Packages index) of `package` and what
+    a rig lacks of its dependencies, from Debian's archive through this machine's apt; apt on
+    the rig then resolves the install itself. Downloaded once into DEBIAN_DEBS."""
+    tree = subprocess.run(
+        ["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
+         "--no-conflicts", "--no-breaks", "--no-replaces", "--no-enhances", package],
+        capture_output=True, text=True, check=True).stdout
+    names = sorted({line for line in tree.splitlines()
+                    if line and not line.startswith((" ", "<"))} - installed)
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        DEBIAN_DEBS.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if not list(DEBIAN_DEBS.glob(f"{name}_*.deb")):
+                subprocess.run(["apt-get", "download", "-q", name], cwd=DEBIAN_DEBS, check=True,
+                               capture_output=True, timeout=600)
+            for deb in DEBIAN_DEBS.glob(f"{name}_*.deb"):
+                (repo / deb.name).write_bytes(deb.read_bytes())
+        index = subprocess.run(["dpkg-scanpackages", "--multiversion", "."], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout
+        (repo / "Packages").write_text(index)
+        return subprocess.run(["tar", "-c", "-C", tmp, "."], capture_output=True,
+                              check=True).stdout
 
 
 def ssh_with_input(rig: dict, command: str, data: bytes) -> None:

@@ -43,6 +43,7 @@ ARGS = {
                                                   "started": "2026-12-02T00:00:00Z"}))],
     "LiveSysctls": ['keys=["fs.inotify.max_user_watches"]'],
     "PresentPaths": ['paths=["/etc"]'],
+    "Entries": ["path=/etc"],
     "UnitStates": ['units=["ssh.service"]'],
     "VenvBuilds": ["venv_name=demo"],
     "VenvLayoutFact": ["venv=/opt/rigbook/venvs/demo"],

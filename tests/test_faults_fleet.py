@@ -158,6 +158,39 @@ def test_link_bounds_outside_their_ranges_are_refused(data, problem):
     assert parse_rig("rig1", RIG).link_keepalive + parse_rig("rig1", RIG).link_lost_after == 60
 
 
+def test_a_rigs_own_connect_timeout_bounds_a_rig_that_never_answers(tmp_path):
+    """pyinfra has no connect-timeout key of its own per host: its CONNECT_TIMEOUT (10 s) is one
+    for the run. Its ssh_paramiko_connect_kwargs is per host, and its `timeout` bounds the TCP
+    connect and the SSH handshake: a loopback listener that accepts and never says a word fails
+    the rig after 2 s, through the real CLI and rigbook's check before connecting."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never speaks
+    inventory = tmp_path / "silent.py"
+    inventory.write_text(f"rigs = [('rig-silent', {{'ssh_hostname': '127.0.0.1', 'ssh_port': "
+                         f"{silent.getsockname()[1]}, 'ssh_user': 'root', **{RIG!r}, "
+                         "'ssh_paramiko_connect_kwargs': {'timeout': 2}})]\n")
+    root = Path(__file__).resolve().parent.parent
+    try:
+        started = time.monotonic()
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name("pyinfra")), "-y", str(inventory),
+             "tests/deploys/tuning_host.py"],
+            cwd=root, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYINFRA_PROGRESS": "off"},
+        )
+        took = time.monotonic() - started
+    finally:
+        silent.close()
+    assert done.returncode != 0
+    assert "[rig-silent] SSH error (" in done.stderr, done.stderr
+    assert "Error reading SSH protocol banner" in done.stderr, done.stderr
+    assert took < 8, took  # 2 s, and the CLI's start; not CONNECT_TIMEOUT's 10 s
+
+
 # --- the table that ends a fleet run (roles/fleet.py) -------------------------------------------
 
 

@@ -10,7 +10,9 @@ WSL2 without systemd). One story, each step starting from what the last left:
    the preflight says once that there is no systemd, and no unit or systemctl is planned;
 2. a second converge changes nothing, and the engine is the same process;
 3. `rigbook status` shows it served by the supervisor, healthy, and advises no unit;
-4. a switch to tiny-cpu-b stops a gracefully (SIGTERM: uvicorn's own shutdown in the log) and
+4. what cannot be done there is refused with its reason before any change: a power sweep (no
+   unit to set the caps back to), the models mirror (a unit);
+5. a switch to tiny-cpu-b stops a gracefully (SIGTERM: uvicorn's own shutdown in the log) and
    starts b; one engine runs.
 """
 
@@ -20,11 +22,14 @@ import json
 from pathlib import Path
 
 import pytest
+from pyinfra_cli.util import parse_cli_arg
 
 from rigbook.serving import PIDFILE, SERVE_LOG, SUPERVISE_CONF, SUPERVISE_PATH
+from rigbook.sweep import NO_UNIT_HERE
+from rigbook.units import NO_SYSTEMD
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
-from tests.test_serving_e2e import engines, refused, tiny_cpu_args
+from tests.test_serving_e2e import engines, tiny_cpu_args
 from tests.tinymodel import FILE, revision_of, write_tiny_gguf
 
 pytestmark = pytest.mark.sandbox
@@ -57,6 +62,26 @@ def unit_steps(run) -> list[str]:
     return [name for name in names if any(word in name for word in UNIT_WORDS)]
 
 
+#: inventory/sandbox.py with a converge's --data on the one rig: what `rigbook status` reads.
+STATUS_INVENTORY = """
+import inventory.sandbox as _sandbox
+
+sandbox_rigs = [(name, {{**data, **{extra!r}}}) for name, data in _sandbox.sandbox_rigs
+                if name == {name!r}]
+"""
+
+
+def status_inventory(folder: Path, args: list[str]) -> str:
+    """An inventory file holding the `--data` pairs of pyinfra's `args` for their rig."""
+    name = args[args.index("--limit") + 1]
+    pairs = [value.split("=", 1) for flag, value in zip(args, args[1:], strict=False)
+             if flag == "--data"]
+    extra = {key: parse_cli_arg(value) for key, value in pairs}  # as pyinfra's --data reads it
+    path = folder / "status_inventory.py"
+    path.write_text(STATUS_INVENTORY.format(extra=extra, name=name))
+    return str(path)
+
+
 def supervisor_pid(rig: dict) -> int:
     return int(rig_ssh(rig, f"cat {PIDFILE}").stdout.strip())
 
@@ -66,10 +91,6 @@ def engine_pid(rig: dict) -> int:
     return int(rig_ssh(rig, f"pgrep -P {supervisor_pid(rig)}").stdout.split()[0])
 
 
-@pytest.mark.skip(reason="not yet green: the first converge stops at the live caps, the "
-                         "stand-in persistence is off on this rig (its postinst start of the "
-                         "stand-in nvidia-persistenced did not take); driver, tuning, guards "
-                         "and the --dry plan (no unit, no systemctl) passed")
 def test_a_rig_without_systemd_converges_and_serves_under_the_supervisor(bare_rig, tmp_path):
     wheelhouse_for_llama()
     rig, name = bare_rig, bare_rig["name"]
@@ -107,11 +128,15 @@ def test_a_rig_without_systemd_converges_and_serves_under_the_supervisor(bare_ri
     assert rig_ssh(rig, f"ps -o user= -p {supervisor}").stdout.strip() == "root"
     conf = json.loads(rig_ssh(rig, f"cat {SUPERVISE_CONF}").stdout)
     assert conf["stop_timeout"] == 120 and conf["user"] == "rigbook-serve"
-    health = rig_ssh(rig, "python3 /opt/rigbook/serving/health.py --once "
-                          "--url http://127.0.0.1:8100").stdout
-    assert json.loads(health)["ok"] is True
+    assert answers(rig, 8100)
     live = rig_ssh(rig, "nvidia-smi --query-gpu=power.limit --format=csv,noheader,nounits")
     assert float(live.stdout) == 260.0  # the live cap, set where the host allows it
+    # persistence on as the host keeps it (sandbox/simulated/host-persistence): one daemon, started
+    # by the stand-in packages' postinsts, however often they ran
+    mode = rig_ssh(rig, "nvidia-smi --query-gpu=persistence_mode --format=csv,noheader")
+    assert mode.stdout.strip() == "Enabled"
+    daemons = rig_ssh(rig, "pgrep -fc '^/usr/bin/python3 /usr/bin/nvidia-persistenced '")
+    assert daemons.stdout.strip() == "1"
 
     # 2. a second converge changes nothing
     second = converge("deploys/rig.py", "tiny-cpu-a")
@@ -120,24 +145,50 @@ def test_a_rig_without_systemd_converges_and_serves_under_the_supervisor(bare_ri
     assert (supervisor_pid(rig), engine_pid(rig)) == (supervisor, engine)
 
     # 3. status: served by the supervisor, healthy; no advice about units
-    shown = rigbook("status", SANDBOX_INVENTORY, "--limit", name, "--json", check=False)
+    shown = rigbook("status", status_inventory(tmp_path, tiny_cpu_args(
+        name, "tiny-cpu-a", revision, power_cap_watts="260")), "--limit", name, "--json",
+        check=False)
     (status,) = json.loads(shown.stdout)["rigs"]
     reasons = [finding["reason"] for finding in status["findings"]]
-    assert not [r for r in reasons if any(word in r for word in UNIT_WORDS)], reasons
-    assert any("no systemd as PID 1" in r for r in reasons), reasons
+    assert reasons.count(NO_SYSTEMD) == 1, reasons  # the notice, which names systemctl itself
+    others = [r for r in reasons if r != NO_SYSTEMD]
+    assert not [r for r in others if any(word in r for word in UNIT_WORDS)], reasons
     assert status["power_unit"] is None
     serving = status["serving"]
     assert serving["unit"] == "active" and serving["sub"].startswith("supervised, pid ")
     assert serving["healthy"] is True, serving
 
-    # 4. switch to tiny-cpu-b: a stops gracefully, b answers, one engine
+    # 4. refused there with its reason, before any change: the power sweep (no unit to set the
+    # caps back to) and the models mirror (a unit); the engine and the live cap stay
+    sweep = converge("deploys/power_sweep.py", "tiny-cpu-a", "--data", "sweep_watts=250:270:10")
+    assert sweep.returncode != 0, sweep.explain()
+    assert f"{name}: {NO_UNIT_HERE}" in sweep.stderr, sweep.explain()
+    token = tmp_path / "fleet-token"
+    token.write_text("rigbook-test-fleet-token-" + "0" * 32 + "\n")
+    token.chmod(0o600)
+    mirror = converge("deploys/rig.py", "tiny-cpu-a", "--data", "models_mirror_port=8400",
+                      "--data", f"models_mirror_token_file={token}")
+    assert mirror.returncode != 0, mirror.explain()
+    assert "needs systemd, which this rig does not run" in mirror.stderr, mirror.explain()
+    assert float(rig_ssh(rig, "nvidia-smi --query-gpu=power.limit --format=csv,noheader,"
+                              "nounits").stdout) == 260.0
+    assert (supervisor_pid(rig), engine_pid(rig)) == (supervisor, engine)
+
+    # 5. switch to tiny-cpu-b: a stops gracefully, b answers, one engine
     switch = converge("deploys/serve.py", "tiny-cpu-b")
     assert switch.returncode == 0, switch.explain()
-    assert refused(rig, 8100) and engines(rig) == 1
-    assert supervisor_pid(rig) != supervisor
+    assert engines(rig) == 1 and supervisor_pid(rig) != supervisor
+    assert answers(rig, 8101) and not answers(rig, 8100)  # the engines bind the rig's loopback
     log = rig_ssh(rig, f"cat {SERVE_LOG}").stdout
     assert "Finished server process" in log  # uvicorn's graceful shutdown of a, on SIGTERM
-    assert "the engine exited with 0" in log or "the engine exited with" in log
+    assert "the engine exited with" in log and "did not stop in" not in log  # no SIGKILL
+
+
+def answers(rig: dict, port: int) -> bool:
+    """The rig's own health check of one engine, asked on the rig (its loopback)."""
+    asked = rig_ssh(rig, "python3 /opt/rigbook/serving/health.py --once "
+                         f"--url http://127.0.0.1:{port}", check=False)
+    return asked.returncode == 0 and json.loads(asked.stdout)["ok"] is True
 
 
 def test_the_nosystemd_rig_is_not_in_the_default_fleet(sandbox):

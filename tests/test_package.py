@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from rigbook.docs import generated_docs
 from tests.conftest import ROOT, SANDBOX_INVENTORY, run_pyinfra
 from tests.test_spec import listener  # noqa: F401 (a fixture)
 
@@ -74,16 +75,24 @@ def run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def test_the_release_files_pass_twine_check_and_the_sdist_installs_too(dist, tmp_path):
+@pytest.fixture(scope="module")
+def from_sdist(dist, tmp_path_factory) -> Path:
+    """A fresh venv's bin folder with rigbook from the sdist (its wheel built by this run's
+    setuptools, as pip would build it)."""
+    (sdist,) = dist.glob("rigbook-*.tar.gz")
+    base = tmp_path_factory.mktemp("sdist")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index",
+                            "--no-build-isolation", "-w", str(base / "wheel"), str(sdist)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return fresh_venv(base, next((base / "wheel").glob("*.whl")))
+
+
+def test_the_release_files_pass_twine_check_and_the_sdist_installs_too(dist, from_sdist,
+                                                                       tmp_path):
     checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict",
                               *map(str, sorted(dist.iterdir()))], capture_output=True, text=True)
     assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout
-    (sdist,) = dist.glob("rigbook-*.tar.gz")  # built by this run's setuptools, as pip would
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index",
-                            "--no-build-isolation", "-w", str(tmp_path / "from-sdist"), str(sdist)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stdout + built.stderr
-    from_sdist = fresh_venv(tmp_path, next((tmp_path / "from-sdist").glob("*.whl")))
     version = run(from_sdist, "--version", cwd=tmp_path)
     assert version.stdout.strip() == f"rigbook {_project_version()}", version
     assert _fleet(from_sdist, tmp_path).joinpath("docs", "recipes.md").is_file()
@@ -141,8 +150,9 @@ def _fleet(installed: Path, where: Path) -> Path:
 def test_init_writes_a_fleet_folder_and_never_overwrites_it(installed, tmp_path):
     fleet = _fleet(installed, tmp_path)
     names = {str(path.relative_to(fleet)) for path in fleet.rglob("*") if path.is_file()}
+    generated = {f"docs/{path.name}" for path in generated_docs(Path("docs"))}
     assert names == {"config.py", "inventory.py", "group_data/all.py", "README.md", ".gitignore",
-                     "docs/host-data.md", "docs/recipes.md"}
+                     *generated} and "docs/host-data.md" in generated
     assert "secrets/" in (fleet / ".gitignore").read_text()
     assert (fleet / "secrets").stat().st_mode & 0o077 == 0
     assert run(installed, "docs", "--check", cwd=fleet).returncode == 0  # docs of this install
@@ -183,10 +193,12 @@ def test_a_bad_value_in_an_init_folder_is_refused_before_any_connection(
 
 
 @pytest.mark.sandbox
-def test_a_fleet_folder_converges_a_sandbox_rig_with_the_packaged_job(installed, sandbox,
+@pytest.mark.parametrize("release", ["wheel", "sdist"])
+def test_a_fleet_folder_converges_a_sandbox_rig_with_the_packaged_job(request, release, sandbox,
                                                                        tmp_path):
-    """pip install, `rigbook init`, the rig's data pasted in, `pyinfra inventory.py
-    rigbook.jobs.converge` twice: the second run changes nothing."""
+    """pip install (of the wheel, of the sdist), `rigbook init`, the rig's data pasted in,
+    `pyinfra inventory.py rigbook.jobs.converge` twice: the second run changes nothing."""
+    installed = request.getfixturevalue({"wheel": "installed", "sdist": "from_sdist"}[release])
     fleet = _fleet(installed, tmp_path)
     name, data = next(rig for rig in runpy.run_path(str(ROOT / SANDBOX_INVENTORY))["sandbox_rigs"]
                       if rig[0] == "rig2")

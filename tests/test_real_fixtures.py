@@ -18,6 +18,8 @@ from rigbook.venvs import parse_smi_header
 from rigbook.wsl import WslSignals, platform_problem
 from rigbook.xid import (
     GONE_ACTIONS,
+    parse_boot,
+    parse_cards,
     parse_mismatches,
     parse_module,
     parse_xid_lines,
@@ -77,6 +79,28 @@ def test_the_loaded_modules_flavour_from_its_loading_line(name, want):
     modules = [parse_module(line) for line in (REAL / name).read_text().splitlines()]
     loaded = [{"flavour": m.flavour, "version": m.version} for m in modules if m]
     assert loaded == ([want["loaded"]] if want.get("loaded") else [])
+
+
+CARDS = [(n, w) for n, w in KLOG if "cards" in w]
+
+
+@pytest.mark.parametrize("name, want", CARDS, ids=[n for n, _ in CARDS])
+def test_the_cards_a_log_names_with_uuid_and_serial(name, want):
+    """"GPU at PCI:<pci>: GPU-<uuid>" and the serial line after it; consumer cards print 0."""
+    cards = parse_cards((REAL / name).read_text().splitlines())
+    assert [vars(card) for card in cards.values()] == want["cards"]
+
+
+BOOTS = readings("boots/")
+
+
+@pytest.mark.parametrize("name, want", BOOTS, ids=[n for n, _ in BOOTS])
+def test_the_boots_the_journal_keeps_in_both_layouts(name, want):
+    """`journalctl --list-boots` before systemd 252 (em dash) and after (header, columns)."""
+    boots = [parse_boot(line) for line in (REAL / name).read_text().splitlines()]
+    assert [vars(boot) for boot in boots if boot] == want["boots"]
+    assert all(boot or line.startswith("IDX ") for boot, line in zip(
+        boots, (REAL / name).read_text().splitlines(), strict=True))
 
 
 MESSAGES = [(n, w) for n, w in KLOG if "messages" in w]

@@ -418,6 +418,17 @@ def test_wsl2_recipes_get_the_allocator_setting_from_the_wsl_role():
     (recipe_data(tensor_parallel_size=4), "tensor_parallel_size 4 > fits.gpu_count 2"),
     (recipe_data(bind="everywhere"), "bind: an IP address"),
     (recipe_data(cpu_only=True), "cpu_only recipes are llama.cpp recipes"),
+    # tool parsers: each engine's own names, nothing else (a name of another engine, a flag)
+    (recipe_data(tool_parser="qwen25"), "tool_parser 'qwen25' is not a vllm tool-call parser"),
+    (recipe_data(engine="sglang", model={"repo": "o/m", "revision": MAIN, "weights_gib": 1},
+                 tool_parser="llama3_json"), "tool_parser 'llama3_json' is not a sglang"),
+    (recipe_data(tool_parser="--hermes"), "tool_parser: one word"),
+    (recipe_data(tool_parser="hermes --api-key x"), "tool_parser: "),
+    (recipe_data(extra_args=["--tool-call-parser", "hermes"]),
+     "extra_args: --tool-call-parser is set by rigbook"),
+    (recipe_data(extra_args=["--enable_auto_tool_choice"]),
+     "reads it as --enable-auto-tool-choice"),
+    (recipe_data(extra_args=["--tool-call=hermes"]), "reads it as --tool-call-parser"),
 ])
 def test_bad_recipes_are_refused_with_the_field(tmp_path: Path, data, expected):
     path = tmp_path / "x.toml"
@@ -704,3 +715,21 @@ def test_an_sglang_gdn_checkpoint_with_half_quantised_linear_attention_is_refuse
     assert gdn_index_problem(vllm, index(range(2, 4))) is None  # the hang was SGLang's
     assert gdn_index_problem(sglang, "not json") is None
     assert reads_weight_index(sglang) and not reads_weight_index(vllm)
+
+
+def test_tool_parser_renders_each_engines_own_flags():
+    """vLLM parses calls only with --enable-auto-tool-choice and a --tool-call-parser; SGLang
+    takes --tool-call-parser; llama-cpp-python's --chat_format (docs/sources.md, Tool-call
+    parsers). No tool_parser: no flag."""
+    vllm = catalogue()["single-24g-long"]
+    sglang = Recipe.model_validate(recipe_data(engine="sglang"))
+    llama = catalogue()["llamacpp-single"]
+    cases = [(vllm, "hermes", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+             (sglang, "qwen25", ["--tool-call-parser", "qwen25"]),
+             (llama, "chatml-function-calling", ["--chat_format", "chatml-function-calling"])]
+    for recipe, parser, flags in cases:
+        plain = engine_argv(recipe, pinned_rig(recipe))
+        assert not {"--tool-call-parser", "--chat_format"} & set(plain), recipe.name
+        with_tools = recipe.model_copy(update={"tool_parser": parser})
+        argv = engine_argv(with_tools, pinned_rig(recipe))
+        assert argv[len(plain) - len(recipe.extra_args):][:len(flags)] == flags, argv

@@ -32,7 +32,14 @@ from rigbook.driver_source import DriverSourceFact
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, NvidiaGpus, RunningDriverFact, mismatch_finding
 from rigbook.gpus import Gpu, GpuProbe
-from rigbook.guards import KernelXids, gpu_lost_reason, parse_gpu_lost, parse_kernel_log
+from rigbook.guards import (
+    KernelXids,
+    fault_findings,
+    gpu_lost_reason,
+    history_findings,
+    parse_gpu_lost,
+    parse_kernel_log,
+)
 from rigbook.inventory import select_hosts as limit_hosts
 from rigbook.models import ModelCache
 from rigbook.power import PowerUnitFile, desired_caps, render_unit, unit_caps
@@ -154,7 +161,7 @@ def converged_dual(rig: Rig | None = None, gpus=None) -> Facts:
         fstab=["# /etc/fstab: static file system information.", fstab_line("2G")],
         stale_present={},
         disks=FreeDisk().process(["/ overlay 63000000000 20000000000 43000000000 32% /"]),
-        klog=parse_kernel_log(["##RIGBOOK_KLOG## journalctl", "##RIGBOOK_KLOG_ALL_BOOTS##"]),
+        klog=parse_kernel_log(["##RIGBOOK_KLOG## journalctl"]),
     )
 
 
@@ -499,17 +506,19 @@ def test_xid_of_a_card_nvidia_smi_no_longer_lists():
 
 
 def test_earlier_boots_and_app_faults_are_not_gone():
+    xid_31 = ("NVRM: Xid (PCI:0000:01:00): 31, pid=4242, name=python3, Ch 00000008, intr "
+              "00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f1c_00000000. "
+              "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ")
     journal = [
         "##RIGBOOK_KLOG## journalctl",
-        "Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 31, pid=4242, name=python3, "
-        "Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ "
-        "0x7f1c_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
-        "##RIGBOOK_KLOG_ALL_BOOTS##",
-        "Nov 27 08:00:01 rig1 kernel: NVRM: Xid (PCI:0000:02:00): 79, pid=0, GPU has fallen off "
-        "the bus.",
-        "Nov 29 10:11:12 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 31, pid=4242, name=python3, "
-        "Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ "
-        "0x7f1c_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
+        f"Nov 29 10:11:12 rig1 kernel: {xid_31}",
+        "##RIGBOOK_KLOG_BOOT## -1 43f6209bfc284a7d9ef1e1f24d7721c9 Fri 2026-11-27 07:59:00 UTC "
+        "Sat 2026-11-28 22:00:00 UTC",
+        "2026-11-27T08:00:01+0000 rig1 kernel: NVRM: Xid (PCI:0000:02:00): 79, pid=0, GPU has "
+        "fallen off the bus.",
+        "##RIGBOOK_KLOG_BOOT## 0 9e2ffa348b354fbc8555aa1f524214e5 Sun 2026-11-29 10:00:00 UTC "
+        "Sun 2026-11-29 10:30:00 UTC",
+        f"2026-11-29T10:11:12+0000 rig1 kernel: {xid_31}",
     ]
     status = build_rig_status("rig1", dual_3090(),
                               converged_dual().replace(klog=parse_kernel_log(journal)))
@@ -922,22 +931,28 @@ def test_free_disk_and_present_paths_run_here(tmp_path):
         paths[0]: "file", paths[1]: "link"}
 
 
-def fake_tools(tmp_path: Path, journal_this_boot: list[str] | None, journal_all: list[str],
-               dmesg: list[str] | None) -> dict:
-    """Stand-in journalctl and dmesg in a PATH of their own: None = the tool is absent/fails."""
+def fake_tools(tmp_path: Path, journal_this_boot: list[str] | None,
+               journal_earlier: list[str], dmesg: list[str] | None,
+               boots: list[str] | None = None) -> dict:
+    """Stand-in journalctl and dmesg in a PATH of their own: None = the tool is absent/fails.
+    `boots` is what --list-boots prints (real lines, tests/fixtures/real/boots/); its boot 0
+    gets this boot's lines, every other boot `journal_earlier`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     if journal_this_boot is not None:
         script = bin_dir / "journalctl"
         this_boot = "\n".join(journal_this_boot)
-        every = "\n".join(journal_all)
+        earlier = "\n".join(journal_earlier)
         first = journal_this_boot[0] if journal_this_boot else ""
+        listing = "\n".join(boots or [])
+        current = next((line.split()[1] for line in boots or [] if line.split()[0] == "0"), "-")
         script.write_text(
             "#!/bin/sh\n"
             'case " $* " in\n'
             f"  *' -b 0 -n 1 '*) printf '%s\\n' \"{first}\" | grep . ;;\n"
-            f"  *' -b 0 '*) cat <<'EOF'\n{this_boot}\nEOF\n;;\n"
-            f"  *' -b all '*) cat <<'EOF'\n{every}\nEOF\n;;\n"
+            f"  *' -b 0 '*|*' -b {current} '*) cat <<'EOF'\n{this_boot}\nEOF\n;;\n"
+            f"  *' --list-boots '*) cat <<'EOF'\n{listing}\nEOF\n;;\n"
+            f"  *' -b '*) cat <<'EOF'\n{earlier}\nEOF\n;;\n"
             "esac\n"
         )
         script.chmod(0o755)
@@ -966,11 +981,107 @@ XID_13_OLD = ("Nov 27 08:00:01 rig1 kernel: NVRM: Xid (PCI:0000:01:00): 13, pid=
 
 def test_kernel_log_from_the_journal(tmp_path):
     boot = ["Nov 29 10:00:00 rig1 kernel: Linux version 6.1.0-27-amd64", XID_79, XID_79]
-    every = ["Nov 27 07:59:00 rig1 kernel: Linux version 6.1.0-27-amd64", XID_13_OLD, *boot]
-    log = kernel_log_here(fake_tools(tmp_path, boot, every, dmesg=["[1.0] unused"]))
+    before = ["Nov 27 07:59:00 rig1 kernel: Linux version 6.1.0-27-amd64", XID_13_OLD]
+    boots = real("boots/list-boots-old-v246-unpadded.txt").splitlines()
+    log = kernel_log_here(fake_tools(tmp_path, boot, before, dmesg=["[1.0] unused"],
+                                     boots=boots))
     assert log.source == "journalctl" and log.error is None
     assert [x.code for x in log.this_boot] == [79, 79]
-    assert [(x.code, x.when) for x in log.earlier] == [(13, "Nov 27 08:00:01")]
+    # boots -2 and -1 each gave the earlier lines, boot 0 this boot's
+    assert [(x.code, x.when) for x in log.earlier] == [(13, "Nov 27 08:00:01")] * 2
+    assert [(b.boot.index, [x.code for x in b.xids]) for b in log.boots] == [
+        (-2, [13]), (-1, [13]), (0, [79, 79])]
+
+
+def test_a_boot_list_line_that_is_no_boot_never_reaches_journalctl(tmp_path):
+    """Only a 32-hex-digit id is passed to `journalctl -b`: what else --list-boots could print
+    (a header, a shell word, an option) is skipped by the probe and by the parser alike."""
+    hostile = ["IDX BOOT ID FIRST ENTRY LAST ENTRY",
+               f" -2 $(touch${{IFS}}{tmp_path}/pwned) Mon 2026-11-27 07:59:00 UTC",
+               f" -3 43f6209bfc284a7d9ef1e1f24d7721c9;touch${{IFS}}{tmp_path}/pwned Mon",
+               " -1 --since=yesterday Mon 2026-11-27 07:59:00 UTC",
+               "  x 43f6209bfc284a7d9ef1e1f24d7721c9 Fri 2026-11-27 07:59:00 UTC",
+               *real("boots/list-boots-old-v246-unpadded.txt").splitlines()[2:]]
+    env = fake_tools(tmp_path, [XID_79], [XID_13_OLD], dmesg=None, boots=hostile)
+    calls = tmp_path / "calls"
+    script = tmp_path / "bin" / "journalctl"
+    script.write_text(script.read_text().replace(
+        "#!/bin/sh\n", f"#!/bin/sh\necho \"$*\" >> {calls}\n", 1))
+    log = kernel_log_here(env)
+    assert [(b.boot.index, b.boot.boot_id) for b in log.boots] == [
+        (0, "bde6e48dd6084030856f26129514ee03")]
+    read = [line for line in calls.read_text().splitlines() if " -b " in f" {line} "]
+    assert [line.split(" -b ")[1].split()[0] for line in read] == [
+        "0", "0", "bde6e48dd6084030856f26129514ee03"]
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_kernel_log_reads_no_header_as_a_boot(tmp_path):
+    boots = real("boots/list-boots-header-v253-five.txt").splitlines()
+    log = kernel_log_here(fake_tools(tmp_path, [XID_79], [XID_13_OLD], dmesg=None, boots=boots))
+    assert [b.boot.index for b in log.boots] == [-4, -3, -2, -1, 0]
+
+
+# --- the Xid history across boots ------------------------------------------------------------
+
+
+def history_log(*boots: tuple[str, list[str]]):
+    """A KernelXids output whose boots are real --list-boots lines, each with real kernel lines
+    (tests/fixtures/real/): the boots and the lines come from different published reports,
+    the assembly is the test's."""
+    return parse_kernel_log(["##RIGBOOK_KLOG## journalctl", *boots[-1][1], *(
+        line for listed, lines in boots for line in (f"##RIGBOOK_KLOG_BOOT## {listed}", *lines))])
+
+
+def test_a_card_falling_off_the_bus_on_two_boots_is_a_pattern():
+    listed = real("boots/list-boots-old-v246-unpadded.txt").splitlines()
+    fell = real("klog/journal-nohost-xid79-rtx5080.txt").splitlines()
+    klog = history_log((listed[0], fell), (listed[1], []), (listed[2], fell))
+    status = build_rig_status("rig1", dual_3090(), converged_dual().replace(klog=klog))
+    history = [f for f in drifts(status, "warn") if "boots" in f[2]]
+    assert history == [("faults", None,
+        "PCI 0000:2b:00 (not listed now): Xid 79 on 2 boots (2020-10-12, 2020-10-12): a card "
+        "that keeps falling off the bus: the field report the runbook cites treats Xid 79 + "
+        "154 as an NVIDIA GSP firmware/driver bug with the card an RMA candidate, and names "
+        "two mitigations: NVreg_DynamicPowerManagement=0x00 (not set in "
+        "driver_modprobe_options) and persistence mode on (driver_persistence: true); a lower "
+        "power cap lowers the odds and does not remove them (what it costs in tok/s is "
+        "measured, what it buys in fault rate is not) (docs/sources.md#xid-79-and-154)")]
+    assert "Xid 79 on 2 boots" in table_text(status)
+    # the JSON keeps the card's history: its address, the codes and each boot's day
+    assert [card.model_dump() for card in status.kernel_log.history] == [{
+        "pci": "0000:2b:00", "gpu_index": None, "serial": None, "codes": [79],
+        "dates": ["2020-10-12", "2020-10-12"]}]
+
+
+def test_the_history_names_the_listed_gpu_and_a_reset_pattern_without_xid_79():
+    listed = real("boots/list-boots-header-v253-five.txt").splitlines()
+    halted = real("klog/dmesg-T-xid62-154-4x3090.txt").splitlines()  # Xid 62, then 154
+    akash = real("klog/dmesg-T-xid43-31-94-535-akash.txt").splitlines()  # no fatal Xid
+    gpu = replace(rtx3090(0, UUID0), bus_id="00000000:3E:00.0")
+    klog = history_log((listed[1], halted), (listed[3], akash), (listed[5], halted))
+    rig = dual_3090()
+    facts = converged_dual(rig, gpus=(gpu, rtx3090(1, UUID1))).replace(klog=klog)
+    findings = [f for f in fault_findings(rig, facts, "rig1") if "boots" in f.reason]
+    assert [(f.level, f.gpu, f.reason) for f in findings] == [("warn", UUID0,
+        "GPU 0 (PCI 0000:3e:00): Xid 62, Xid 154 on 2 boots (2023-04-26, 2023-04-26): a card "
+        "that keeps needing a reset (NVIDIA's action: RESET_GPU, XID_154); no mitigation is "
+        "documented for it (docs/sources.md#xid-79-and-154)")]
+
+
+def test_one_boot_an_app_fault_or_a_boot_listed_twice_is_no_pattern():
+    fell = real("klog/journal-nohost-xid79-rtx5080.txt").splitlines()
+    app = real("klog/dmesg-xid31-proton-spaceengine.txt").splitlines()
+    thrice = real("boots/list-boots-same-id-thrice-no-rtc-v215.txt").splitlines()
+    listed = real("boots/list-boots-old-german-days-v230.txt").splitlines()
+    for klog in (history_log((listed[0], fell), (listed[2], [])),       # one boot
+                 history_log((listed[0], app), (listed[2], app)),       # Xid 31: the app's
+                 history_log((thrice[0], fell), (thrice[1], fell))):    # one boot, listed twice
+        assert history_findings(dual_3090(), klog, ()) == []
+    mitigated = dual_3090(driver_modprobe_options={"NVreg_DynamicPowerManagement": "0x00"})
+    twice = history_log((listed[0], fell), (listed[2], fell))
+    assert "0x00 (set in driver_modprobe_options)" in history_findings(
+        mitigated, twice, ())[0].reason
 
 
 def test_kernel_log_falls_back_to_dmesg(tmp_path):

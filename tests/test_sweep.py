@@ -25,6 +25,7 @@ from rigbook.power import PowerUnit
 from rigbook.spec import parse_rig
 from rigbook.sweep import (
     MAX_CAPS,
+    NO_UNIT_HERE,
     RIG_PROGRAM,
     Power,
     SweepPoint,
@@ -112,9 +113,9 @@ UNIT = PowerUnit((f"ExecStart=-{SMI} -i {UUID0} -pl 290", f"ExecStart=-{SMI} -i 
                  "enabled")
 
 
-def findings(sweep_watts, gpus=DUAL, unit=UNIT, **data) -> list[str]:
+def findings(sweep_watts, gpus=DUAL, unit=UNIT, systemd=True, **data) -> list[str]:
     rig = parse_rig("rig1", {**BASE, "sweep_watts": sweep_watts, **data})
-    facts = Facts(probe=GpuProbe(smi=SMI, gpus=tuple(gpus)), unit=unit)
+    facts = Facts(probe=GpuProbe(smi=SMI, gpus=tuple(gpus)), unit=unit, systemd=systemd)
     return [f.message("rig1") for f in sweep_findings(rig, facts, "rig1")]
 
 
@@ -137,6 +138,21 @@ def test_no_unit_no_restore_no_sweep():
     assert findings("300", unit=half) == [
         f"rig1: GPU 1 ({UUID1}): nvidia-power-limit.service does not cap it, so its cap could "
         "not be restored; allowed: GPUs the unit caps (deploys/power_cap.py)"]
+
+
+def test_without_systemd_no_unit_can_exist_so_the_sweep_is_refused_saying_so():
+    """No systemd: no unit to restore the caps to (the host or the live state owns them) and no
+    systemd-run for the guard. One finding, whatever else the rig has: an inert unit file left
+    on it, caps the cards could take, no unit at all."""
+    refusal = [f"rig1: {NO_UNIT_HERE}"]
+    assert findings("300", unit=None, systemd=False) == refusal
+    assert findings("300", unit=UNIT, systemd=False) == refusal  # a file no systemd reads
+    assert findings("50,450", unit=None, systemd=False, power_profile="stock") == refusal
+    assert "no systemd as PID 1" in refusal[0] and "deploys/power_cap.py" not in refusal[0]
+    assert "nothing to set them back to" in refusal[0] and "docs/no-systemd.md" in refusal[0]
+    # with systemd and no unit the advice is to write one first
+    (with_systemd,) = findings("300", unit=None, systemd=True)
+    assert "deploys/power_cap.py or deploys/rig.py first" in with_systemd
 
 
 def test_persistence_off_count_wsl2_and_nothing_asked_are_refused():

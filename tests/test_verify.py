@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import cli
+from rigbook import cli, toolcheck
 from rigbook.errors import RigbookError
 from rigbook.spec import parse_rig
 from rigbook.verify import (
@@ -40,12 +40,23 @@ SMALL = Settings(prefill_tokens=100, needle_depths=(0.1, 0.9), needle_fill=0.9,
                  bench_concurrency=2, timeout_s=10)
 
 
+FIXTURES = Path(__file__).parent / "fixtures" / "toolcalls"
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
 class Fake:
     model = "org/served"
     context = 512
     shape_ok = True
     reject = True
     recall = True
+    # what a request with tools gets: (HTTP code, JSON body) and the SSE stream
+    tool_answer = (200, fixture("sglang-qwen25-tool-call.json"))
+    tool_stream = fixture("sglang-qwen25-stream.sse")
+    tool_bodies: list = []
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -71,6 +82,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "tools" in body:
+            self.fake.tool_bodies.append(body)
+            if body.get("stream"):
+                return self._send(200, self.fake.tool_stream, "text/event-stream")
+            return self._send(*self.fake.tool_answer)
         content = body["messages"][0]["content"]
         prompt = len(content.split()) + 4
         if self.fake.reject and prompt >= self.fake.context:
@@ -98,7 +114,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     class Local(Fake):
-        pass
+        tool_bodies = []
 
     handler = type("H", (Handler,), {"fake": Local})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -187,6 +203,154 @@ def test_context_beyond_the_engine_is_rejected_and_reported(server):
     assert run.failure().got.startswith("HTTP 200")
 
 
+def tool_target(url: str, engine: str = "sglang") -> Target:
+    return Target(**{**target(url).__dict__, "engine": engine, "tool_parser": "qwen25"})
+
+
+def test_tool_call_steps_pass_on_sglangs_own_answers(server):
+    """SGLang's documented answers (tests/fixtures/toolcalls): the call in tool_calls, streamed
+    as a name then argument fragments, finish_reason tool_calls."""
+    fake, url = server
+    run = run_ladder(tool_target(url), SMALL)
+    assert run.ok, failure_message(run)
+    assert [s.name for s in run.steps] == ["health", "chat", "tools", "tools-stream", "prefill",
+                                           "needle", "bench"]
+    tools, stream = run.steps[2].detail, run.steps[3].detail
+    assert tools.startswith('get_current_weather({"city": "Boston", "state": "MA", "unit": '
+                            '"fahrenheit"}), 1 call(s), finish_reason tool_calls')
+    assert '"unit": "celsius"' in stream and stream.endswith("finish_reason tool_calls, 8 delta(s)")
+    # the engine's parser reads "auto" (vLLM and SGLang answer a named tool without it);
+    # llama-cpp-python's chatml-function-calling is asked by name, the grammar makes the call
+    plain, streamed = fake.tool_bodies
+    assert plain["tool_choice"] == "auto" and "stream" not in plain and streamed["stream"] is True
+    assert plain["tools"][0]["function"]["name"] == "get_current_weather"
+    fake.tool_bodies.clear()
+    run_ladder(tool_target(url, "llama.cpp"), SMALL)
+    assert fake.tool_bodies[0]["tool_choice"] == {"type": "function",
+                                                  "function": {"name": "get_current_weather"}}
+
+
+def tools_failure(fake, url, *, answer=None, stream=None):
+    """The first failed step of a ladder whose engine answers tools with these."""
+    if answer is not None:
+        fake.tool_answer = answer
+    if stream is not None:
+        fake.tool_stream = stream
+    run = run_ladder(tool_target(url), SMALL)
+    assert not run.ok and run.steps[-1] == run.failure()
+    return run, run.failure()
+
+
+def test_a_call_left_in_content_is_the_parser_off(server):
+    fake, url = server
+    run, step = tools_failure(fake, url, answer=(200, fixture("sglang-qwen25-parser-off.json")))
+    assert run.failed_step == "tools"
+    assert step.expected == "the call in choices[0].message.tool_calls, not in the text"
+    assert "<tool_call>" in step.got and step.hint == toolcheck.LEAK_HINT
+    message = failure_message(run)
+    assert "failed at step tools: expected the call in" in message
+    assert "\nfix: the engine put the call in content: the tool parser is off or wrong: set the " \
+           "recipe's tool_parser" in message
+    # the same text streamed: no delta.tool_calls, markup in the content deltas
+    fake.tool_answer = Fake.tool_answer
+    text = json.loads(fixture("sglang-qwen25-parser-off.json"))["choices"][0]["message"]["content"]
+    chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}]}
+    run, step = tools_failure(fake, url, stream=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+    assert run.failed_step == "tools-stream" and step.hint == toolcheck.LEAK_HINT
+    assert step.expected == "the call in delta.tool_calls, not in the text"
+    # a call in tool_calls that still leaves its markup in the text is a half-working parser
+    both = json.loads(fixture("sglang-qwen25-tool-call.json"))
+    both["choices"][0]["message"]["content"] += "\n<tool_call>\n"
+    run, step = tools_failure(fake, url, answer=(200, json.dumps(both)))
+    assert step.expected.startswith("no call markup left in the content") and "'<tool_call>'" \
+        in step.got
+
+
+def test_no_tool_call_names_the_model_and_template(server):
+    fake, url = server
+    run, step = tools_failure(fake, url, answer=(200, fixture("llamacpp-no-tool-call.json")))
+    assert run.failed_step == "tools" and step.hint == toolcheck.NO_CALL_HINT
+    assert step.expected == "a call of get_current_weather in choices[0].message.tool_calls"
+    assert step.got.startswith("finish_reason 'stop', content 'The current weather in San")
+
+
+def test_arguments_that_are_not_json(server):
+    fake, url = server
+    bad = json.loads(fixture("sglang-qwen25-tool-call.json"))
+    function = bad["choices"][0]["message"]["tool_calls"][0]["function"]
+    function["arguments"] = '{"city": "Boston", "state": "MA", "unit": '  # planted: cut short
+    run, step = tools_failure(fake, url, answer=(200, json.dumps(bad)))
+    assert step.expected == "choices[0].message.tool_calls[0].function.arguments to parse as JSON"
+    assert step.hint == toolcheck.ARGS_HINT and "Expecting value" in step.got
+    for arguments, expected in (('"Boston"', "to be a JSON object"), ("[1]", "a JSON object")):
+        function["arguments"] = arguments
+        assert expected in tools_failure(fake, url, answer=(200, json.dumps(bad)))[1].expected
+    function.update(name="get_weather", arguments="{}")
+    step = tools_failure(fake, url, answer=(200, json.dumps(bad)))[1]
+    assert step.expected.endswith("to call get_current_weather") and step.got == "'get_weather'"
+
+
+def test_a_stream_must_end_with_finish_reason_tool_calls(server):
+    fake, url = server
+    stopped = fixture("sglang-qwen25-stream.sse").replace('"finish_reason": "tool_calls"',
+                                                          '"finish_reason": "stop"')  # planted
+    run, step = tools_failure(fake, url, stream=stopped)
+    assert run.failed_step == "tools-stream" and step.hint == toolcheck.FINISH_HINT
+    assert step.got == "finish_reason 'stop' after 8 tool-call delta(s)"
+    # fragments that do not add up to JSON
+    cut = fixture("sglang-qwen25-stream.sse").replace('elsius\\"}', 'elsius')
+    step = tools_failure(fake, url, stream=cut)[1]
+    assert step.expected == "delta.tool_calls[0].function.arguments to parse as JSON"
+
+
+def test_an_engine_without_auto_tool_choice_refuses_tools(server):
+    fake, url = server
+    run, step = tools_failure(fake, url,
+                              answer=(400, fixture("vllm-auto-tool-choice-refused.json")))
+    assert run.failed_step == "tools" and step.hint == toolcheck.HTTP_HINT
+    assert step.got.startswith('HTTP 400: {"object":"error","message":"\\"auto\\" tool choice '
+                               'requires --enable-auto-tool-choice')
+
+
+@pytest.mark.parametrize("text", [
+    "[TOOL_CALLS][{'name': 'get_current_weather'}]", "<|python_tag|>get_current_weather.call()",
+    "<function=get_current_weather>{}</function>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
+    '{"name" : "get_current_weather", "parameters": {}}',
+])
+def test_each_familys_call_markup_in_the_text_is_a_leak(text):
+    with pytest.raises(toolcheck.ToolProblem) as problem:
+        toolcheck.check_calls([], f"Sure. {text}", "stop", where="tool_calls")
+    assert problem.value.hint == toolcheck.LEAK_HINT
+    plain = "The weather in Boston is mild; I would call a weather service for you."
+    with pytest.raises(toolcheck.ToolProblem) as problem:
+        toolcheck.check_calls([], plain, "stop", where="tool_calls")
+    assert problem.value.hint == toolcheck.NO_CALL_HINT
+
+
+def test_adversarial_tool_answers_fail_the_step_not_the_ladder():
+    """Shapes no engine should send still give a step failure, never a crash."""
+    for data in ({}, {"choices": []}, {"choices": ["x"]}, {"choices": [{"message": "x"}]},
+                 {"choices": [{"message": {"tool_calls": ["x", {"function": 3}]}}]},
+                 {"choices": [{"message": {"content": 5, "tool_calls": [
+                     {"function": {"name": None, "arguments": None}}]}}]}):
+        with pytest.raises(toolcheck.ToolProblem) as problem:
+            toolcheck.check_answer(data)
+        assert problem.value.hint in (toolcheck.SHAPE_HINT, toolcheck.NO_CALL_HINT,
+                                      toolcheck.NAME_HINT), data
+    odd = ['data: {"choices":[{"delta":{"tool_calls":["x",{"index":[1],"function":'
+           '{"name":"get_current_weather","arguments":7}}]}}]}', "data: [DONE]"]
+    with pytest.raises(toolcheck.ToolProblem, match="to parse as JSON"):
+        toolcheck.check_stream(odd)
+    for line in ("data: [1]", 'data: {"choices":5}', 'data: {"choices":["x",{"delta":3}]}',
+                 'data: {"choices":[{"delta":{"tool_calls":7},"finish_reason":9}]}'):
+        with pytest.raises(toolcheck.ToolProblem, match="a call of get_current_weather"):
+            toolcheck.check_stream([line, "data: [DONE]"])
+    with pytest.raises(toolcheck.ToolProblem, match="a call of"):
+        toolcheck.check_answer({"choices": [{"message": {"content": "hi", "tool_calls": 5}}]})
+    with pytest.raises(toolcheck.ToolProblem, match="a stream of JSON chunks"):
+        toolcheck.check_stream(["data: {not json", "data: [DONE]"])
+
+
 def test_stream_arithmetic():
     events = [(10.5, "a"), (10.6, "b"), (10.7, "c"), (11.5, "d")]
     sample = sample_of(10.0, events, None)
@@ -267,6 +431,16 @@ def test_plan_from_host_data(tmp_path: Path):
     target_, settings = verify_plan(wide, "rigA", "10.231.1.2")
     assert target_.url == "http://10.231.1.2:8100" and target_.key == KEY
     assert target_.served_name == "local/tiny" and target_.max_model_len == 512
+    assert target_.tool_parser is None  # no tool_parser: no tool steps
+    tools = tmp_path / "recipes"
+    tools.mkdir()
+    text = (Path("tests/recipes/tiny-cpu-a.toml").read_text()
+            .replace('name = "tiny-cpu-a"', 'name = "tiny-cpu-tools"')
+            .replace("port = 8100", 'port = 8100\ntool_parser = "chatml-function-calling"'))
+    (tools / "tiny-cpu-tools.toml").write_text(text)
+    called = rig(recipe="tiny-cpu-tools", serving_recipe_dirs=[str(tools)],
+                 serving_bind="0.0.0.0", serving_api_key_file=str(key), verify_prefill_tokens=300)
+    assert verify_plan(called, "rigA", "10.231.1.2")[0].tool_parser == "chatml-function-calling"
     assert settings.prefill_tokens == 300 and settings.needle_exact is False
     with pytest.raises(RigbookError, match=r"verify_prefill_tokens: 15000 does not fit the "
                                            r"512-token context of tiny-cpu-a; allowed: 16\.\.496"):
