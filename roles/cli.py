@@ -181,7 +181,8 @@ def add_models_commands(commands: argparse._SubParsersAction) -> None:
 def bench_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rigbook.verify import chart_png, compare_rows, compare_table, load_runs, results_dir
+    from rigbook.charts import MISSING, available, compare_png
+    from rigbook.verify import compare_rows, compare_table, load_runs, results_dir
 
     runs = load_runs()
     rows = compare_rows(runs, args.rig)
@@ -192,9 +193,11 @@ def bench_compare(args: argparse.Namespace) -> int:
         print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
     else:
         Console(width=160).print(compare_table(runs, args.rig))
+    if args.png and not available():
+        raise RigbookError(MISSING)
     if args.png:
         with open(args.png, "wb") as out:
-            out.write(chart_png(runs, args.rig))
+            out.write(compare_png(runs, args.rig))
         print(f"wrote {args.png}")
     return 0
 
@@ -204,8 +207,9 @@ def bench_sweep(args: argparse.Namespace) -> int:
     applies it (printed, never run)."""
     from rich.console import Console
 
-    from rigbook.power import watts
-    from rigbook.sweep import apply_command, chart_png, load_sweeps, rows, suggestions, sweep_table
+    from rigbook.charts import write_charts
+    from rigbook.sweep import report_lines, rows
+    from rigbook.sweepresult import load_sweeps, sweep_table
     from rigbook.verify import results_dir
 
     stored = load_sweeps()
@@ -218,24 +222,22 @@ def bench_sweep(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([run.model_dump(mode="json") for run in chosen], indent=2))
         return 0
-    console = Console(width=160)
+    console = Console(width=200)
     for run in chosen:
         console.print(sweep_table(run))
         if not run.ok:
             print(f"incomplete: {run.error or 'not every cap was measured'}; caps restored: "
                   f"{'yes' if run.restored else 'NO'} ({run.restore_detail})")
         if run.points:
-            png = (args.png_dir / paths[id(run)].with_suffix(".png").name if args.png_dir
-                   else paths[id(run)].with_suffix(".png"))
-            png.parent.mkdir(parents=True, exist_ok=True)
-            png.write_bytes(chart_png(run))
-            print(f"chart: {png}")
-        for workload, cap in suggestions(run).items():
-            print(f"suggested cap for {workload}: {watts(cap)} W; to apply it: "
-                  f"{apply_command(run.rig, cap)}")
+            path = paths[id(run)]
+            folder = args.png_dir or path.parent
+            folder.mkdir(parents=True, exist_ok=True)
+            charts = write_charts(run, folder, path.stem)
+            print("charts: " + (", ".join(map(str, charts)) if isinstance(charts, list)
+                                else charts))
+        for line in report_lines(run):
+            print(line)
     return 0
-
-
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     group = commands.add_parser("bench", help="verify and benchmark results (deploys/verify.py)")
     actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -81,6 +81,7 @@ from rigbook.reboot import (
 )
 from rigbook.render import template, template_commands
 from rigbook.runfacts import once
+from rigbook.serving import hold_serving
 from rigbook.spec import Rig
 from rigbook.units import booted, service
 from rigbook.venvs import VenvBuilds
@@ -150,6 +151,8 @@ PERSISTENCED_DROPIN = "/etc/systemd/system/nvidia-persistenced.service.d/overrid
 MODPROBE_CONF = "/etc/modprobe.d/rigbook-nvidia.conf"
 #: Where the bump's apt step (BUMP_SCRIPT, installed by the bump itself) logs.
 BUMP_LOGS = "/var/log/rigbook/driver-bump-*.log"
+#: The transient unit the apt step runs in, outside the SSH login (files/driver/bump.sh).
+BUMP_UNIT = "rigbook-driver-bump.service"
 
 #: A Debian package name as dpkg reports it (Debian policy 5.6.1), with an optional :arch.
 _PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.-]+(:[a-z0-9]+)?")
@@ -365,9 +368,11 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
     offers at the target (apt-cache madison), so nothing is left half-moved; a package named
     after the old version (Ubuntu's nvidia-firmware-580-580.95.05) stays, held.
 
-    The apt step runs on the rig as files/driver/bump.sh (installed at BUMP_SCRIPT), under
-    `setsid -w`: it holds the packages again on any exit, apt failing or a signal included,
-    and a dropped SSH connection neither stops it nor reaches apt. It logs to BUMP_LOGS.
+    The apt step runs on the rig as files/driver/bump.sh (installed at BUMP_SCRIPT) in a
+    transient unit of its own (BUMP_UNIT), which the script starts and waits for: it holds the
+    packages again on any exit, apt failing or a signal included, and neither a dropped SSH
+    connection nor the end of the login (logind's KillUserProcesses=yes) reaches it or apt.
+    It logs to BUMP_LOGS.
     """
     if not DRIVER_VERSION.fullmatch(target):
         yield refuse(f"not a driver version: {target!r}")
@@ -403,7 +408,7 @@ def move_driver(packages: list[str] | tuple[str, ...], target: str):
         return
     yield from put_commands(src=str(TEMPLATES / "bump.sh"), dest=BUMP_SCRIPT, mode="755")
     yield StringCommand(
-        "setsid -w", BUMP_SCRIPT, *(QuoteString(f"{name}={target}-*") for name in wanted_names)
+        BUMP_SCRIPT, "--detach", *(QuoteString(f"{name}={target}-*") for name in wanted_names)
     )
 
 
@@ -735,6 +740,13 @@ def driver_bump(rig: Rig):
             message="WSL2 runs the Windows driver: update it on Windows, then rebuild the venvs",
         )
         return
+    busy = once(DpkgInterrupted).busy
+    if busy:  # an earlier bump whose connection dropped, or apt: the packages are moving
+        refused(name="Driver bump: no package work under way", message=(
+            f"package work under way ({', '.join(busy)}): the bump plans on packages that are "
+            f"moving; wait until it ends (systemctl status {BUMP_UNIT}, the logs "
+            f"{BUMP_LOGS}), then run the bump again"))
+        return
     foreign = _foreign_now(rig)
     if foreign is not None:
         _keep_foreign(rig, foreign, bump=True)
@@ -747,6 +759,9 @@ def driver_bump(rig: Rig):
     if why:
         report(name="Bump done: the target is running", message=why)
         return
+    hold_serving(name="Stop serving and hold it until the venvs match the new driver",
+                 reason=f"serving is held by the driver bump to {target}: rebuild the venvs "
+                        "(pyinfra INVENTORY deploys/venvs.py), which starts it again")
     _apt_source(plan)
     _pin(rig, plan)
     apt.update(name="apt-get update (to see the target)")
@@ -761,8 +776,8 @@ def driver_bump(rig: Rig):
             name="Next: rebuild the venvs",
             message=(
                 f"driver {target} runs; venv(s) {', '.join(stale)} were built for another "
-                "driver: rebuild them (pyinfra INVENTORY deploys/venvs.py), then start serving "
-                "again (pyinfra INVENTORY deploys/serve.py)"
+                "driver: rebuild them (pyinfra INVENTORY deploys/venvs.py), which starts "
+                "serving again"
             ),
         )
 

@@ -902,9 +902,10 @@ def _install_reaper(rig: Rig):
     boot = put(name="Make the reaper's quarantine at every boot (tmpfiles.d, root 0700)",
                src=str(SOURCES / "rigbook-shm-reaper.tmpfiles.conf"), dest=QUARANTINE_TMPFILES,
                mode="644")
+    # Not `systemd-tmpfiles --create`: on a live rig it hands a stray folder of that name
+    # (another user's, made while none was there) to root with its contents; this sets it aside.
     server.shell(name="Make the reaper's quarantine now (tmpfiles.d changed)",
-                 commands=[StringCommand("systemd-tmpfiles", "--create",
-                                         QuoteString(QUARANTINE_TMPFILES))],
+                 commands=[StringCommand("/usr/bin/python3", "-I", "-S", REAPER, "--prepare")],
                  _if=boot.did_change)
     unit = template(
         name=f"Write {REAPER_UNIT}", src=str(SOURCES / f"{REAPER_UNIT}.j2"),

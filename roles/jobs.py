@@ -73,10 +73,13 @@ def power_sweep() -> None:
 
 
 def venvs_rebuild() -> None:
-    """The venvs the running driver made stale, rebuilt (deploys/venvs.py)."""
+    """The venvs the running driver made stale, rebuilt, and serving a driver bump held started
+    again (deploys/venvs.py)."""
     rig = rig_of(host)
     if preflight(rig, [wsl.PLATFORM], venvs.REBUILD_CHECKS):
+        serving.settle_held(rig)  # a unit held by a driver bump: its restart loop ended
         venvs.venvs(rig, rebuild_stale=True)
+        serving.resume_after_bump(rig)
 
 
 def pull_models() -> None:

@@ -38,10 +38,10 @@ from pathlib import Path
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
-from pyinfra.facts.files import FileContents, FindInFile
+from pyinfra.facts.files import File, FileContents, FindInFile
 from pyinfra.operations import server
 
-from rigbook import FILES, cap_check, power
+from rigbook import FILES, cap_check, power, venv_check
 from rigbook.cards import Card, card_problems, card_warnings, facts_card
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal, warn
 from rigbook.errors import RigbookError
@@ -85,7 +85,7 @@ from rigbook.secrets import Secret, read_secret_file
 from rigbook.spec import ModelSpec, Rig
 from rigbook.tokens import secret_upload
 from rigbook.types import JsonValue
-from rigbook.units import booted, start_command
+from rigbook.units import booted, start_command, state_of
 from rigbook.venvs import (
     VenvBuilds,
     VenvState,
@@ -112,6 +112,12 @@ PROBE_SOURCE = FILES / "serving" / "probe.py"
 #: The unit's ExecStartPre that refuses a start when the live caps differ from the power unit.
 CAP_CHECK_PATH = f"{SERVING_DIR}/cap_check.py"
 CAP_CHECK_SOURCE = Path(cap_check.__file__)
+#: The unit's ExecStartPre that refuses a start from a venv built for another driver.
+VENV_CHECK_PATH = f"{SERVING_DIR}/venv_check.py"
+VENV_CHECK_SOURCE = Path(venv_check.__file__)
+#: Written by a driver bump that stopped serving (hold_serving), removed by deploys/venvs.py
+#: after its rebuilds (resume_serving); while it is there the unit's venv check refuses a start.
+HOLD_PATH = "/var/lib/rigbook/serving-held"
 #: Without systemd (docs/no-systemd.md): rigbook's supervisor, its config, pidfile and log.
 SUPERVISE_PATH = f"{SERVING_DIR}/supervise.py"
 SUPERVISE_SOURCE = FILES / "serving" / "supervise.py"
@@ -245,6 +251,7 @@ def render_unit(plan: ServePlan, smi: str | None) -> str:
         exec_start=" ".join(systemd_word(arg) for arg in plan.argv),
         stop_timeout=STOP_TIMEOUT_S, cap_check=CAP_CHECK_PATH if plan.capped else None,
         power_unit=power.UNIT_PATH, tolerance=power.TOLERANCE_W,
+        venv_check=VENV_CHECK_PATH, venv=venv_link(plan.recipe.venv), hold=HOLD_PATH,
     )
 
 
@@ -338,8 +345,8 @@ def probe_args(plan: ServePlan) -> str:
     """ServeProbe's argument: one JSON string (a fact's arguments must be hashable)."""
     return json.dumps({
         "unit": UNIT_NAME, "user": SERVE_USER, "entry": plan.argv[0],
-        "files": [UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH, power.UNIT_PATH,
-                  SUPERVISE_PATH, SUPERVISE_CONF],
+        "files": [UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH, VENV_CHECK_PATH,
+                  power.UNIT_PATH, SUPERVISE_PATH, SUPERVISE_CONF, HOLD_PATH],
         "supervisor": SUPERVISE_PATH, "pidfile": PIDFILE,
         "markers": ENGINE_MARKERS, "gpu": plan.gpu, "smi_paths": list(NVIDIA_SMI_PATHS),
         "health": HEALTH_PATH, "url": plan.url, "key": KEY_PATH if plan.key else None,
@@ -667,6 +674,8 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         HEALTH_PATH: _sha(HEALTH_SOURCE.read_bytes()),
         CAP_CHECK_PATH: _sha(CAP_CHECK_SOURCE.read_bytes()),
     }
+    if systemd:  # the unit's check; the supervisor does not run it (docs/no-systemd.md)
+        wanted[VENV_CHECK_PATH] = _sha(VENV_CHECK_SOURCE.read_bytes())
     if runner_source is not None:
         wanted[runner_source] = _sha(SUPERVISE_SOURCE.read_bytes())
     differs = {path for path, sha in wanted.items() if probe.files.get(path) != sha}
@@ -675,6 +684,11 @@ def serve_recipe(plan: ServePlan) -> Iterator:
 
     if gone is not None:
         yield refuse(f"{where}: GPU check failed, nothing was changed: {gone}")
+        return
+    if systemd and restart and probe.files.get(HOLD_PATH) is not None:
+        warn_once(f"{where}: serving is held by a driver bump ({HOLD_PATH}): deploys/venvs.py "
+                  "rebuilds the venvs and starts it again")
+        host.noop(f"{UNIT_NAME} is held by a driver bump")
         return
     if restart:
         cache = once(ModelCache, cache=plan.rig.models_cache)
@@ -706,7 +720,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
             system=True, ensure_home=True,
         )
     sources = ((HEALTH_PATH, HEALTH_SOURCE), (CAP_CHECK_PATH, CAP_CHECK_SOURCE),
-               (SUPERVISE_PATH, SUPERVISE_SOURCE))
+               (VENV_CHECK_PATH, VENV_CHECK_SOURCE), (SUPERVISE_PATH, SUPERVISE_SOURCE))
     for path, source in sources:
         if path in differs:
             yield from put_commands(src=str(source), dest=path, mode="644")
@@ -735,6 +749,97 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         warn_once(f"{where} is active but /v1/models does not answer: {answer.get('message')} "
                   f"({log})")
         host.noop(f"{what} already runs {plan.label}")
+
+
+# --- the driver bump's hold -----------------------------------------------------------------------
+
+
+@operation()
+def hold_serving(reason: str) -> Iterator:
+    """
+    Stop rigbook-serve.service and keep it from starting until deploys/venvs.py releases it:
+    the hold file (HOLD_PATH) that the unit's venv check refuses a start on, with its line.
+
+    + reason: the hold's one line (which bump, what to run)
+
+    Nothing on a rig without the serving unit (or without systemd), or when held already.
+    """
+    if not booted() or host.get_fact(File, path=UNIT_PATH) is None:
+        host.noop(f"no {UNIT_NAME}: nothing to hold")
+        return
+    line = reason.replace("\n", " ")
+    running = state_of(UNIT_NAME).running
+    if host.get_fact(FileContents, path=HOLD_PATH) == [line] and not running:
+        host.noop(f"{UNIT_NAME} is held already")
+        return
+    yield StringCommand("mkdir", "-p", str(Path(HOLD_PATH).parent))
+    yield from _put(line + "\n", HOLD_PATH)
+    if running:
+        yield StringCommand("systemctl", "stop", UNIT_NAME)
+
+
+@operation(is_idempotent=False)
+def resume_serving(plan: ServePlan) -> Iterator:
+    """
+    Start serving again after a driver bump held it: remove the hold, start rigbook-serve.service
+    and wait for its health check; nothing when no bump holds it.
+
+    + plan: the rig's ``ServePlan``
+
+    deploys/venvs.py runs it after its rebuilds. The unit's own venv check still refuses a GPU
+    recipe whose venv does not match the running driver: the start then fails with its line.
+    """
+    if not booted() or once(ServeProbe, args=probe_args(plan)).files.get(HOLD_PATH) is None:
+        host.noop("serving is not held by a driver bump")
+        return
+    yield StringCommand("rm", "-f", HOLD_PATH)
+    yield start_command(UNIT_NAME)
+    yield FunctionCommand(_await_health, (plan, connector_arguments(), True), {})
+
+
+@operation()
+def stop_held(plan: ServePlan) -> Iterator:
+    """
+    Stop rigbook-serve.service where a driver bump holds it: after the reboot systemd retries
+    the start its check refused (Restart=on-failure), and a venv swap's try-restart would start
+    it again while held; nothing when no bump holds it or the unit is stopped already.
+
+    + plan: the rig's ``ServePlan``
+    """
+    probe = once(ServeProbe, args=probe_args(plan))
+    if not booted() or probe.files.get(HOLD_PATH) is None:
+        host.noop("serving is not held by a driver bump")
+    elif probe.active in ("inactive", "failed"):
+        host.noop(f"{UNIT_NAME} is held and {probe.active}")
+    else:
+        yield StringCommand("systemctl", "stop", UNIT_NAME)
+
+
+def _held_plan(rig: Rig) -> ServePlan | None:
+    if rig.recipe is None:
+        return None
+    try:
+        return serve_plan(rig, host.name)
+    except RigbookError as error:
+        refused(name="Check the serving recipe", message=str(error))
+        return None
+
+
+@deploy("Serving")
+def settle_held(rig: Rig) -> None:
+    """Before deploys/venvs.py rebuilds: a unit held by a driver bump stays stopped."""
+    plan = _held_plan(rig)
+    if plan is not None:
+        stop_held(name=f"Keep {UNIT_NAME} stopped while held", plan=plan)
+
+
+@deploy("Serving")
+def resume_after_bump(rig: Rig) -> None:
+    """Start the rig's recipe again once deploys/venvs.py rebuilt what a driver bump made stale."""
+    plan = _held_plan(rig)
+    if plan is None:
+        return
+    resume_serving(name=f"Start {plan.recipe.name} again (the driver bump's hold)", plan=plan)
 
 
 # --- the role ------------------------------------------------------------------------------------
@@ -803,7 +908,10 @@ def serving_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         if probe.enabled != "enabled":
             found.append(drift("serving", f"{UNIT_NAME} is {probe.enabled or 'not enabled'}, "
                                           "not enabled: it does not start at boot"))
-        if not probe.running:
+        if not probe.running and probe.files.get(HOLD_PATH) is not None:
+            found.append(drift("serving", f"{UNIT_NAME} is held by a driver bump ({HOLD_PATH}): "
+                                          "deploys/venvs.py rebuilds the venvs and starts it"))
+        elif not probe.running:
             found.append(drift("serving", f"{UNIT_NAME} is {probe.active} ({probe.sub}): recipe "
                                           f"{rig.recipe} is not served; journalctl -u "
                                           f"{UNIT_NAME}, then deploys/serve.py"))

@@ -534,7 +534,20 @@ class Rig(StrictModel):
     sweep_watts: tuple[float, ...] = Field(
         (),
         description="Run option: the caps (W) deploys/power_sweep.py measures, as START:STOP:STEP "
-        "(250:350:10, both ends included), a comma list (250,290,330) or one cap; at most 64.",
+        "(250:350:10, both ends included), a comma list (250,290,330) or one cap; at most 64. "
+        "Left out: every card's whole range (power.min_limit to power.max_limit) at 10 W.",
+    )
+    sweep_window_s: StrictInt = Field(
+        10, ge=1, le=600,
+        description="Run option: seconds of each decode window of the power sweep, timed from "
+        "the first token (narrative and code, each concurrency); the hardware notes use 10, the "
+        "power-sweep runbook 45.",
+    )
+    sweep_prefill_tokens: StrictInt = Field(
+        40000, ge=64, le=MAX_TOKENS,
+        description="Run option: tokens of the power sweep's frozen cold-prefill prompt (a new "
+        "salt at its start each request; capped by the recipe's context); the runbook used "
+        "39,760.",
     )
 
     @field_validator("sweep_watts", mode="before")

@@ -2,9 +2,10 @@
 
 deploys/power_sweep.py, per rig (docs/sweep.md):
 
-1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any asked cap
-   (`sweep_watts`) lies outside any card's own min/max, when no boot unit caps every GPU (the
-   caps could not be restored; without systemd none can), or when persistence mode is off;
+1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any cap
+   (`sweep_watts`, or by default every card's whole range at 10 W) lies outside any card's own
+   min/max, when no boot unit caps every GPU (the caps could not be restored; without systemd
+   none can), or when persistence mode is off; a step over 20 W is a warning;
 2. a guard is started on the rig as a unit of its own (files/power/sweep_rig.py under
    `systemd-run`, outside the SSH login, which logind may kill when it ends): it holds
    a lease that the sweep renews before every request, and once the sweep releases it, or the
@@ -13,12 +14,13 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
    (a hung or missing nvidia-smi); where that record is missing or leaves a GPU out, the sweep
    sets those caps itself and fails the rig;
 3. per cap: the live cap of every GPU (`nvidia-smi -i UUID -pl W`, never the unit), then the
-   verify bench of roles/verify.py (decode at 1 stream, at verify_bench_concurrency where the
-   engine allows it, prefill) while a meter on the rig samples the draw through NVML (nvidia-smi
-   where the tools venv's pynvml is missing): mean and p95 watts, energy from the card's
-   total-energy counter where it has one (else mean watts x seconds);
-4. the restore is read back and the run stored as JSON beside the verify results, with a PNG
-   chart; `rigbook bench sweep` tables them and suggests a cap per workload.
+   sources' protocol while a meter on the rig samples the draw and the cards' state: decode
+   windows of sweep_window_s timed from the first token (narrative and code, at 1 stream and at
+   verify_bench_concurrency where the engine allows it), and cold prefills of one frozen long
+   prompt with a new salt at its very start each time (no cached prefix to hit);
+4. the restore is read back and the run stored as JSON beside the verify results
+   (rigbook.sweepresult: each window's evidence and intervals, the suggestion, the diagnosis),
+   with a chart per workload class (rigbook.charts).
 """
 
 from __future__ import annotations
@@ -26,23 +28,23 @@ from __future__ import annotations
 import json
 import math
 import re
-import statistics
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import requests
-from pydantic import ValidationError
 from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.operations import files
 
 from rigbook import FILES, cap_check
-from rigbook.chart import PALETTE, Panel, Series, line_chart
-from rigbook.checks import Check, Facts, Finding, Read, error
+from rigbook.checks import Check, Facts, Finding, Read, error, warn
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
 from rigbook.messages import refused, warn_once
@@ -57,9 +59,23 @@ from rigbook.power import (
     unit_caps,
 )
 from rigbook.power import watts as w
+from rigbook.serving import UNIT_NAME as SERVE_UNIT
 from rigbook.spec import Rig
+from rigbook.sweepresult import (
+    Rigs,
+    Sample,
+    SweepPoint,
+    SweepRun,
+    decode_window,
+    diagnosis,
+    prefill_window,
+    resolvable_w,
+    samples_of,
+    save_sweep,
+    suggestions,
+    summary_rows,
+)
 from rigbook.tools import TOOLS_PYTHON
-from rigbook.types import StrictModel
 from rigbook.units import SYSTEMD_READ, outside_login
 from rigbook.verify import (
     BENCH_PROMPTS,
@@ -68,8 +84,8 @@ from rigbook.verify import (
     Settings,
     StepFailed,
     Target,
-    _part,
-    results_dir,
+    haystack_words,
+    stream_events,
     truncate,
 )
 
@@ -89,10 +105,43 @@ RENEW_EVERY_S = 3
 GUARD_UNIT = "rigbook-sweep-guard.service"
 #: A `-pl` call on the rig is given up after this long (s); the guard's own default too.
 SMI_TIMEOUT_S = 20
-#: How often the meter samples the draw (s).
-METER_INTERVAL_S = 0.2
+#: How often the meter samples the draw (s): twice as often as the sources' 0.5 s.
+METER_INTERVAL_S = 0.25
+#: The meter is waited on this long (s) to write its last sample (a loaded rig is slow).
+METER_WAIT_S = 60
+#: The default sweep's step (W), the hardware notes' resolution; a wider one is warned about.
+STEP_W = 10
+WIDE_STEP_W = 20
 
-Workload = Literal["decode x1", "decode xN", "prefill"]
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """The protocol's knobs (host data sweep_*)."""
+
+    window_s: float = 10.0
+    prefill_tokens: int = 40000
+
+    @classmethod
+    def of(cls, rig: Rig) -> SweepSettings:
+        return cls(window_s=float(rig.sweep_window_s), prefill_tokens=rig.sweep_prefill_tokens)
+
+
+def default_caps(gpus: Iterable) -> tuple[float, ...]:
+    """The whole range every card allows (the highest minimum to the lowest maximum) at 10 W,
+    both ends included; the step widened where that would be more than MAX_CAPS caps."""
+    lows = [g.min_limit_w for g in gpus if g.min_limit_w is not None]
+    highs = [g.max_limit_w for g in gpus if g.max_limit_w is not None]
+    if not lows or not highs or max(lows) > min(highs):
+        return ()
+    low, high = max(lows), min(highs)
+    step = STEP_W * max(1, math.ceil((high - low) / STEP_W / (MAX_CAPS - 1)))
+    caps = [round(low + i * step, 2) for i in range(int((high - low) // step) + 1)]
+    return tuple(sorted(set(caps) | {round(high, 2)}))[-MAX_CAPS:]
+
+
+def caps_of(rig: Rig, gpus: Iterable) -> tuple[float, ...]:
+    """What this run sweeps: sweep_watts, or the cards' whole range."""
+    return rig.sweep_watts or default_caps(gpus)
 
 
 # --- what to sweep -----------------------------------------------------------------------------
@@ -159,12 +208,9 @@ NO_UNIT_HERE = (
 
 
 def sweep_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
-    """Why the sweep may not touch this rig: no caps asked, WSL2, no systemd (no unit can
-    exist), a cap outside a card's range, no unit that caps every GPU (nothing to restore to),
-    persistence mode off."""
-    if not rig.sweep_watts:
-        return [error("sweep", "no caps to sweep; allowed: --data sweep_watts=START:STOP:STEP "
-                      "(e.g. 250:350:10), a comma list or one cap", key="sweep_watts")]
+    """Why the sweep may not touch this rig: WSL2, no systemd (no unit can exist), a cap
+    outside a card's range, no unit that caps every GPU (nothing to restore to), persistence
+    mode off."""
     if rig.platform == "wsl2":
         return [error("sweep", "WSL2: the Windows driver owns the caps (docs/power.md); "
                       "allowed: a Linux rig", key="platform")]
@@ -179,6 +225,14 @@ def sweep_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         found.append(error("sweep", f"no {UNIT_NAME}: nothing to restore the caps to after the "
                            "sweep; allowed: a rig whose caps rigbook manages (deploys/power_cap.py"
                            " or deploys/rig.py first)"))
+    caps = caps_of(rig, gpus)
+    wide = [(a, b) for a, b in zip(caps, caps[1:], strict=False) if b - a > WIDE_STEP_W]
+    if wide:
+        shown = ", ".join(f"{w(a)}-{w(b)}" for a, b in wide[:3])
+        found.append(warn("sweep", f"steps over {WIDE_STEP_W} W ({shown} W): too coarse to pin "
+                          f"down the efficiency knee (the hardware notes sweep at {STEP_W} W); "
+                          f"leave sweep_watts out to sweep the cards' whole range at {STEP_W} W",
+                          key="sweep_watts"))
     for gpu in gpus:
         label = f"GPU {gpu.index} ({gpu.uuid})"
         if facts.unit is not None and gpu.uuid not in restore_to:
@@ -189,7 +243,7 @@ def sweep_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
             found.append(error("sweep", f"{label}: the card reports no power limit range, so it "
                                "cannot be capped", key="sweep_watts", gpu=gpu.uuid))
             continue
-        outside = [cap for cap in rig.sweep_watts
+        outside = [cap for cap in caps
                    if not gpu.min_limit_w <= cap <= gpu.max_limit_w]
         if outside:
             found.append(error(
@@ -212,180 +266,12 @@ def _reads(rig: Rig, rig_name: str) -> list[Read]:
 SWEEP_CHECKS = (GPUS, Check("power sweep", _reads, sweep_findings, gpus=True))
 
 
-# --- results -------------------------------------------------------------------------------------
-
-
-class Power(StrictModel):
-    """The rig's draw (all its GPUs together) over one workload."""
-
-    samples: int
-    seconds: float
-    mean_w: float
-    p95_w: float
-    energy_j: float
-    energy_source: Literal["counter", "mean-draw"]
-
-
-class WorkloadResult(StrictModel):
-    workload: Workload
-    concurrency: int
-    tokens: int  # generated (decode) or prompt (prefill) tokens over the measured runs
-    tps: float  # decode: median tok/s (x1) or all streams' (xN); prefill: prompt tok/s
-    power: Power
-
-    @property
-    def tps_per_w(self) -> float:
-        return self.tps / self.power.mean_w if self.power.mean_w > 0 else 0.0
-
-    @property
-    def j_per_token(self) -> float:
-        return self.power.energy_j / self.tokens if self.tokens else 0.0
-
-
-class SweepPoint(StrictModel):
-    cap_w: float
-    live_caps_w: dict[str, float | None]
-    meter: str  # "nvml" or "nvidia-smi": what sampled the draw
-    workloads: tuple[WorkloadResult, ...]
-
-
-class SweepRun(StrictModel):
-    """One sweep of one rig, stored as JSON on the operator's machine."""
-
-    schema_version: Literal[1] = 1
-    rig: str
-    recipe: str
-    engine: str
-    url: str
-    driver: str | None
-    caps_asked_w: tuple[float, ...]
-    started: datetime
-    seconds: float
-    points: tuple[SweepPoint, ...]
-    error: str | None = None
-    unit_caps_w: dict[str, float]
-    restored: bool
-    restore_detail: str
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.restored and len(self.points) == len(self.caps_asked_w)
-
-
-def sweep_path(run: SweepRun, root: Path | None = None) -> Path:
-    """<root>/<rig>/<recipe>/sweeps/<started>.json, beside the verify runs (history kept)."""
-    stamp = run.started.strftime("%Y%m%dT%H%M%S.%fZ")
-    return (root or results_dir()) / _part(run.rig) / _part(run.recipe) / "sweeps" / f"{stamp}.json"
-
-
-def save_sweep(run: SweepRun, root: Path | None = None) -> Path:
-    """The JSON and, beside it, the chart (same name, .png)."""
-    path = sweep_path(run, root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(run.model_dump_json(indent=2) + "\n")
-    if run.points:
-        path.with_suffix(".png").write_bytes(chart_png(run))
-    return path
-
-
-def load_sweeps(root: Path | None = None) -> list[tuple[Path, SweepRun]]:
-    """Every stored sweep, oldest first; a file that does not validate is an error naming it."""
-    found = []
-    for path in sorted((root or results_dir()).glob("*/*/sweeps/*.json")):
-        try:
-            found.append((path, SweepRun.model_validate_json(path.read_text())))
-        except (OSError, ValidationError) as failure:
-            raise RigbookError(f"{path}: not a sweep result: {truncate(str(failure))}") from None
-    return sorted(found, key=lambda item: item[1].started)
-
-
-def workloads_of(run: SweepRun) -> list[Workload]:
-    seen: list[Workload] = []
-    for point in run.points:
-        seen += [r.workload for r in point.workloads if r.workload not in seen]
-    return seen
-
-
-def series(run: SweepRun, workload: Workload,
-           value: Callable[[WorkloadResult], float]) -> tuple[float | None, ...]:
-    return tuple(next((value(r) for r in p.workloads if r.workload == workload), None)
-                 for p in run.points)
-
-
-def suggestions(run: SweepRun) -> dict[str, float]:
-    """Per workload, the cap with the most tokens per watt (ties: the lower cap)."""
-    best: dict[str, float] = {}
-    for workload in workloads_of(run):
-        scored = [(r.tps_per_w, -p.cap_w) for p in run.points for r in p.workloads
-                  if r.workload == workload]
-        best[workload] = -max(scored)[1]
-    return best
+# --- what a sweep stores: rigbook.sweepresult ----------------------------------------------------
 
 
 def apply_command(rig: str, cap_w: float) -> str:
     """The follow-up that applies a suggestion (the sweep never applies one itself)."""
     return f"pyinfra INVENTORY deploys/power_cap.py --limit {rig} --data power_cap_watts={w(cap_w)}"
-
-
-def chart_png(run: SweepRun) -> bytes:
-    """tok/s and tok/s per W against the cap, one line per workload."""
-    xs = [p.cap_w for p in run.points]
-    kinds = workloads_of(run)
-
-    def panel(title: str, value: Callable[[WorkloadResult], float]) -> Panel:
-        return Panel(title, tuple(Series(k, PALETTE[i % len(PALETTE)], series(run, k, value))
-                                  for i, k in enumerate(kinds)))
-    return line_chart(f"{run.rig} {run.recipe}", xs, [
-        panel("tok/s", lambda r: r.tps), panel("tok/s per w", lambda r: r.tps_per_w)])
-
-
-def sweep_table(run: SweepRun):
-    """A rich Table of one sweep: a row per cap and workload, the suggestion marked."""
-    from rich.table import Table
-
-    best = suggestions(run)
-    table = Table(title=f"power sweep of {run.rig} ({run.recipe}, "
-                        f"{run.started:%Y-%m-%d %H:%M:%S} UTC)")
-    for column in ("cap W", "workload", "tok/s", "mean W", "p95 W", "tok/s/W", "J/tok", "energy",
-                   "best"):
-        table.add_column(column, justify="left" if column in ("workload", "energy") else "right")
-    for point in run.points:
-        for r in point.workloads:
-            mark = "<- suggested" if best.get(r.workload) == point.cap_w else ""
-            table.add_row(w(point.cap_w), r.workload, f"{r.tps:.1f}", f"{r.power.mean_w:.1f}",
-                          f"{r.power.p95_w:.1f}", f"{r.tps_per_w:.4f}", f"{r.j_per_token:.3f}",
-                          r.power.energy_source, mark)
-    return table
-
-
-# --- power of a workload from the meter's samples ----------------------------------------------
-
-
-def power_of(samples: list, begin: float, end: float) -> Power:
-    """The rig's draw between `begin` and `end` (the rig's clock): the samples inside, or the one
-    nearest when the workload was shorter than one sampling interval. Energy from the cards'
-    counters when every sample has one, else mean watts x seconds."""
-    usable_ = [(t, gpus) for t, gpus in samples
-               if isinstance(gpus, dict) and gpus and "error" not in gpus]
-    if not usable_:
-        raise ValueError("the meter took no sample")
-    inside = [s for s in usable_ if begin <= s[0] <= end]
-    if not inside:
-        inside = [min(usable_, key=lambda s: abs(s[0] - (begin + end) / 2))]
-    totals = sorted(sum(v[0] for v in gpus.values()) for _, gpus in inside)
-    mean = statistics.fmean(totals)
-    p95 = totals[min(len(totals) - 1, math.ceil(0.95 * len(totals)) - 1)]
-    seconds = max(end - begin, 0.0)
-    first, last = inside[0][1], inside[-1][1]
-    counters = all(v[1] is not None for _, gpus in inside for v in gpus.values())
-    if counters and len(inside) > 1:
-        span = inside[-1][0] - inside[0][0]
-        joules = sum(last[u][1] - first[u][1] for u in first if u in last) / 1000.0
-        energy, source = (joules * seconds / span if span > 0 else joules), "counter"
-    else:
-        energy, source = mean * seconds, "mean-draw"
-    return Power(samples=len(inside), seconds=round(seconds, 3), mean_w=round(mean, 2),
-                 p95_w=round(p95, 2), energy_j=round(energy, 3), energy_source=source)
 
 
 # --- on the rig ----------------------------------------------------------------------------------
@@ -447,6 +333,8 @@ class _Sweep:
     def __init__(self, host_, rig: Rig, target: Target, settings: Settings,
                  smi: str, gpus: tuple, unit: dict[str, float]) -> None:
         self.host, self.rig, self.target, self.settings = host_, rig, target, settings
+        self.settings_sweep = SweepSettings.of(rig)
+        self.long_prompt: str | None = None  # frozen for the whole run: only the salt differs
         self.smi, self.gpus, self.unit = smi, gpus, unit
         self.lease_s = int(settings.timeout_s) + LEASE_MARGIN_S
         self.ladder = Ladder(target, settings)
@@ -502,68 +390,113 @@ class _Sweep:
     def meter_start(self, name: str) -> float:
         """Start the meter; the rig's clock minus this machine's (s)."""
         before = time.time()
-        ok, said = _sh(self.host, f"cd {SWEEP_DIR} && rm -f {name}.stop {name}.json && py=python3"
-                                  f" && if [ -x {TOOLS_PYTHON} ]; then py={TOOLS_PYTHON}; fi && "
-                                  f'setsid -f "$py" sweep_rig.py meter --dir {SWEEP_DIR} --name '
-                                  f"{name} --interval {METER_INTERVAL_S} --smi",
-                       QuoteString(self.smi), "</dev/null >/dev/null 2>&1 && date +%s.%N")
+        ok, said = _sh(self.host, f"cd {SWEEP_DIR} && rm -f {name}.stop {name}.jsonl {name}.done"
+                                  f" && py=python3 && if [ -x {TOOLS_PYTHON} ]; then "
+                                  f'py={TOOLS_PYTHON}; fi && setsid -f "$py" sweep_rig.py meter '
+                                  f"--dir {SWEEP_DIR} --name {name} --interval {METER_INTERVAL_S}"
+                                  f" --engine-unit {SERVE_UNIT} --smi", QuoteString(self.smi),
+                       "</dev/null >/dev/null 2>&1 && date +%s.%N")
         after = time.time()
         try:
             return float(said.strip().splitlines()[-1]) - (before + after) / 2
         except (ValueError, IndexError):
             raise RigbookError(f"could not start the draw meter: {truncate(said)}") from None
 
-    def meter_stop(self, name: str) -> dict:
-        ok, said = _sh(self.host, f"cd {SWEEP_DIR} && touch {name}.stop && for i in $(seq 100); "
-                                  f"do [ -f {name}.json ] && break; sleep 0.1; done; "
-                                  f"cat {name}.json && rm -f {name}.json {name}.stop")
-        try:
-            return json.loads(said)
-        except ValueError:
-            raise RigbookError(f"the draw meter wrote no samples: {truncate(said)}") from None
+    def meter_stop(self, name: str) -> tuple[str, list[Sample]]:
+        """Stop the meter and read what it took: (source, samples). It writes as it samples, so
+        a meter slowed by a loaded machine still hands back every sample it took."""
+        ok, said = _sh(self.host, f"cd {SWEEP_DIR} && touch {name}.stop && for i in $(seq "
+                                  f"{METER_WAIT_S * 10}); do [ -f {name}.done ] && break; "
+                                  f"sleep 0.1; done; cat {name}.jsonl && rm -f {name}.jsonl "
+                                  f"{name}.stop {name}.done")
+        lines = []
+        for line in said.splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+        header = next((x for x in lines if isinstance(x, dict)), {})
+        samples = samples_of(lines)
+        if not samples:
+            raise RigbookError(f"the draw meter took no sample: {truncate(said)}")
+        return str(header.get("source")), samples
+
+    def decode(self, prompt: str, level: int, offset: float) -> tuple[float, int, list]:
+        """`level` streams of `prompt`, new requests while the window runs: the window is
+        window_s from the first token. (begin, requests, [(rig time, tokens)])."""
+        window_s, tokens = self.settings_sweep.window_s, self.settings.bench_tokens
+        lock, chunks, state_ = threading.Lock(), [], {"begin": None, "requests": 0}
+
+        def over() -> bool:
+            begin = state_["begin"]
+            return begin is not None and time.time() + offset >= begin + window_s
+
+        def stream() -> None:
+            while not over():
+                events, usage = stream_events(self.ladder.client, BENCH_PROMPTS[prompt], tokens,
+                                              clock=time.time)
+                weight = (usage or len(events)) / len(events)
+                with lock:
+                    state_["requests"] += 1
+                    first = events[0][0] + offset
+                    if state_["begin"] is None or first < state_["begin"]:
+                        state_["begin"] = first
+                    chunks.extend((t + offset, weight) for t, _ in events)
+
+        with ThreadPoolExecutor(max_workers=level) as pool:
+            for job in [pool.submit(stream) for _ in range(level)]:
+                job.result()
+        return state_["begin"], state_["requests"], chunks
+
+    def prefill(self, offset: float) -> list[tuple[str, int, float, float]]:
+        """bench_runs cold prefills of the frozen long prompt, a new salt at its very start each
+        time: no request shares a cached prefix with another (salt, tokens, begin, end)."""
+        runs = []
+        for _ in range(self.settings.bench_runs):
+            salt = secrets.token_hex(8)
+            begin = time.time() + offset
+            response = self.ladder.client.chat(f"{salt} {self.long_prompt}", max_tokens=1)
+            end = time.time() + offset
+            data = response.json() if response.status_code == 200 else {}
+            usage = (data.get("usage") or {}).get("prompt_tokens")
+            if not isinstance(usage, int):
+                raise StepFailed("prefill", "a cold prefill answered with usage.prompt_tokens",
+                                 truncate(response.text))
+            runs.append((salt, usage, begin, end))
+        return runs
 
     def point(self, cap_w: float) -> SweepPoint:
         self.renew()
         live = self.set_caps(cap_w)
         name = f"cap-{w(cap_w).replace('.', '_')}"
-        offset = self.meter_start(name)
-        windows: list[tuple[Workload, int, float, float, int, float]] = []
-
-        def timed(workload: Workload, level: int, run: Callable[[], tuple[int, float]]) -> None:
-            begin = time.time() + offset
-            tokens, tps = run()
-            windows.append((workload, level, begin, time.time() + offset, tokens, tps))
-
         levels, _ = self.ladder.levels()
-        name_ = next(iter(BENCH_PROMPTS))  # the narrative prompt
+        if self.long_prompt is None:
+            want = min(self.settings_sweep.prefill_tokens, self.ladder.context - 64)
+            self.long_prompt = haystack_words(self.ladder.sizer.words(want))
+        for prompt in BENCH_PROMPTS:
+            self.ladder.warm_up(prompt)  # outside the meter: warm-up is no window
+        offset = self.meter_start(name)
+        decoded, filled = [], []
         try:
-            self.ladder.warm_up(name_)
             for level in levels:
-                def decode(level: int = level) -> tuple[int, float]:
-                    f = self.ladder.measure(name_, level)
-                    tps = f.decode_tps.median if level == 1 else f.aggregate_tps.median
-                    return f.tokens * f.runs * level, tps
-                timed("decode x1" if level == 1 else "decode xN", level, decode)
-
-            def prefill() -> tuple[int, float]:
-                runs = [self.ladder.prefill_once() for _ in range(self.settings.bench_runs)]
-                tokens = sum(t for t, _ in runs)
-                return tokens, tokens / max(sum(s for _, s in runs), 1e-9)
-            timed("prefill", 1, prefill)
+                for prompt in BENCH_PROMPTS:
+                    decoded.append((prompt, level, *self.decode(prompt, level, offset)))
+            filled = self.prefill(offset)
         finally:
-            metered = self.meter_stop(name)
-        samples = metered.get("samples") or []
-        results = tuple(
-            WorkloadResult(workload=kind, concurrency=level, tokens=tokens, tps=round(tps, 3),
-                           power=power_of(samples, begin, end))
-            for kind, level, begin, end, tokens, tps in windows
-        )
-        for r in results:
-            self.log(f"{w(cap_w)} W {r.workload}: {r.tps:.1f} tok/s, {r.power.mean_w:.1f} W mean "
-                     f"(p95 {r.power.p95_w:.1f}), {r.tps_per_w:.4f} tok/s/W, "
-                     f"{r.j_per_token:.3f} J/tok")
-        return SweepPoint(cap_w=cap_w, live_caps_w=live, meter=str(metered.get("source")),
-                          workloads=results)
+            source, samples = self.meter_stop(name)
+        window_s = self.settings_sweep.window_s
+        windows = [decode_window("decode-single" if level == 1 else "decode-concurrent", prompt,
+                                 level, requests, chunks, begin, window_s, samples, cap_w)
+                   for prompt, level, begin, requests, chunks in decoded]
+        windows.append(prefill_window(filled, samples, cap_w, "frozen-long"))
+        for win in windows:
+            e = win.evidence
+            self.log(f"{w(cap_w)} W {win.workload} {win.prompt}: {win.tps.mean:.1f} tok/s "
+                     f"({win.tps.low:.1f}-{win.tps.high:.1f}), {e.mean_w:.1f} W mean over "
+                     f"{e.seconds:.1f} s ({e.samples} samples), {win.tps_per_w.mean:.4f} tok/s/W"
+                     + (f"; OTHER GPU LOAD: {', '.join(e.other_processes)}"
+                        if e.other_processes else ""))
+        return SweepPoint(cap_w=cap_w, live_caps_w=live, meter=source, windows=tuple(windows))
 
     def release(self) -> tuple[bool, str]:
         """Release the lease, wait for the guard's restore, read the caps back against the unit.
@@ -622,12 +555,13 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
                         "the preflight; nothing was changed", fg="red", log_func=logger.error)
         return False
     restore_to = unit_caps(unit.exec_starts)[0]
+    caps = caps_of(rig, probe.gpus)
     sweep = _Sweep(host, rig, target, settings, probe.smi, probe.gpus, restore_to)
     started, clock, failure = datetime.now(UTC), time.monotonic(), None
     try:
         sweep.arm()
         sweep.ladder.health()
-        for cap_w in rig.sweep_watts:
+        for cap_w in caps:
             sweep.points.append(sweep.point(cap_w))
     except (StepFailed, RigbookError, requests.RequestException, ValueError) as failed:
         failure = truncate(str(failed))
@@ -636,13 +570,15 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
     finally:
         restored, detail = sweep.release()
         run = SweepRun(
-            rig=host.name, recipe=target.recipe, engine=target.engine, url=target.url,
-            driver=probe.driver_version, caps_asked_w=rig.sweep_watts, started=started,
+            rig=host.name, recipe=target.recipe, url=target.url,
+            setup=setup_of(rig, host.name, target, probe), caps_asked_w=caps,
+            window_s=sweep.settings_sweep.window_s,
+            prefill_tokens=sweep.settings_sweep.prefill_tokens, started=started,
             seconds=round(time.monotonic() - clock, 3), points=tuple(sweep.points),
             error=failure or sweep.undone, unit_caps_w=restore_to, restored=restored,
             restore_detail=detail,
         )
-        path = save_sweep(run, root)
+        path, charts = save_sweep(run, root)
     if sweep.undone:  # loud even when this side then set the caps: the guard failed its job
         host.log_styled(f"{host.name}: sweep FAILED: {sweep.undone}; after setting them from "
                         f"here: {detail}", fg="red", log_func=logger.error)
@@ -652,10 +588,34 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
                         log_func=logger.error)
         return False
     sweep.log(f"restored: {detail}; stored {path}")
-    for workload, cap_w in suggestions(run).items():
-        sweep.log(f"suggested for {workload}: {w(cap_w)} W; to apply: "
-                  f"{apply_command(host.name, cap_w)}")
+    sweep.log("charts: " + (", ".join(map(str, charts)) if isinstance(charts, list) else charts))
+    for line in report_lines(run):
+        sweep.log(line)
     return failure is None
+
+
+def report_lines(run: SweepRun) -> list[str]:
+    """The suggestion per class (with the caps within noise), the diagnosis lines, the
+    resolvable difference and the paste-ready summary rows."""
+    lines = []
+    for workload, suggestion in suggestions(run).items():
+        lines.append(f"suggested for {workload}: {w(suggestion.least_w)} W ({suggestion.text()})"
+                     f"; to apply: {apply_command(run.rig, suggestion.least_w)}")
+        lines += diagnosis(run, workload)
+    if (resolved := resolvable_w(run)) is not None:
+        lines.append(f"this sweep resolves draw differences of ~{resolved:g} W (95 %, the median "
+                     f"of its {run.window_s:g} s windows); a smaller one is noise")
+    return lines + summary_rows(run)
+
+
+def setup_of(rig: Rig, rig_name: str, target: Target, probe) -> Rigs:
+    """The columns that set this sweep beside other rigs' (the hardware notes' anchor rows)."""
+    from rigbook.recipes import recipe_for
+
+    recipe = recipe_for(rig, rig_name)
+    return Rigs(gpu_models=tuple(g.name for g in probe.gpus), cooling=rig.cooling,
+                engine=target.engine, engine_build=recipe.venv, model=recipe.model.repo,
+                driver=probe.driver_version)
 
 
 @operation(is_idempotent=False)
@@ -677,7 +637,8 @@ def sweep_caps(rig: Rig, target: Target, settings: Settings, root: str | None = 
     if not state.is_executing and probe is not None:  # --dry: the caps it would set, per GPU
         for gpu in probe.gpus:
             warn_once(f"sweep GPU {gpu.index} ({gpu.uuid}): cap {w(gpu.power_limit_w)} W -> "
-                      f"{', '.join(w(c) for c in rig.sweep_watts)} W live, then back to "
+                      f"{', '.join(w(c) for c in caps_of(rig, probe.gpus))} W live, then "
+                      "back to "
                       f"{UNIT_NAME}'s cap")
     yield from files.directory._inner(path=SWEEP_DIR, mode="700")
     yield from files.put._inner(src=str(RIG_PROGRAM), dest=f"{SWEEP_DIR}/sweep_rig.py")
@@ -699,7 +660,10 @@ def power_sweep(rig: Rig) -> None:
     except RigbookError as failed:
         refused(name="Check the verify settings", message=str(failed))
         return
-    sweep_caps(name=f"Sweep {', '.join(w(c) for c in rig.sweep_watts)} W on {target.url}",
+    probe = host.get_fact(NvidiaGpus)
+    caps = caps_of(rig, probe.gpus if probe is not None else ())
+    span = f"{w(caps[0])}-{w(caps[-1])} W ({len(caps)} caps)" if caps else "no caps"
+    sweep_caps(name=f"Sweep {span} on {target.url}",
                rig=rig, target=target, settings=settings)
 
 

@@ -40,7 +40,6 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from rigbook import toolcheck
-from rigbook.chart import Canvas, png_bytes
 from rigbook.errors import RigbookError
 from rigbook.types import StrictModel
 
@@ -371,19 +370,26 @@ def read_stream(response: requests.Response, clock: Callable[[], float] = time.m
 
 
 def stream_once(client: Client, prompt: str, tokens: int) -> Sample:
+    started = time.monotonic()
+    return sample_of(started, *stream_events(client, prompt, tokens))
+
+
+def stream_events(client: Client, prompt: str, tokens: int,
+                  clock: Callable[[], float] = time.monotonic,
+                  ) -> tuple[list[tuple[float, str]], int | None]:
+    """One streamed answer of `tokens` tokens: its chunks' arrival times (`clock`) and the
+    engine's usage count (the power sweep reads them on the wall clock)."""
     extra: dict = {"stream": True, "stream_options": {"include_usage": True}}
     # a fixed answer length: min_tokens (vLLM, llama-cpp-python) or ignore_eos (SGLang)
     extra.update({"ignore_eos": True} if client.target.engine == "sglang" else
                  {"min_tokens": tokens})
-    started = time.monotonic()
     with client.chat(prompt, max_tokens=tokens, **extra) as response:
         if response.status_code != 200:
             raise StepFailed("bench", "HTTP 200 and a token stream", _said(response))
         try:
-            events, usage = read_stream(response)
+            return read_stream(response, clock)
         except ValueError as error:
             raise StepFailed("bench", "a stream of tokens", str(error)) from None
-    return sample_of(started, events, usage)
 
 
 def figures(prompt: str, concurrency: int, runs: list[list[Sample]]) -> BenchFigures:
@@ -661,41 +667,6 @@ def compare_table(runs: list[VerifyRun], rig: str | None = None):
         table.add_row(run.rig, run.recipe, run.driver or "none", run.cap_label,
                       run.started.strftime("%Y-%m-%d %H:%M:%S"), ladder, *cells)
     return table
-
-
-# --- a PNG bar chart without plotting libraries ------------------------------------------
-
-COLOURS = {"narrative": (52, 101, 164), "code": (245, 121, 0)}
-
-
-def chart_png(runs: list[VerifyRun], rig: str | None = None) -> bytes:
-    """Bars of single-stream decode tok/s (median; narrative blue, code orange), one group per
-    compared row, labelled rig/recipe and the value."""
-    rows = compare_rows(runs, rig)
-    values = [[(p, _bench(r, p, 1)) for p in ("narrative", "code")] for r in rows]
-    peak = max((b.decode_tps.median for row in values for _, b in row if b), default=1.0) or 1.0
-    bar, gap, top, plot = 28, 36, 34, 220
-    width = max(40 + len(rows) * (2 * bar + gap), 320)
-    height = top + plot + 70
-    canvas = Canvas(width, height)
-    canvas.text(8, 4, "decode tok/s, 1 stream (median)")
-    canvas.rect(20, top + plot, width - 10, top + plot + 1, (0, 0, 0))
-    for i, (run, row) in enumerate(zip(rows, values, strict=True)):
-        x = 30 + i * (2 * bar + gap)
-        for j, (prompt, figures_) in enumerate(row):
-            if figures_ is None:
-                continue
-            h = int(plot * figures_.decode_tps.median / peak)
-            canvas.rect(x + j * bar, top + plot - h, x + (j + 1) * bar - 2, top + plot,
-                        COLOURS[prompt])
-            canvas.text(x + j * bar, top + plot - h - 12, f"{figures_.decode_tps.median:.0f}", 1)
-        canvas.text(x, top + plot + 6, run.rig[: (2 * bar + gap) // 8], 2)
-        canvas.text(x, top + plot + 20, run.recipe[: (2 * bar + gap) // 4], 1)
-        canvas.text(x, top + plot + 30, run.started.strftime("%m-%d %H.%M"), 1)
-    return png_bytes(width, height, canvas.rows)
-
-
-# --- the deploy: one rig at a time, at execution time ------------------------------------------
 
 
 def settings_of(rig) -> Settings:

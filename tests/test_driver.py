@@ -587,7 +587,7 @@ def test_move_driver_installs_the_bump_script_and_runs_it_detached():
         "mkdir -p /opt/rigbook/driver",
         "upload /opt/rigbook/driver/bump.sh",
         "chmod 755 /opt/rigbook/driver/bump.sh",
-        "setsid -w /opt/rigbook/driver/bump.sh 'libnvidia-ml1=580.159.04-*' "
+        "/opt/rigbook/driver/bump.sh --detach 'libnvidia-ml1=580.159.04-*' "
         "'nvidia-kernel-open-dkms=580.159.04-*' 'nvidia-open=580.159.04-*' "
         "'nvidia-persistenced=580.159.04-*' 'nvidia-smi=580.159.04-*'",
     ]
@@ -763,6 +763,18 @@ def test_bump_script_lets_apt_finish_on_a_signal_then_holds(standins):
     run.communicate(timeout=10)
     assert run.returncode == 143 and standins.apt_done.exists()
     assert standins.called()[-1] == "apt-mark hold nvidia-open nvidia-smi libnvidia-ml1"
+
+
+@pytest.mark.skipif(Path("/run/systemd/system").is_dir(), reason="this machine runs systemd")
+def test_without_systemd_detach_runs_the_apt_step_in_a_session_of_its_own(standins):
+    """No unit to run in (no systemd as PID 1): `--detach` is `setsid -w` of the apt step, so
+    the caller gets its status and log, and the hold comes back, as before."""
+    standins.status(nvidia_open="hi", nvidia_smi="hi", libnvidia_ml1="un")
+    run = subprocess.run([str(BUMP), "--detach", *TARGETS], env={**standins.env,
+                         "APT_STATUS": "100"}, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 100, run
+    assert "E: apt-get (stand-in) exits 100" in run.stdout
+    assert standins.called()[-1] == "apt-mark hold nvidia-open nvidia-smi"
 
 
 @pytest.mark.parametrize("spec", [

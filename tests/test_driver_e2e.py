@@ -23,7 +23,14 @@ import time
 
 import pytest
 
-from rigbook.driver import BLACKLIST, BUMP_LOGS, BUMP_SCRIPT, PERSISTENCED_DROPIN, PREFERENCES
+from rigbook.driver import (
+    BLACKLIST,
+    BUMP_LOGS,
+    BUMP_SCRIPT,
+    BUMP_UNIT,
+    PERSISTENCED_DROPIN,
+    PREFERENCES,
+)
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 
 pytestmark = pytest.mark.sandbox
@@ -195,22 +202,31 @@ def wait_until(check, what: str, limit: float = 300):
 
 
 def bump_running(rig: dict) -> bool:
-    # [b]: the pattern does not match the command line of the shell that runs pgrep
-    pattern = BUMP_SCRIPT.replace("bump.sh", "[b]ump.sh")
-    return rig_ssh(rig, f"pgrep -f '{pattern}'", check=False).returncode == 0
+    """The bump's apt step runs: its unit is there and not yet ended (the unit keeps its
+    result after the step, `exited` or `failed`, until a wait reads it)."""
+    state = rig_ssh(rig, f"systemctl show -P SubState {BUMP_UNIT}").stdout.strip()
+    return state not in ("dead", "exited", "failed")
 
 
-def drop_during_dkms_build(rig: dict, client: subprocess.Popen, version: str) -> None:
-    """Kill `client` (what holds the SSH connection) while the stand-in DKMS build sleeps; then
-    the detached bump must end on its own with every package at `version` and held."""
+def drop_during_dkms_build(rig: dict, client: subprocess.Popen, version: str,
+                           login: str | None = None, meanwhile=lambda: None) -> None:
+    """Kill `client` (what holds the SSH connection; first stop `login`, the scope it runs in,
+    as logind does with KillUserProcesses=yes) while the stand-in DKMS build sleeps, and call
+    `meanwhile` while the bump still runs; then the detached bump must end on its own with every
+    package at `version` and held."""
     try:
         wait_until(lambda: rig_ssh(rig, f"test -e {DKMS_BUILDING}", check=False)
                    .returncode == 0, "the DKMS build to start")
         assert bump_running(rig)
+        if login:
+            rig_ssh(rig, f"systemctl stop {login}")  # the logout: every process in it is killed
+            assert rig_ssh(rig, f"systemctl is-active {login}", check=False).stdout.strip() != (
+                "active")
     finally:
         client.kill()
         client.wait()
-    assert bump_running(rig)  # the bump outlives its connection
+    assert bump_running(rig)  # the bump outlives its connection and its login
+    meanwhile()
     wait_until(lambda: not bump_running(rig), "the detached bump to end", limit=120)
     assert holds(rig) >= set(PACKAGES)
     assert versions(rig) == {name: f"{version}-1" for name in PACKAGES}  # apt ran to its end
@@ -219,9 +235,14 @@ def drop_during_dkms_build(rig: dict, client: subprocess.Popen, version: str) ->
     assert f"Setting up nvidia-kernel-open-dkms ({version}-1)" in log, log
 
 
+#: The transient scope that stands in for an SSH login's session scope.
+LOGIN = "rigbook-test-login.scope"
+
+
 def test_bump_keeps_the_hold_when_apt_fails_or_the_connection_drops(sandbox):
-    """The bump's apt step runs on the rig as bump.sh under setsid: a failed DKMS build and a
-    dropped SSH connection, with or without a terminal, all end with every driver package held.
+    """The bump's apt step runs on the rig as bump.sh in a unit of its own: a failed DKMS build,
+    a dropped SSH connection, with or without a terminal, and the end of the login (its scope
+    stopped) all end with every driver package held; a bump while one runs is refused.
 
     Seen here with the bump as one SSH command (before bump.sh): pyinfra's connection (no
     terminal) dropping midway left apt running and the hold came back; a session with a
@@ -249,25 +270,38 @@ def test_bump_keeps_the_hold_when_apt_fails_or_the_connection_drops(sandbox):
         assert all(state.startswith("h") for state in states.values()), states
 
         # 2. With the cause gone, the same bump again finishes the move; its connection drops
-        #    (pyinfra killed) while the now slow DKMS build runs: the bump ends on the rig.
-        rig_ssh(rig1, f"rm {DKMS_FAILS} && echo 15 > {DKMS_SECONDS}")
-        pyinfra = subprocess.Popen(
-            [PYINFRA, "-y", SANDBOX_INVENTORY, BUMP, "--limit", "rig1",
-             "--data", f"driver_version={NEW}", "--data", "allow_reboot=false"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        drop_during_dkms_build(rig1, pyinfra, NEW)
+        #    (pyinfra killed) while the now slow DKMS build runs: the bump ends on the rig. The
+        #    bump run again meanwhile is refused before it plans on the moving packages.
+        rig_ssh(rig1, f"rm {DKMS_FAILS} && echo 30 > {DKMS_SECONDS}")
+        bump_new = (SANDBOX_INVENTORY, BUMP, "--limit", "rig1",
+                    "--data", f"driver_version={NEW}", "--data", "allow_reboot=false")
+        pyinfra = subprocess.Popen([PYINFRA, "-y", *bump_new], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def refused_while_it_runs():
+            busy = run_pyinfra(*bump_new)
+            assert busy.returncode != 0, busy.explain()
+            assert "package work under way" in busy.stderr, busy.explain()
+            assert ('operation "NVIDIA driver bump | Driver bump: no package work under way" '
+                    "failed") in busy.stderr, busy.explain()
+            assert bump_running(rig1)  # still running: the refusal came while it did
+
+        drop_during_dkms_build(rig1, pyinfra, NEW, meanwhile=refused_while_it_runs)
 
         # 3. The command the bump runs (tests/test_driver.py checks its text), in a session with
-        #    a terminal that hangs up midway: the bump is in a session of its own and goes on.
+        #    a terminal, inside a scope that stands in for the SSH login's session scope (the
+        #    rigs' logins are no logind sessions: no pam_systemd). Midway the scope is stopped,
+        #    as logind stops it when the login ends where KillUserProcesses=yes, and the
+        #    terminal hangs up: the apt step runs in its own unit and goes on.
         specs = " ".join(f"'{name}={OLD}-*'" for name in PACKAGES)
         terminal = subprocess.Popen(
             ["ssh", "-tt", "-i", rig1["ssh_key"], "-o", "StrictHostKeyChecking=no",
              "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "BatchMode=yes",
-             f"root@{rig1['address']}", f"setsid -w {BUMP_SCRIPT} {specs}"],
+             f"root@{rig1['address']}",
+             f"systemd-run --scope --quiet --unit={LOGIN} -- {BUMP_SCRIPT} --detach {specs}"],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        drop_during_dkms_build(rig1, terminal, OLD)
+        drop_during_dkms_build(rig1, terminal, OLD, login=LOGIN)
         rig_ssh(rig1, f"rm {DKMS_SECONDS}")
 
         # The rig never rebooted since the converge: the old module still runs, and the old
@@ -285,7 +319,8 @@ def test_bump_keeps_the_hold_when_apt_fails_or_the_connection_drops(sandbox):
         again = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", "rig1")
         assert again.returncode == 0 and again.changed() == {}, again.explain()
     finally:
-        rig_ssh(rig1, f"rm -f {DKMS_FAILS} {DKMS_SECONDS}", check=False)
+        rig_ssh(rig1, f"rm -f {DKMS_FAILS} {DKMS_SECONDS}; systemctl stop {LOGIN} {BUMP_UNIT}; "
+                      f"systemctl reset-failed {BUMP_UNIT}", check=False)
 
 
 KEYRING_DIR = "/run/rigbook-test-keyring"

@@ -1302,3 +1302,34 @@ def test_the_topology_check_reads_with_the_preflight_and_warns_as_the_report_doe
     assert finding.reason == topology_warnings(rig(nvlink=False), NV_TOPO, probe.gpus)[0]
     assert guards.TOPOLOGY.run(rig(nvlink=True), facts, "rig1") == []
     assert guards.TOPOLOGY.run(rig(nvlink=False), Facts(probe=probe), "rig1") == []
+
+
+def test_prepare_makes_the_quarantine_sets_a_stray_aside_and_reaps_nothing(shm, tmp_path):
+    """What the install runs instead of `systemd-tmpfiles --create`, which makes another user's
+    folder of that name root's 0700 with its contents (seen with systemd 252): the stray is
+    renamed aside unread, the quarantine made empty, and nothing is reaped."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    path = leak(shm, size=4096)
+    aside = shm / reaper.QUARANTINE
+    aside.mkdir()
+    aside.chmod(0o777)
+    (aside / "vllm_offload_planted.mmap").write_bytes(b"planted")
+    os.chown(aside, 65534, 65534)
+    before = os.lstat(aside).st_ino
+    done = subprocess.run([sys.executable, str(REAPER), "--dir", str(shm), "--prepare"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done
+    assert done.stderr.startswith(f"set aside {aside} ("), done
+    assert "but a folder of uid 65534, mode 0777 (made by someone else" in done.stderr, done
+    assert done.stdout == ""
+    (stray,) = [name for name in os.listdir(shm) if name.startswith(".rigbook-quarantine.")]
+    assert os.lstat(shm / stray).st_ino == before and os.lstat(shm / stray).st_uid == 65534
+    st = os.lstat(aside)
+    assert (stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+            and st.st_uid == 0 and os.listdir(aside) == [])
+    assert path.exists()  # nothing reaped
+    again = subprocess.run([sys.executable, str(REAPER), "--dir", str(shm), "--prepare"],
+                           capture_output=True, text=True)
+    assert (again.returncode, again.stdout, again.stderr) == (0, f"{aside} is ready\n", "")
+    assert os.lstat(aside).st_ino == st.st_ino  # kept, not made again

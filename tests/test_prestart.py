@@ -1,6 +1,7 @@
 """The serving unit's pre-start checks cannot be switched off by the engine's user (issue 29, 2).
 
-The cap check (roles/cap_check.py) and the GPU-lost check (rigbook-xid-watch --check) run before
+The cap check (roles/cap_check.py), the venv check (roles/venv_check.py) and the GPU-lost check
+(rigbook-xid-watch --check) run before
 every start of rigbook-serve.service. The engine's user writes its home (the unit's HOME and
 WorkingDirectory) and a recipe sets the unit's environment: a `.pth` file in that user's site
 folder, or a PYTHONPATH with a sitecustomize.py, runs before either check and can make it exit 0.
@@ -24,8 +25,16 @@ from rigbook.envvars import LOADER_ENV
 from rigbook.errors import RigbookError
 from rigbook.guards import GPU_LOST_HEADLINE, WATCH, XID_SOURCE
 from rigbook.recipes import Recipe, load_recipe
-from rigbook.serving import CAP_CHECK_PATH, CAP_CHECK_SOURCE, SERVE_USER, render_unit, serve_plan
-from rigbook.venvs import BASE_PATH
+from rigbook.serving import (
+    CAP_CHECK_PATH,
+    CAP_CHECK_SOURCE,
+    SERVE_USER,
+    VENV_CHECK_PATH,
+    VENV_CHECK_SOURCE,
+    render_unit,
+    serve_plan,
+)
+from rigbook.venvs import BASE_PATH, MANIFEST, venv_link
 from tests.test_recipes import _toml, recipe_data
 from tests.test_serving import SMI, dual_rig
 
@@ -52,15 +61,24 @@ def python_checks(unit: str) -> list[tuple[str, list[str]]]:
 @pytest.fixture
 def rig(tmp_path: Path) -> dict[str, str]:
     """The rig's paths the checks read, as test copies: the programs as installed (the watch
-    with its xid.py beside it), no power unit, and a GPU-lost mark."""
+    with its xid.py beside it), no power unit, a GPU-lost mark, and a venv built for another
+    driver than the one a stand-in nvidia-smi reports."""
     serving, guards, run = tmp_path / "serving", tmp_path / "guards", tmp_path / "run"
-    for folder in (serving, guards, run):
+    venv = tmp_path / "venv"
+    for folder in (serving, guards, run, venv):
         folder.mkdir()
     shutil.copy(CAP_CHECK_SOURCE, serving / "cap_check.py")
+    shutil.copy(VENV_CHECK_SOURCE, serving / "venv_check.py")
+    (venv / MANIFEST).write_text('{"driver": "580.95.05"}\n')
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 580.159.04\n")
+    smi.chmod(0o755)
     shutil.copy(FILES / "guards" / "rigbook-xid-watch", guards)
     shutil.copy(XID_SOURCE, guards / "xid.py")
     (run / "gpu-lost").write_text(f"{GPU_LOST_HEADLINE}\n")
     return {CAP_CHECK_PATH: str(serving / "cap_check.py"),
+            VENV_CHECK_PATH: str(serving / "venv_check.py"),
+            venv_link("vllm-0.33"): str(venv), SMI: str(smi),
             power.UNIT_PATH: str(tmp_path / "nvidia-power-limit.service"),
             WATCH: str(guards / "rigbook-xid-watch"), "mark": str(run / "gpu-lost")}
 
@@ -98,13 +116,13 @@ def checks() -> list[tuple[str, list[str]]]:
     unit = render_unit(serve_plan(dual_rig(), "rig1"), SMI)
     dropin = (FILES / "guards" / "rigbook-serve-guards.conf").read_text()
     found = python_checks(unit) + python_checks(dropin)
-    assert [argv[program(argv)] for _, argv in found] == [CAP_CHECK_PATH, WATCH]
+    assert [argv[program(argv)] for _, argv in found] == [CAP_CHECK_PATH, VENV_CHECK_PATH, WATCH]
     return found
 
 
 @pytest.mark.skipif(not Path(PYTHON).is_file(), reason=f"no {PYTHON}")
 @pytest.mark.parametrize("plant", ["pth", "pythonpath"])
-@pytest.mark.parametrize("which", [0, 1], ids=["cap-check", "gpu-lost-check"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["cap-check", "venv-check", "gpu-lost-check"])
 def test_a_planted_pth_or_pythonpath_does_not_switch_off_a_pre_start_check(
         tmp_path, rig, plant, which):
     prefix, argv = checks()[which]
@@ -112,7 +130,7 @@ def test_a_planted_pth_or_pythonpath_does_not_switch_off_a_pre_start_check(
     # capability: CapabilityBoundingSet= is empty).
     assert prefix == "!", prefix
     argv = [rig.get(word, word) for word in argv]
-    if which == 1:
+    if which == 2:
         argv += ["--mark", rig["mark"]]  # the watch's own default is /run/rigbook/gpu-lost
     env, home = planted(tmp_path, plant)
     script = program(argv)
@@ -126,6 +144,10 @@ def test_a_planted_pth_or_pythonpath_does_not_switch_off_a_pre_start_check(
     assert now.returncode == 1, (now.stdout, now.stderr)
     if which == 0:
         assert now.stdout.startswith("rigbook: not starting the engine uncapped: cannot read")
+    elif which == 1:
+        assert now.stderr.endswith("was built for driver 580.95.05, driver 580.159.04 runs: not "
+                                   "starting the engine on it; rebuild it: pyinfra INVENTORY "
+                                   "deploys/venvs.py\n"), now.stderr
     else:
         assert f"{rig['mark']}: {GPU_LOST_HEADLINE}" in now.stderr
 

@@ -25,12 +25,15 @@ from rigbook.serving import (
     ENV_PATH,
     HEALTH_PATH,
     HEALTH_SOURCE,
+    HOLD_PATH,
     KEY_PATH,
     PROBE_SOURCE,
     SUPERVISE_CONF,
     SUPERVISE_PATH,
     UNIT_NAME,
     UNIT_PATH,
+    VENV_CHECK_PATH,
+    VENV_CHECK_SOURCE,
     ServeProbe,
     ServeState,
     _await_health,
@@ -176,7 +179,9 @@ def test_cpu_recipes_have_no_gpu_check_and_a_key_file_when_bound_wider(tmp_path:
     _write(key, "s3cret-key\n")
     plan = serve_plan(cpu_rig(serving_bind="0.0.0.0", serving_api_key_file=str(key)), "rig1")
     unit = render_unit(plan, SMI)
-    assert "ExecStartPre" not in unit and f"EnvironmentFile={KEY_PATH}" in unit
+    pre = [line for line in unit.splitlines() if line.startswith("ExecStartPre=")]
+    assert [line.split()[7] for line in pre] == [VENV_CHECK_PATH]  # the hold only: no GPU check
+    assert SMI not in "".join(pre) and f"EnvironmentFile={KEY_PATH}" in unit
     assert "s3cret" not in unit and "s3cret" not in render_env(plan, None)
     assert "s3cret" not in " ".join(plan.argv) and repr(plan.key) == "Secret('***')"
     assert plan.key.data == b"API_KEY=s3cret-key\n"
@@ -445,7 +450,8 @@ def test_the_probe_runs_on_a_real_host_and_parses():
     probe = local_fact(ServeProbe, args=probe_args(plan))
     assert probe.mem_total_kib > probe.mem_available_kib > 0
     assert set(probe.files) == {UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH,
-                                POWER_UNIT, SUPERVISE_PATH, SUPERVISE_CONF}
+                                VENV_CHECK_PATH, POWER_UNIT, SUPERVISE_PATH, SUPERVISE_CONF,
+                                HOLD_PATH}
     assert not probe.running and probe.unit_pids == ()
     assert not any("PROBE" in cmd or "hashlib" in cmd for _, cmd in probe.engines)
     assert "llama_cpp.server" not in PROBE_SOURCE.read_text()  # it never matches itself
@@ -474,7 +480,8 @@ def deployed(plan, launcher=LAUNCHER) -> dict:
         UNIT_PATH: sha256(render_unit(plan, SMI)), ENV_PATH: sha256(render_env(plan, launcher)),
         KEY_PATH: plan.key.sha256 if plan.key else None,
         HEALTH_PATH: sha256(HEALTH_SOURCE.read_bytes()),
-        CAP_CHECK_PATH: sha256(CAP_CHECK_SOURCE.read_bytes()), POWER_UNIT: "0" * 64,
+        CAP_CHECK_PATH: sha256(CAP_CHECK_SOURCE.read_bytes()),
+        VENV_CHECK_PATH: sha256(VENV_CHECK_SOURCE.read_bytes()), POWER_UNIT: "0" * 64,
     }
 
 

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import time
-import zlib
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from rigbook import cli
-from rigbook.chart import PALETTE, Panel, Series, line_chart
 from rigbook.checks import Facts
 from rigbook.errors import RigbookError
 from rigbook.gpus import GpuProbe
@@ -27,19 +25,32 @@ from rigbook.sweep import (
     MAX_CAPS,
     NO_UNIT_HERE,
     RIG_PROGRAM,
-    Power,
-    SweepPoint,
-    SweepRun,
-    WorkloadResult,
     apply_command,
+    default_caps,
     lease_command,
-    load_sweeps,
     parse_watts,
-    power_of,
-    save_sweep,
-    suggestions,
+    report_lines,
     sweep_findings,
 )
+from rigbook.sweepresult import (
+    Evidence,
+    Interval,
+    Rigs,
+    Sample,
+    SweepPoint,
+    SweepRun,
+    Window,
+    decode_window,
+    diagnosis,
+    evidence,
+    load_sweeps,
+    prefill_window,
+    samples_of,
+    save_sweep,
+    suggestions,
+    summary_rows,
+)
+from rigbook.sweepstats import Estimate
 from tests.test_power import DUAL, SMI, UUID0, UUID1, rtx3090
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,13 +130,30 @@ def findings(sweep_watts, gpus=DUAL, unit=UNIT, systemd=True, **data) -> list[st
     return [f.message("rig1") for f in sweep_findings(rig, facts, "rig1")]
 
 
-def test_caps_inside_every_range_pass():
-    assert findings("250:350:50") == []
+def test_caps_inside_every_range_pass_and_a_step_over_20_w_is_warned_about():
+    assert findings("250:350:10") == []
+    assert findings("250:350:50") == [
+        "rig1: sweep_watts: steps over 20 W (250-300, 300-350 W): too coarse to pin down the "
+        "efficiency knee (the hardware notes sweep at 10 W); leave sweep_watts out to sweep the "
+        "cards' whole range at 10 W"]
+
+
+def test_no_caps_asked_sweeps_every_cards_whole_range_at_10_w():
+    assert default_caps(DUAL) == tuple(float(c) for c in range(100, 401, 10))  # 3090: 100-400 W
+    assert findings(None) == []
+    # two cards: only what both allow; a range over 64 caps at 10 W takes a wider step
+    wide = (replace(rtx3090(0, UUID0), min_limit_w=150.0),
+            replace(rtx3090(1, UUID1), max_limit_w=390.0))
+    assert default_caps(wide) == tuple(float(c) for c in range(150, 391, 10))
+    huge = (replace(rtx3090(0, UUID0), max_limit_w=1000.0),)
+    caps = default_caps(huge)
+    assert len(caps) <= MAX_CAPS and caps[0] == 100 and caps[-1] == 1000 and caps[1] - caps[0] == 20
+    assert default_caps((replace(rtx3090(0, UUID0), min_limit_w=None),)) == ()
 
 
 def test_caps_outside_a_card_range_are_refused_all_at_once():
     found = findings("50,250,450")
-    assert found == [
+    assert found[1:] == [
         f"rig1: sweep_watts: GPU 0 ({UUID0}) asks 50, 450 W; allowed: the card's range 100-400 W",
         f"rig1: sweep_watts: GPU 1 ({UUID1}) asks 50, 450 W; allowed: the card's range 100-400 W",
     ]
@@ -159,108 +187,194 @@ def test_persistence_off_count_wsl2_and_nothing_asked_are_refused():
     off = (rtx3090(0, UUID0, persistence=False), rtx3090(1, UUID1))
     assert "persistence mode is Disabled" in findings("300", gpus=off)[0]
     assert "declared 2, nvidia-smi lists 1" in findings("300", gpus=DUAL[:1])[0]
-    assert "no caps to sweep" in findings(None)[0]
     wsl = findings("300", platform="wsl2", gpu_count=1)
     assert wsl and "WSL2: the Windows driver owns the caps" in wsl[0]
 
 
-# --- the draw ------------------------------------------------------------------------------------
+# --- a window's evidence and intervals ----------------------------------------------------------
 
 
-def test_power_of_a_window_mean_p95_and_energy():
-    samples = [[t, {UUID0: [100.0 + t, None], UUID1: [100.0, None]}] for t in range(0, 21)]
-    power = power_of(samples, 5.0, 15.0)  # samples 5..15: totals 205..215
-    assert (power.samples, power.mean_w, power.p95_w) == (11, 210.0, 215.0)
-    assert (power.energy_j, power.energy_source) == (2100.0, "mean-draw")
-    counted = [[t, {UUID0: [300.0, 1000.0 * 300 * t]}] for t in range(0, 11)]
-    by_counter = power_of(counted, 2.0, 8.0)
+def reading(w: float, mj=None, t=60, u=90, sm=1695, why=()) -> dict:
+    return {"w": w, "mj": mj, "t": t, "u": u, "sm": sm, "why": list(why)}
+
+
+def test_evidence_of_a_window_mean_median_p95_energy_and_the_cards_state():
+    samples = [Sample(t * 0.5, {UUID0: reading(100.0 + t, t=60 + t), UUID1: reading(100.0)})
+               for t in range(0, 41)]
+    e = evidence(samples, 5.0, 15.0, cap_w=110)  # samples 10..30: totals 210..230
+    assert (e.samples, e.mean_w, e.median_w, e.p95_w) == (21, 220.0, 220.0, 229.0)
+    assert (e.energy_j, e.energy_source, e.seconds, e.interval_s) == (2200.0, "mean-draw", 10, 0.5)
+    assert (e.temp_c_max, e.util_pct_mean, e.sm_mhz_mean) == (90, 90, 1695)
+    assert e.cap_bound is True  # 220 W of 2 x 110 W
+    assert e.resolvable_w is not None and e.other_processes == ()
+    counted = [Sample(t, {UUID0: reading(300.0, mj=1000.0 * 300 * t, why=["sw_power_cap"])},
+                      [[4242, "python3"]] if t == 4 else None) for t in range(0, 11)]
+    by_counter = evidence(counted, 2.0, 8.0, cap_w=400)
     assert by_counter.energy_source == "counter" and by_counter.energy_j == pytest.approx(1800)
+    assert by_counter.cap_bound is True and by_counter.clock_reasons == ("sw_power_cap",)
+    assert by_counter.other_processes == ("4242 python3",)
+    loose = evidence([Sample(0, {UUID0: reading(200.0)}), Sample(1, {UUID0: reading(201.0)})],
+                     0, 1, cap_w=300)
+    assert loose.cap_bound is False
 
 
-def test_a_workload_shorter_than_a_sample_takes_the_nearest_one():
-    samples = [[0.0, {UUID0: [50.0, None]}], [1.0, {UUID0: [250.0, None]}]]
-    assert power_of(samples, 0.9, 0.95).mean_w == 250.0
+def test_a_window_without_a_sample_takes_the_nearest_and_says_so():
+    samples = [Sample(0.0, {UUID0: reading(50.0)}), Sample(1.0, {UUID0: reading(250.0)})]
+    e = evidence(samples, 0.9, 0.95, cap_w=300)
+    assert (e.mean_w, e.samples) == (250.0, 0)
     with pytest.raises(ValueError, match="no sample"):
-        power_of([[0.0, {"error": "nvidia-smi failed"}]], 0, 1)
+        evidence([], 0, 1, 300)
+    # the meter's lines: header and failed reads dropped
+    assert samples_of([{"source": "nvidia-smi"}, [0.0, {"error": "failed"}, None],
+                       [0.5, {UUID0: reading(1.0)}, None]]) == [Sample(0.5, {UUID0: reading(1.0)})]
 
 
-# --- results, suggestions, the chart -------------------------------------------------------------
+def test_decode_window_bins_tokens_from_the_first_token_with_intervals():
+    """20 tok/s for 10 s at a steady 250 W: tok/s 20, tok/s per W 0.08, tokens before the first
+    token or after the window left out."""
+    begin = 100.0
+    tokens = [(begin + i / 20, 1.0) for i in range(0, 260)]  # runs 3 s past the window
+    samples = [Sample(begin + i * 0.25, {UUID0: reading(250.0 + (i % 2))}) for i in range(-4, 48)]
+    win = decode_window("decode-single", "narrative", 1, 3, tokens, begin, 10.0, samples, 300)
+    assert win.tokens == 200 and win.tps.mean == pytest.approx(20)
+    assert win.tps_per_w.mean == pytest.approx(20 / 250.5, rel=1e-3)
+    assert win.tps_per_w.low <= win.tps_per_w.mean <= win.tps_per_w.high
+    assert win.evidence.seconds == 10 and win.evidence.samples == 41
 
 
-def result(workload, tps, mean_w, tokens=100) -> WorkloadResult:
-    return WorkloadResult(workload=workload, concurrency=1, tokens=tokens, tps=tps,
-                          power=Power(samples=5, seconds=1, mean_w=mean_w, p95_w=mean_w + 5,
-                                      energy_j=mean_w, energy_source="mean-draw"))
+def test_prefill_window_keeps_each_cold_runs_salt():
+    samples = [Sample(t / 4, {UUID0: reading(300.0)}) for t in range(0, 40)]
+    runs = [("a1", 4000, 0.0, 2.0), ("b2", 4000, 3.0, 5.0), ("c3", 4000, 6.0, 8.1)]
+    win = prefill_window(runs, samples, 350, "frozen-long")
+    assert win.salts == ("a1", "b2", "c3") and win.tokens == 12000
+    assert win.tps.low < win.tps.mean == pytest.approx((2000 + 2000 + 4000 / 2.1) / 3)
+    assert win.evidence.seconds == pytest.approx(8.1)
 
 
-def sample_run(**more) -> SweepRun:
+# --- results, suggestions, diagnosis -------------------------------------------------------------
+
+
+def window(workload, prompt, tps, per_w, half, mean_w, bound=True, others=()) -> Window:
+    e = Evidence(seconds=10, samples=40, interval_s=0.25, mean_w=mean_w, median_w=mean_w,
+                 p95_w=mean_w + 5, energy_j=mean_w * 10, energy_source="mean-draw", temp_c_max=60,
+                 util_pct_mean=95, sm_mhz_mean=1695, clock_reasons=(), cap_bound=bound,
+                 resolvable_w=8.0, other_processes=others)
+    return Window(workload=workload, prompt=prompt, concurrency=1, requests=3, tokens=tps * 10,
+                  tps=Interval(mean=tps, low=tps - 1, high=tps + 1, n_eff=20, tau_s=0.5),
+                  tps_per_w=Interval(mean=per_w, low=per_w - half, high=per_w + half, n_eff=20,
+                                     tau_s=0.5), evidence=e)
+
+
+#: cap: (tok/s, tok/s per W, half width, draw, binds): 290 and 300 W within noise of each other
+FIGURES = {250: (27.0, 0.108, 0.001, 250, True), 290: (32.2, 0.111, 0.001, 290, True),
+           300: (33.0, 0.1105, 0.001, 298.6, True), 340: (34.0, 0.100, 0.001, 334, False),
+           350: (34.1, 0.0975, 0.001, 334.5, False), 360: (34.2, 0.095, 0.001, 334, False)}
+
+
+def sample_run(others_at=None, **more) -> SweepRun:
     points = tuple(
-        SweepPoint(cap_w=cap, live_caps_w={UUID0: cap}, meter="nvidia-smi", workloads=(
-            result("decode x1", tps, cap), result("prefill", 1000 + cap, cap)))
-        for cap, tps in ((250, 30.0), (290, 36.0), (330, 38.0))
-    )
+        SweepPoint(cap_w=cap, live_caps_w={UUID0: cap}, meter="nvidia-smi", windows=(
+            window("decode-single", "narrative", tps, per_w, half, draw, bound,
+                   ("77 python3",) if cap == others_at else ()),
+            window("decode-single", "code", tps - 0.1, per_w, half, draw, bound),
+            window("prefill-heavy", "frozen-long", 900 + cap, 3.6 - cap / 1000, 0.01, cap)))
+        for cap, (tps, per_w, half, draw, bound) in FIGURES.items())
     return SweepRun(**{
-        "rig": "rig1", "recipe": "tiny-cpu-a", "engine": "llama.cpp", "url": "http://x:8100",
-        "driver": "580.95.05", "caps_asked_w": (250, 290, 330),
+        "rig": "rig1", "recipe": "tiny-cpu-a", "url": "http://x:8100",
+        "setup": Rigs(gpu_models=("NVIDIA GeForce RTX 3090",), cooling="air", engine="llama.cpp",
+                      engine_build="llama-cpp", model="org/tiny", driver="580.95.05"),
+        "caps_asked_w": tuple(FIGURES), "window_s": 10, "prefill_tokens": 40000,
         "started": datetime(2026, 12, 1, 12, 0, tzinfo=UTC), "seconds": 9.0, "points": points,
         "unit_caps_w": {UUID0: 290.0}, "restored": True, "restore_detail": "as the unit says",
         **more})
 
 
-def test_suggestions_are_the_most_tokens_per_watt_and_the_command_applies_one():
-    run = sample_run()
-    assert suggestions(run) == {"decode x1": 290.0, "prefill": 250.0}
-    assert run.points[0].workloads[0].j_per_token == 2.5
+def test_the_suggestion_names_the_best_cap_and_those_within_noise():
+    found = suggestions(sample_run())
+    decode = found["decode-single"]
+    assert (decode.best_w, decode.within_w, decode.least_w) == (290, (290, 300), 290)
+    assert decode.text() == "290, 300 W are within noise of the best (290 W); 290 W draws least"
+    assert found["prefill-heavy"].best_w == 250
     assert apply_command("rig1", 290.0) == (
         "pyinfra INVENTORY deploys/power_cap.py --limit rig1 --data power_cap_watts=290")
+    # a point with other GPU load is left out of the suggestion, and the text says so
+    loaded = suggestions(sample_run(others_at=290))["decode-single"]
+    assert loaded.best_w == 300 and "left out, other GPU load: 290 W" in loaded.text()
 
 
-def png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    """(type, body) of each chunk, every CRC checked."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, at = [], 8
-    while at < len(data):
-        (length,) = struct.unpack(">I", data[at:at + 4])
-        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + length]
-        (crc,) = struct.unpack(">I", data[at + 8 + length:at + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks.append((kind, body))
-        at += 12 + length
-    return chunks
+def test_a_plateau_of_caps_that_do_not_bind_is_diagnosed():
+    lines = diagnosis(sample_run(), "decode-single")
+    assert lines == ["decode-single: caps 340-360 W all draw ~334 W: a plateau, memory-bandwidth-"
+                     "bound decode: try prefill-heavy or more streams to see whether compute can "
+                     "use the headroom"]
+    assert diagnosis(sample_run(), "prefill-heavy") == []
 
 
-def test_the_line_chart_is_a_valid_png():
-    data = line_chart("rig1", [250, 290, 330], [
-        Panel("tok/s", (Series("decode x1", PALETTE[0], (30, None, 38)),)),
-        Panel("tok/s per w", (Series("decode x1", PALETTE[0], (0.12, 0.1, 0.11)),))])
-    chunks = png_chunks(data)
-    assert [kind for kind, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
-    width, height, depth, colour = struct.unpack(">IIBB", chunks[0][1][:10])
-    assert (depth, colour) == (8, 2)
-    raw = zlib.decompress(chunks[1][1])
-    assert len(raw) == height * (1 + 3 * width)
-    assert set(raw[:: 1 + 3 * width]) == {0}  # every row: filter 0
-    assert any(raw[i:i + 3] == bytes(PALETTE[0]) for i in range(0, len(raw) - 3))
-    with pytest.raises(ValueError):
-        line_chart("empty", [], [])
+def test_a_lone_cap_that_does_not_bind_and_the_plateaus_causes():
+    run = sample_run()
+    lone = run.model_copy(update={"points": run.points[:4]})  # only 340 W stays below its cap
+    assert diagnosis(lone, "decode-single") == [
+        "decode-single: the 340 W cap does not bind (drew 334.0 W)"]
+
+    def plateau(**evidence) -> list[str]:
+        points = tuple(p.model_copy(update={"windows": tuple(
+            w.model_copy(update={"evidence": w.evidence.model_copy(update=evidence)})
+            if not w.evidence.cap_bound else w for w in p.windows)}) for p in run.points)
+        return diagnosis(run.model_copy(update={"points": points}), "decode-single")
+    assert "a plateau, thermal: the cards reached 83 C" in plateau(temp_c_max=83)[0]
+    assert "a plateau, workload too small: utilisation 20 %" in plateau(util_pct_mean=20)[0]
+    lines = report_lines(run)
+    assert any(line.startswith("this sweep resolves draw differences of ~8 W") for line in lines)
+
+
+def test_the_summary_rows_are_the_notes_format():
+    rows = summary_rows(sample_run())
+    assert rows[0] == ("| GPU | Cooling | Engine | Model | Cap | Narr TPS | Code TPS | TPS/W | "
+                       "Source |")
+    assert rows[2] == ("| NVIDIA GeForce RTX 3090 | air | llama.cpp decode-single (llama-cpp) | "
+                       "org/tiny | 290W ⭐ | 32.20 | 32.10 | 0.111 | sweep of rig1 by rigbook, "
+                       "2026-12-01, 6 caps |")
+    assert rows[3].split(" | ")[4:8] == ["360W", "34.20", "34.10", "0.095"]
+    assert any("(n/a)" in row and "prefill-heavy" in row for row in rows)
 
 
 def test_stored_sweeps_and_the_bench_sweep_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RIGBOOK_VERIFY_DIR", str(tmp_path))
-    path = save_sweep(sample_run())
+    path, charts = save_sweep(sample_run())
     assert path == tmp_path / "rig1" / "tiny-cpu-a" / "sweeps" / "20261201T120000.000000Z.json"
-    assert path.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert [c.name for c in charts] == ["20261201T120000.000000Z-decode-single.png",
+                                        "20261201T120000.000000Z-prefill-heavy.png"]
+    assert all(c.read_bytes().startswith(b"\x89PNG") for c in charts)
     assert [run.rig for _, run in load_sweeps()] == ["rig1"]
     assert cli.main(["bench", "sweep", "--png-dir", str(tmp_path / "charts")]) == 0
     out = capsys.readouterr().out
-    assert "<- suggested" in out and "decode x1" in out
-    assert ("suggested cap for decode x1: 290 W; to apply it: pyinfra INVENTORY "
-            "deploys/power_cap.py --limit rig1 --data power_cap_watts=290") in out
-    png_chunks((tmp_path / "charts" / "20261201T120000.000000Z.png").read_bytes())
+    assert "<- best" in out and "within noise" in out
+    assert ("suggested for decode-single: 290 W (290, 300 W are within noise of the best (290 W);"
+            " 290 W draws least); to apply: pyinfra INVENTORY deploys/power_cap.py --limit rig1 "
+            "--data power_cap_watts=290") in out
+    assert "| NVIDIA GeForce RTX 3090 | air |" in out
+    assert (tmp_path / "charts" / "20261201T120000.000000Z-decode-single.png").exists()
     assert cli.main(["bench", "sweep", "--rig", "nope"]) == 3
     path.write_text("{}")
     assert cli.main(["bench", "sweep"]) == 3
     assert "not a sweep result" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_sweep_stores_json_and_says_how_to_get_charts(
+        tmp_path, monkeypatch):
+    from rigbook import charts
+
+    monkeypatch.setattr(charts, "_pyplot", lambda: None)
+    path, said = save_sweep(sample_run(), tmp_path)
+    assert path.exists() and said == charts.MISSING and "rigbook[charts]" in said
+    assert not list(path.parent.glob("*.png"))
+    assert report_lines(sample_run())[0].startswith("suggested for decode-single: 290 W")
+
+
+def test_an_estimate_round_trips_through_the_stored_interval():
+    e = Interval(mean=1.0, low=0.8, high=1.2, n_eff=16, tau_s=1).estimate()
+    assert isinstance(e, Estimate) and e.half_width == pytest.approx(0.2)
+    assert e.se == pytest.approx(0.2 / 1.96)
 
 
 # --- the rig side: guard and meter, against a stand-in nvidia-smi --------------------------------
@@ -279,7 +393,9 @@ def rigside(tmp_path):
     log = tmp_path / "smi.log"
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n"
-                   f"echo '{UUID0}, 123.45'\necho '{UUID1}, 99.00'\n")
+                   'case "$*" in *compute-apps*) echo 4242; exit 0;; esac\n'
+                   f"echo '{UUID0}, 123.45, 61, 97, 1695, 0x0000000000000004'\n"
+                   f"echo '{UUID1}, 99.00, 58, [N/A], 1500, 0x0000000000000000'\n")
     smi.chmod(0o755)
     unit = tmp_path / "unit.service"
     unit.write_text(f"[Service]\nExecStart=-{smi} -i {UUID0} -pl 290\n"
@@ -336,10 +452,14 @@ def test_the_meter_samples_each_card_until_stopped(rigside):
                   "0.05", "--smi", str(smi))
     time.sleep(0.6)
     (folder / "cap-290.stop").touch()
-    assert meter.wait(timeout=10) == 0
-    metered = json.loads((folder / "cap-290.json").read_text())
-    assert metered["source"] == "nvidia-smi" and len(metered["samples"]) >= 3
-    assert metered["samples"][0][1] == {UUID0: [123.45, None], UUID1: [99.0, None]}
+    assert meter.wait(timeout=10) == 0 and (folder / "cap-290.done").exists()
+    lines = [json.loads(line) for line in (folder / "cap-290.jsonl").read_text().splitlines()]
+    assert lines[0] == {"source": "nvidia-smi", "interval": 0.05} and len(lines) >= 4
+    assert lines[1][1] == {
+        UUID0: {"w": 123.45, "mj": None, "t": 61, "u": 97, "sm": 1695, "why": ["sw_power_cap"]},
+        UUID1: {"w": 99.0, "mj": None, "t": 58, "u": None, "sm": 1500, "why": []}}
+    assert lines[1][2] == [[4242, "(not visible here)"]]  # seen by the card, not in /proc
+    assert all(line[2] is None for line in lines[2:4])  # processes: every 2 s, not every sample
 
 
 # --- the sandbox's simulated draw ----------------------------------------------------------------
@@ -402,8 +522,8 @@ def test_the_h200_dry_run_refused_and_planned_as_the_code_says():
         facts = Facts(probe=GpuProbe(smi="nvidia-smi", gpus=(gpu,)), unit=unit)
         return [f.message("@local") for f in sweep_findings(rig, facts, "@local")]
 
-    assert said("500:700:100") == []
-    (refusal,) = said("150,500,800")
+    assert said("500:700:10") == []
+    (refusal,) = [f for f in said("150,500,800") if "steps over" not in f]
     assert f"  - {refusal}\n" in capture
     assert "cap 700 W -> 500, 600, 700 W live, then back to nvidia-power-limit.service's cap" in (
         capture)

@@ -5,8 +5,11 @@ Set up once: the stand-in driver with persistence mode on, the boot unit from
 deploys/power_cap.py (rig1 290 W per card, rig2 260 W: the sweet spots), the engine.
 
 1. caps outside a card's range are refused before anything changes; a sweep of 3 caps on both
-   rigs sets each live, benches it with the draw sampled, restores every live cap to what the
-   unit says (read back from the rigs, the unit itself untouched), and stores JSON and a chart;
+   rigs sets each live, runs the protocol (time-bounded decode windows of narrative and code,
+   salted cold prefills of the frozen long prompt, capped by the recipe's 512-token context)
+   with the draw sampled, restores every live cap to what the unit says (read back from the
+   rigs, the unit itself untouched), and stores JSON with every window's evidence and a chart
+   per workload class; the engine's own log proves every prefill cold (no cached prefix);
 2. the operator's pyinfra killed mid-sweep: the guard on the rig restores the unit's caps once
    its lease lapses.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -29,6 +33,7 @@ from rigbook import cli
 from rigbook.cap_check import unit_caps
 from rigbook.gpus import parse_query_csv, query_args
 from rigbook.power import UNIT_PATH
+from rigbook.serving import UNIT_NAME as SERVE_UNIT
 from rigbook.sweep import (
     GUARD_UNIT,
     LEASE_MARGIN_S,
@@ -36,8 +41,8 @@ from rigbook.sweep import (
     SWEEP_DIR,
     guard_command,
     lease_command,
-    load_sweeps,
 )
+from rigbook.sweepresult import Evidence, load_sweeps
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import place_model, ssh_with_input, wheelhouse_for_llama
 from tests.test_sandbox import OLD, install_driver
@@ -49,10 +54,16 @@ pytestmark = pytest.mark.sandbox
 SWEEP = "deploys/power_sweep.py"
 BOTH = ["--limit", "rig1", "--limit", "rig2"]
 TIMEOUT_S = 15  # the lease is this + 5 s: long enough for a step on a loaded CI machine
-#: The smallest bench the verify settings allow, so each cap takes about a second.
-SMALL = {"verify_bench_warmups": "0", "verify_bench_runs": "1", "verify_bench_tokens": "8",
+#: A small protocol: 2 s decode windows, 8-token answers, two cold prefills a cap (the frozen
+#: prompt's 40,000-token default capped by the tiny model's context), so a cap takes ~8 s.
+WINDOW_S = 2
+SMALL = {"verify_bench_warmups": "0", "verify_bench_runs": "2", "verify_bench_tokens": "8",
          "verify_prefill_tokens": "64", "verify_bench_concurrency": "1",
-         "verify_timeout_s": str(TIMEOUT_S)}
+         "verify_timeout_s": str(TIMEOUT_S), "sweep_window_s": str(WINDOW_S)}
+#: llama-cpp-python's verbose log (its server's default) of a request that reused a cached
+#: prefix, and of the prompt tokens each request evaluated.
+PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens")
+EVALUATED = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 
 
 def live(rig: dict) -> dict[str, float | None]:
@@ -109,6 +120,7 @@ def test_sweep_three_caps_on_two_rigs_restores_the_units_caps(served, monkeypatc
     assert "asks 450 W; allowed: the card's range 100-400 W" in refused.stderr
     assert [live(rig) for rig in rigs] == [caps for _, caps in units.values()]
 
+    since = {rig["name"]: rig_ssh(rig, "date '+%Y-%m-%d %H:%M:%S'").stdout.strip() for rig in rigs}
     swept = run_pyinfra(SANDBOX_INVENTORY, SWEEP, *args, *BOTH, "--data", "sweep_watts=250:270:10")
     print(swept.stderr[-3000:])
     assert swept.returncode == 0, swept.explain()
@@ -121,15 +133,54 @@ def test_sweep_three_caps_on_two_rigs_restores_the_units_caps(served, monkeypatc
     for name, (path, run) in stored.items():
         assert run.ok and run.restored and run.unit_caps_w == units[name][1]
         assert [p.cap_w for p in run.points] == [250.0, 260.0, 270.0]
-        for point in run.points:
+        assert run.setup.gpu_models and run.setup.engine == "llama.cpp" and run.setup.model
+        assert run.setup.driver and run.setup.cooling == "air"
+        stored_json = json.loads(path.read_text())
+        salts = []
+        for point, raw in zip(run.points, stored_json["points"], strict=True):
             assert set(point.live_caps_w.values()) == {point.cap_w}
-            assert [r.workload for r in point.workloads] == ["decode x1", "prefill"]
-            for r in point.workloads:
+            assert [(win.workload, win.prompt) for win in point.windows] == [
+                ("decode-single", "narrative"), ("decode-single", "code"),
+                ("prefill-heavy", "frozen-long")]
+            for win, raw_win in zip(point.windows, raw["windows"], strict=True):
+                e = win.evidence
+                assert set(raw_win["evidence"]) == set(Evidence.model_fields)  # item 2, whole
                 gpus = len(point.live_caps_w)
-                assert r.tps > 0 and r.power.samples >= 1
-                assert 0 < r.power.mean_w <= point.cap_w * gpus + 0.01
-        assert path.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
-    assert "suggested for decode x1" in swept.stderr
+                assert win.tps.low <= win.tps.mean <= win.tps.high and win.tps.mean > 0
+                assert win.tps_per_w.low <= win.tps_per_w.mean <= win.tps_per_w.high
+                assert 0 < e.mean_w <= point.cap_w * gpus + 0.01 and e.median_w <= e.p95_w
+                assert e.energy_j > 0 and e.temp_c_max is not None and e.sm_mhz_mean
+                assert e.util_pct_mean is not None and e.other_processes == ()
+                assert e.interval_s is None or e.interval_s <= 0.5 + 0.01
+                if win.workload == "decode-single":
+                    assert e.seconds == WINDOW_S  # bounded by time, from the first token
+                    assert e.samples >= 2 and win.tps.n_eff >= 1 and win.requests >= 1
+                    assert win.tokens == pytest.approx(win.tps.mean * WINDOW_S, abs=0.01)
+                else:
+                    assert win.requests == 2 and len(win.salts) == 2
+                    assert 400 <= win.tokens / 2 <= 512  # 40,000 capped by the context
+                    salts += win.salts
+        assert len(set(salts)) == len(salts) == 6  # per cap and per run
+        charts = sorted(path.parent.glob(path.stem + "-*.png"))
+        assert [c.name.removeprefix(path.stem) for c in charts] == [
+            "-decode-single.png", "-prefill-heavy.png"]
+        assert all(c.read_bytes().startswith(b"\x89PNG") for c in charts)
+
+        # the salt, proven by the engine itself: every cold prefill evaluated its whole prompt,
+        # and no request of a prefill's size reused more than the chat template's head
+        log = rig_ssh(next(rig for rig in rigs if rig["name"] == name),
+                      f"journalctl -u {SERVE_UNIT} --since {shlex.quote(since[name])} "
+                      "--no-pager -o cat").stdout
+        prompt = min(win.tokens / 2 for p in run.points for win in p.windows
+                     if win.workload == "prefill-heavy")
+        evaluated = [int(n) for n in EVALUATED.findall(log)]
+        assert sum(n >= 0.9 * prompt for n in evaluated) >= 6, evaluated
+        hits = [(int(h), int(r)) for h, r in PREFIX_HIT.findall(log)]
+        big = [(h, r) for h, r in hits if h + r >= 0.9 * prompt]
+        assert all(h <= 16 for h, _ in big), big
+    assert "suggested for decode-single" in swept.stderr
+    assert "| GPU | Cooling | Engine | Model | Cap | Narr TPS | Code TPS | TPS/W | Source |" in (
+        swept.stderr)
 
     capsys.readouterr()
     assert cli.main(["bench", "sweep", "--rig", "rig2"]) == 0

@@ -5,7 +5,8 @@ with the rig's python3 (standard library only; the meter uses pynvml when the in
 it, as the tools venv's does):
 
     python3 sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit.service --dir D
-    python3 sweep_rig.py meter --dir D --name cap-290 --interval 0.2 --smi /usr/bin/nvidia-smi
+    python3 sweep_rig.py meter --dir D --name cap-290 --interval 0.25 --smi /usr/bin/nvidia-smi \
+        --engine-unit rigbook-serve.service
 
 guard: started as a unit of its own (systemd-run) when the sweep begins, it waits while the lease
 file (D/lease, JSON {"deadline": epoch seconds, "release": bool}) is held, and as soon as the sweep
@@ -17,9 +18,10 @@ and the record is always written, naming every GPU restored or not (with why):
 {"ok", "complete", "caps", "restored": [uuid], "not_restored": {uuid: why}, "errors", "at"}.
 D/guard.pid holds its process id while it runs.
 
-meter: samples each GPU's power draw (W) and, where the card has one, its total-energy counter
-(mJ since the driver loaded) until D/<name>.stop appears or the lease lapses, then writes
-D/<name>.json: {"source": "nvml" | "nvidia-smi", "samples": [[epoch s, {uuid: [W, mJ]}]]}.
+meter: samples each GPU's power draw (W), its total-energy counter where the card has one (mJ
+since the driver loaded), temperature, utilisation, SM clock and clock-event reasons, and every
+few seconds the GPU processes outside the serving unit, until D/<name>.stop appears or the lease
+lapses: one JSON line a sample in D/<name>.jsonl (a header line first), D/<name>.done at the end.
 """
 
 from __future__ import annotations
@@ -132,8 +134,36 @@ def guard(unit: str, directory: str, poll: float, timeout: float) -> int:
     return 0 if result["ok"] else 1
 
 
+#: NVML's clock-event reason bits (nvml.h, nvmlClocksEventReasons), as nvidia-smi names them.
+REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap",
+           0x8: "hw_slowdown", 0x10: "sync_boost", 0x20: "sw_thermal_slowdown",
+           0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
+           0x100: "display_clock_setting"}
+#: Other GPU processes are looked for at most this often (s): a full list costs more than a draw.
+PROCESS_EVERY_S = 2.0
+
+
+def reasons(mask) -> list:
+    """The names of the active clock-event reasons in NVML's bit mask (an int or "0x..." text)."""
+    if isinstance(mask, str):
+        try:
+            mask = int(mask.strip(), 16)
+        except ValueError:
+            return []
+    return [name for bit, name in REASONS.items() if isinstance(mask, int) and mask & bit]
+
+
+def number(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):  # [N/A], [Not Supported]
+        return None
+
+
 def nvml_reader():
-    """A function returning {uuid: [W, mJ or None]} through NVML, or None without pynvml."""
+    """(read, processes) through NVML, or None without pynvml: read() gives {uuid: {"w": W,
+    "mj": total energy or None, "t": C, "u": %, "sm": MHz, "why": [reasons]}}, processes() the
+    compute processes' pids."""
     try:
         import pynvml
 
@@ -143,50 +173,105 @@ def nvml_reader():
     handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
     uuids = [pynvml.nvmlDeviceGetUUID(h) for h in handles]
     uuids = [u.decode() if isinstance(u, bytes) else u for u in uuids]
+    events = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+              or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)  # the name before NVML 12.2
 
-    def energy(handle):
-        try:  # Volta and newer; NVML_ERROR_NOT_SUPPORTED elsewhere
-            return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    def ask(function, *args):
+        try:  # a field the card does not have (energy before Volta) is None, not a failed read
+            return function(*args)
         except pynvml.NVMLError:
             return None
 
     def read():
-        return {uuid: [pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, energy(h)]
-                for uuid, h in zip(uuids, handles, strict=True)}
-    return read
+        found = {}
+        for uuid, h in zip(uuids, handles, strict=True):
+            util = ask(pynvml.nvmlDeviceGetUtilizationRates, h)
+            found[uuid] = {
+                "w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                "mj": ask(pynvml.nvmlDeviceGetTotalEnergyConsumption, h),
+                "t": ask(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU),
+                "u": getattr(util, "gpu", None),
+                "sm": ask(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM),
+                "why": reasons(ask(events, h)),
+            }
+        return found
+
+    def processes():
+        return sorted({p.pid for h in handles
+                       for p in ask(pynvml.nvmlDeviceGetComputeRunningProcesses, h) or ()})
+    return read, processes
+
+
+SMI_FIELDS = "uuid,power.draw,temperature.gpu,utilization.gpu,clocks.sm,clocks_event_reasons.active"
 
 
 def smi_reader(smi: str):
-    """{uuid: [W, None]} from nvidia-smi (NVML's own command line; it shows no energy counter)."""
+    """(read, processes) from nvidia-smi (NVML's own command line; it shows no energy counter)."""
     def read():
-        out = subprocess.run([smi, "--query-gpu=uuid,power.draw",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run([smi, f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
         found = {}
         for row in out.splitlines():
-            uuid, _, watts = (cell.strip() for cell in row.partition(","))
-            try:
-                found[uuid] = [float(watts), None]
-            except ValueError:
+            cells = [cell.strip() for cell in row.split(",")]
+            if len(cells) != 6 or number(cells[1]) is None:
                 continue
+            found[cells[0]] = {"w": number(cells[1]), "mj": None, "t": number(cells[2]),
+                               "u": number(cells[3]), "sm": number(cells[4]),
+                               "why": reasons(cells[5])}
         return found
-    return read
+
+    def processes():
+        out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return sorted({int(cell) for cell in out.split() if cell.isdigit()})
+    return read, processes
 
 
-def meter(directory: str, name: str, interval: float, smi: str) -> int:
-    read = nvml_reader()
-    source = "nvml" if read else "nvidia-smi"
-    read = read or smi_reader(smi)
-    stop = os.path.join(directory, f"{name}.stop")
-    samples = []
-    while not os.path.exists(stop) and not lease_over(directory, time.time()):
-        began = time.time()
+def others(pids, engine_unit: str) -> list:
+    """[pid, command] of each GPU process outside the serving engine's unit (its cgroup)."""
+    found = []
+    for pid in pids:
         try:
-            samples.append([began, read()])
-        except (OSError, subprocess.SubprocessError) as error:
-            samples.append([began, {"error": str(error)}])
-        time.sleep(max(interval - (time.time() - began), 0.0))
-    write_json(os.path.join(directory, f"{name}.json"), {"source": source, "samples": samples})
+            with open(f"/proc/{pid}/cgroup") as handle:
+                if engine_unit and engine_unit in handle.read():
+                    continue
+            with open(f"/proc/{pid}/comm") as handle:
+                name = handle.read().strip()
+        except OSError:
+            name = "(not visible here)"  # gone, or in a pid namespace this one cannot see
+        found.append([pid, name])
+    return found
+
+
+def meter(directory: str, name: str, interval: float, smi: str, engine_unit: str) -> int:
+    """Samples, one JSON line each, appended to D/<name>.jsonl as they are taken (a stop that
+    comes in the middle of a slow read loses nothing already taken); D/<name>.done when over.
+    Each line: [epoch s, {uuid: {...}}, others or null] (others: looked for every few s)."""
+    readers = nvml_reader()
+    source = "nvml" if readers else "nvidia-smi"
+    read, processes = readers or smi_reader(smi)
+    stop = os.path.join(directory, f"{name}.stop")
+    looked = 0.0
+    with open(os.path.join(directory, f"{name}.jsonl"), "w") as out:
+        out.write(json.dumps({"source": source, "interval": interval}) + "\n")
+        out.flush()
+        while not os.path.exists(stop) and not lease_over(directory, time.time()):
+            began = time.time()
+            seen = None
+            try:
+                gpus = read()
+            except (OSError, subprocess.SubprocessError) as error:
+                gpus = {"error": str(error)}
+            if began - looked >= PROCESS_EVERY_S:
+                looked = began
+                try:
+                    seen = others(processes(), engine_unit)
+                except Exception as error:  # noqa: BLE001  (an unknown is recorded, not fatal)
+                    seen = [[0, f"unknown: {type(error).__name__}"]]
+            out.write(json.dumps([began, gpus, seen]) + "\n")
+            out.flush()
+            time.sleep(max(interval - (time.time() - began), 0.0))
+    write_text(os.path.join(directory, f"{name}.done"), "")
     return 0
 
 
@@ -203,10 +288,11 @@ def main(argv: list[str]) -> int:
     m.add_argument("--name", required=True)
     m.add_argument("--interval", type=float, default=0.2)
     m.add_argument("--smi", required=True)
+    m.add_argument("--engine-unit", default="")
     args = parser.parse_args(argv)
     if args.mode == "guard":
         return guard(args.unit, args.dir, args.poll, args.smi_timeout)
-    return meter(args.dir, args.name, args.interval, args.smi)
+    return meter(args.dir, args.name, args.interval, args.smi, args.engine_unit)
 
 
 if __name__ == "__main__":
