@@ -35,6 +35,21 @@ PROFILE_DATA = {
         **_SIM_DRIVER, **_SIM_PYTHON,
     },
     "wsl2-3090": {"platform": "wsl2", "gpu_class": "rtx3090", "gpu_count": 1, **_SIM_PYTHON},
+    # Not in the rotation (`rigbook sandbox add PROFILE`): Ubuntu rigs built from Ubuntu's
+    # archive, whose own sources offer the driver: the local repository (Ubuntu's names),
+    # named as the source a mirror you control would be. The branch, as Ubuntu's archive keeps
+    # only a branch's newest version. And Debian 13.
+    "noble-3090": {
+        "platform": "ubuntu", "gpu_class": "rtx3090", "gpu_count": 1, "driver_branch": 580,
+        "driver_repo_uri": f"file:{REPO_MOUNT}", "allow_reboot": True,
+    },
+    "resolute-4090": {
+        "platform": "ubuntu", "gpu_class": "rtx4090", "gpu_count": 1, "driver_branch": 580,
+        "driver_repo_uri": f"file:{REPO_MOUNT}", "allow_reboot": True,
+    },
+    "trixie-4090": {
+        "platform": "debian", "gpu_class": "rtx4090", "gpu_count": 1, **_SIM_DRIVER,
+    },
     # Not in the rotation (`rigbook sandbox add nosystemd-4090`): no systemd as PID 1.
     "nosystemd-4090": {
         "platform": "debian", "gpu_class": "rtx4090", "gpu_count": 1, **_SIM_DRIVER,

@@ -37,7 +37,7 @@ def _version() -> str:
 
 
 def sandbox_up(args: argparse.Namespace) -> None:
-    _print_rigs(sandbox.up(args.count))
+    _print_rigs(sandbox.up(args.count, args.profile))
 
 
 def sandbox_down(args: argparse.Namespace) -> None:
@@ -79,13 +79,16 @@ def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
     actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
     up = actions.add_parser("up", help="start fresh sandbox rigs, replacing any running ones")
     up.add_argument("count", nargs="?", type=int, default=2, help="how many rigs (default 2)")
+    up.add_argument("--profile", help="every rig of this profile (and its release, e.g. "
+                    "noble-3090: Ubuntu 24.04) instead of the rotation")
     up.set_defaults(func=sandbox_up)
     actions.add_parser("down", help="stop all sandbox rigs and remove them").set_defaults(
         func=sandbox_down
     )
     add = actions.add_parser("add", help="start one more rig beside the running ones")
     add.add_argument("profile", help="a profile of sandbox/simulated/profiles.json, e.g. "
-                     "nosystemd-4090 (no systemd as PID 1)")
+                     "nosystemd-4090 (no systemd as PID 1), noble-3090 (Ubuntu 24.04), "
+                     "resolute-4090 (Ubuntu 26.04), trixie-4090 (Debian 13)")
     add.set_defaults(func=sandbox_add)
     remove = actions.add_parser("remove", help="stop one rig and remove it")
     remove.add_argument("name", help="rig name, e.g. rig4")

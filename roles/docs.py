@@ -27,7 +27,7 @@ folder pyinfra runs in (docs/preflight.md, Before connecting): an error names th
 and what is allowed, and nothing changes. What needs no rig is decided there too: the recipe and
 its fit, the bind rule, `power_caps` keys, caps against `gpu_limits_watts`, and keys that
 contradict each other: `driver_version` against `driver_branch`, `driver_repo_trusted` without
-`driver_repo_uri`, platform-only keys on another platform (`driver_repo_uri` off Debian,
+`driver_repo_uri`, platform-only keys on another platform (`driver_repo_trusted` off Debian,
 `driver_server` off Ubuntu, `wsl_*` off WSL2, a native driver key on WSL2), `serving_port`
 equal to `models_mirror_port`, NVLink against the card class and a single card, more
 `power_caps` than GPUs, and verify's sizes that were set (`verify_prefill_tokens`,

@@ -249,9 +249,13 @@ def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -
     if rig.platform == "ubuntu":  # which branches and versions: the rig's archive (offered)
         infix = "-server" if rig.driver_server else ""
         flavour = "-open" if rig.driver_open else ""
+        # The DKMS module named, not left to apt: on 26.04 the prebuilt linux-modules-nvidia-B-
+        # open-FLAVOUR packages Provide nvidia-dkms-B-open, and apt 3 picked the aws one (with
+        # its kernel) for nvidia-driver-595-open on a rig with no kernel package installed.
         packages = (
             f"nvidia-driver-{rig.driver_branch}{infix}{flavour}",
             f"nvidia-utils-{rig.driver_branch}{infix}",
+            f"nvidia-dkms-{rig.driver_branch}{infix}{flavour}",
         )
         return DriverPlan("ubuntu", packages, version_glob(rig))
     # debian

@@ -169,8 +169,7 @@ def foreign_driver(rig: Rig, facts: Facts, default_repo: str,
                     f"{policy.package} {upstream_version(version.version)} from "
                     f"{', '.join(version.origins)}, not the configured source",
                     f"purge it (apt-get purge {policy.package}) and converge again"
-                    + (", or set driver_repo_uri to that source" if rig.platform == "debian"
-                       else ": rigbook installs from Ubuntu's archive"))
+                    + ", or set driver_repo_uri to that source")
     return None
 
 

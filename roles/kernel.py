@@ -530,10 +530,11 @@ def _same_source(a: str, b: str) -> bool:
 
 
 def configured_source(rig: Rig, default_repo: str) -> str | None:
-    """The driver's own source: the repository URI (Debian), None on Ubuntu (the archive)."""
+    """The driver's own source: the repository URI (Debian), on Ubuntu the source the rig data
+    names or None (Ubuntu's archive)."""
     if rig.platform == "debian":
         return rig.driver_repo_uri or default_repo
-    return None
+    return rig.driver_repo_uri
 
 
 def is_configured(uri: str, rig: Rig, default_repo: str) -> bool:

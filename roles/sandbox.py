@@ -48,8 +48,50 @@ INCLUDE = (
     "ca-certificates",
     "kmod",
 )
-# Bump when _prepare_rootfs changes what goes into the cached tarball.
+# Ubuntu's minbase lacks python3-venv in main; unattended-upgrades brings Ubuntu's own config.
+UBUNTU_INCLUDE = (*(p for p in INCLUDE if p != "python3-venv"), "unattended-upgrades")
+# Bump when _prepare_rootfs changes what goes into the cached tarball (UBUNTU_RECIPE: only
+# into Ubuntu's).
 ROOTFS_RECIPE = 1
+UBUNTU_RECIPE = 2
+
+
+@dataclass(frozen=True)
+class Release:
+    """A distribution release a rig can run: what debootstrap builds its rootfs from."""
+
+    suite: str
+    distro: str  # "debian" or "ubuntu"
+    version: str  # VERSION_ID, as the docs and the tests name it
+    include: tuple[str, ...] = INCLUDE
+    #: Its systemd needs the unified cgroup hierarchy: 256 and later refuse to run as PID 1 on
+    #: the legacy one, which nspawn gives a container on a hybrid host unless told otherwise.
+    unified_cgroups: bool = False
+
+
+#: The releases of sandbox rigs (a profile's "release"; bookworm when it names none).
+RELEASES = {
+    "bookworm": Release("bookworm", "debian", "12"),
+    "trixie": Release("trixie", "debian", "13"),
+    "noble": Release("noble", "ubuntu", "24.04", UBUNTU_INCLUDE),
+    "resolute": Release("resolute", "ubuntu", "26.04", UBUNTU_INCLUDE, unified_cgroups=True),
+}
+#: debootstrap's script for every Ubuntu release since 7.10 (newer suites may lack a link).
+UBUNTU_SCRIPT = "gutsy"
+#: Ubuntu's pockets and components whose real indexes an Ubuntu rig keeps (UBUNTU_LISTS).
+UBUNTU_POCKETS = ("", "-updates", "-security")
+UBUNTU_COMPONENTS = ("main", "restricted")
+#: On an Ubuntu rig: Ubuntu's real package indexes of its release, read when the rootfs was
+#: built, and the source list they belong to; apt reads them only when told to (the rig has
+#: no route out, so its own sources hold only the local repository).
+UBUNTU_LISTS = "/var/lib/rigbook-sim/ubuntu-lists"
+UBUNTU_SOURCES = "/etc/rigbook-sim/ubuntu-archive.sources"
+#: The local repository as an Ubuntu rig's own apt source (its driver comes from its sources).
+SIM_SOURCES = "etc/apt/sources.list.d/rigbook-sim.sources"
+#: Primary key fingerprints that may sign an Ubuntu release's InRelease: the "Ubuntu Archive
+#: Automatic Signing Key (2018)", as the rootfs's own ubuntu-keyring carries it. The rootfs is
+#: kept only when its InRelease verifies against one of these.
+UBUNTU_SIGNERS = frozenset({"F6ECB3762474EDA9D21B7022871920D1991BC93C"})
 PREFIX = "rigbook-"
 RIG_NAME = re.compile(r"rig(\d+)")
 THING_NAME = re.compile(PREFIX + r"rig\d+")
@@ -129,6 +171,10 @@ class Rig:
         return state_dir() / self.name
 
     @property
+    def release(self) -> Release:
+        return release_of(self.profile)
+
+    @property
     def console(self) -> Path:
         return self.dir / "console.log"
 
@@ -154,24 +200,47 @@ def hosts_file() -> Path:
     return state_dir() / "hosts.json"
 
 
-def up(count: int = 2) -> list[dict]:
-    """Starts `count` fresh rigs after removing any earlier ones; returns the hosts.json entries."""
+def release_of(profile: str) -> Release:
+    """The release a profile's rigs run (profiles.json "release"; bookworm by default)."""
+    return RELEASES[_load_json("profiles.json")["profiles"][profile].get("release", SUITE)]
+
+
+def _repo_dir(release: Release) -> Path:
+    return state_dir() / ("repo" if release.distro == "debian" else f"repo-{release.suite}")
+
+
+def _sim_repo(release: Release, fresh: bool = False) -> Path:
+    """The local repository of stand-in driver packages for a release's rigs: Debian's names
+    (one for every Debian release), or Ubuntu's with that release's version suffix."""
+    repo = _repo_dir(release)
+    if fresh or not (repo / "Packages").exists():
+        build_sim_repo(repo, release)
+    return repo
+
+
+def up(count: int = 2, profile: str | None = None) -> list[dict]:
+    """Starts `count` fresh rigs after removing any earlier ones; returns the hosts.json entries.
+    Their profiles come round-robin from the rotation, or all are `profile`."""
     if not 1 <= count <= MAX_RIGS:
         raise RigbookError(f"the number of rigs must be between 1 and {MAX_RIGS}, not {count}")
     _check_machine()
+    profiles = _load_json("profiles.json")
+    if profile is not None:
+        _check_profile(profile, profiles)
     with _locked():
         _teardown()
-        base = _extract_base(ensure_rootfs())
         key = _ensure_key()
-        repo = _build_sim_repo(state_dir() / "repo")
-        profiles = _load_json("profiles.json")
-        rotation = profiles["rotation"]
+        rotation = [profile] if profile else profiles["rotation"]
         rigs = [Rig(i, rotation[(i - 1) % len(rotation)]) for i in range(1, count + 1)]
         log.info("starting %s", ", ".join(f"{r.name} ({r.profile})" for r in rigs))
+        built: set[Path] = set()  # each repository afresh, once
         for rig in rigs:
+            base = _extract_base(ensure_rootfs(rig.release))
+            repo = _sim_repo(rig.release, fresh=_repo_dir(rig.release) not in built)
+            built.add(repo)
             _create_network(rig)
             root = _mount_root(rig, base)
-            _write_rig_files(rig, root, key, profiles)
+            _write_rig_files(rig, root, key, profiles, repo)
             _start(rig, root, repo)
         _wait_for_ssh(rigs)
         entries = [
@@ -187,27 +256,30 @@ def add(profile: str) -> dict:
     its hosts.json entry. For profiles outside the rotation, so the default fleet is unchanged."""
     _check_machine()
     profiles = _load_json("profiles.json")
-    if profile not in profiles["profiles"]:
-        raise RigbookError(f"no sandbox profile {profile!r}; allowed: "
-                           + ", ".join(sorted(profiles["profiles"])))
+    _check_profile(profile, profiles)
     with _locked():
         entries = _entries()
         index = max((int(RIG_NAME.fullmatch(e["name"]).group(1)) for e in entries), default=0)
         rig = Rig(index + 1, profile)
-        repo = state_dir() / "repo"
-        if not (repo / "Packages").exists():
-            repo = _build_sim_repo(repo)
+        base = _extract_base(ensure_rootfs(rig.release))
+        repo = _sim_repo(rig.release)
         key = _ensure_key()
         log.info("starting %s (%s)", rig.name, profile)
         _create_network(rig)
-        root = _mount_root(rig, _extract_base(ensure_rootfs()))
-        _write_rig_files(rig, root, key, profiles)
+        root = _mount_root(rig, base)
+        _write_rig_files(rig, root, key, profiles, repo)
         _start(rig, root, repo)
         _wait_for_ssh([rig])
         entry = {"name": rig.name, "address": rig.address, "profile": profile,
                  "ssh_key": str(key)}
         hosts_file().write_text(json.dumps([*entries, entry], indent=2) + "\n")
         return entry
+
+
+def _check_profile(profile: str, profiles: dict) -> None:
+    if profile not in profiles["profiles"]:
+        raise RigbookError(f"no sandbox profile {profile!r}; allowed: "
+                           + ", ".join(sorted(profiles["profiles"])))
 
 
 def remove(name: str) -> None:
@@ -265,8 +337,8 @@ def restart(name: str) -> None:
                         os.rmdir(folder)
             root = rig.dir / "root"
             if root not in _mount_points():
-                _mount_root(rig, _extract_base(ensure_rootfs()))
-            _start(rig, root, state_dir() / "repo")
+                _mount_root(rig, _extract_base(ensure_rootfs(rig.release)))
+            _start(rig, root, _sim_repo(rig.release))
         else:
             log.info("rebooting %s", name)
             os.kill(init, signal.SIGRTMIN + 5)
@@ -307,29 +379,43 @@ def rigs() -> list[dict]:
         ) from None
 
 
-def ensure_rootfs() -> Path:
-    """The cached rootfs tarball; built once per include list (debootstrap takes ~1 min)."""
-    key = hashlib.sha256(repr((SUITE, INCLUDE, ROOTFS_RECIPE)).encode()).hexdigest()[:12]
-    tarball = cache_dir() / f"{SUITE}-{key}.tar.zst"
+def ensure_rootfs(release: Release = RELEASES[SUITE]) -> Path:
+    """The cached rootfs tarball of a release; built once per include list (debootstrap takes
+    1-4 min and needs the network; later runs need none)."""
+    suite = release.suite
+    recipe = (suite, release.include, ROOTFS_RECIPE)
+    if release.distro == "ubuntu":
+        recipe += (UBUNTU_RECIPE,)
+    key = hashlib.sha256(repr(recipe).encode()).hexdigest()[:12]
+    tarball = cache_dir() / f"{suite}-{key}.tar.zst"
     if tarball.exists():
         return tarball
     cache_dir().mkdir(parents=True, exist_ok=True)
-    _remove_stale_cache()
-    build = cache_dir() / "build"
+    _remove_stale_cache(suite)
+    build = cache_dir() / f"build-{suite}"
     _unmount_under(build)
     _remove_tree(build)
-    log.info("building the %s rootfs with debootstrap (about a minute, once)", SUITE)
-    with open(cache_dir() / "debootstrap.log", "w") as out:
+    log.info("building the %s rootfs with debootstrap (a few minutes, once)", suite)
+    source = [ubuntu_mirror(), UBUNTU_SCRIPT] if release.distro == "ubuntu" else []
+    logfile = cache_dir() / f"debootstrap-{suite}.log"
+    with open(logfile, "w") as out:
         result = subprocess.run(
-            ["debootstrap", "--variant=minbase", "--include=" + ",".join(INCLUDE), SUITE, build],
+            ["debootstrap", "--variant=minbase", "--include=" + ",".join(release.include),
+             suite, build, *source],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    if result.returncode != 0:
+    try:
+        if result.returncode != 0:
+            raise RigbookError(f"debootstrap failed; see {logfile}")
+        if release.distro == "ubuntu":
+            _check_ubuntu_signer(build, suite)
+            _read_ubuntu_indexes(build, suite)
+        _prepare_rootfs(build, release)
+    except BaseException:
         _unmount_under(build)
         _remove_tree(build)
-        raise RigbookError(f"debootstrap failed; see {cache_dir() / 'debootstrap.log'}")
-    _prepare_rootfs(build)
+        raise
     partial = tarball.with_name(tarball.name + ".partial")
     _run([*_tar(), "-cf", partial, "-C", build, "."])
     partial.rename(tarball)
@@ -373,17 +459,84 @@ def _load_json(name: str) -> dict:
     return json.loads((SIM_DIR / name).read_text())
 
 
-def _remove_stale_cache() -> None:
+def ubuntu_mirror() -> str:
+    """Where Ubuntu rootfs come from: RIGBOOK_UBUNTU_MIRROR (a mirror you control), else the
+    archive debootstrap's own Ubuntu script names, over https (TLS guards the download when this
+    machine has no Ubuntu keyring; the signer check below guards the result)."""
+    mirror = os.environ.get("RIGBOOK_UBUNTU_MIRROR")
+    if mirror:
+        return mirror
+    script = Path("/usr/share/debootstrap/scripts") / UBUNTU_SCRIPT
+    mirrors = re.findall(r"default_mirror\s+(\S+)", script.read_text())
+    main = [m for m in mirrors if "old-releases" not in m and "ports" not in m]
+    if not main:
+        raise RigbookError(f"no Ubuntu mirror in {script}; set RIGBOOK_UBUNTU_MIRROR")
+    return main[0].replace("http://", "https://", 1)
+
+
+def _check_ubuntu_signer(root: Path, suite: str) -> None:
+    """The release file debootstrap used is signed by a key of UBUNTU_SIGNERS, checked with
+    the keyring the new rootfs carries (this machine need not have one)."""
+    inrelease = next((root / "var/lib/apt/lists").glob(f"*_dists_{suite}_InRelease"), None)
+    keyring = root / "usr/share/keyrings/ubuntu-archive-keyring.gpg"
+    if inrelease is None or not keyring.exists():
+        raise RigbookError(f"the {suite} rootfs has no InRelease or no ubuntu-archive-keyring")
+    status = subprocess.run(["gpgv", "--status-fd", "1", "--keyring", keyring, inrelease],
+                            capture_output=True, text=True).stdout
+    signers = {line.split()[-1] for line in status.splitlines()
+               if line.startswith("[GNUPG:] VALIDSIG")}
+    if not signers & UBUNTU_SIGNERS:
+        raise RigbookError(f"{inrelease.name} is not signed by Ubuntu's archive key "
+                           f"({', '.join(sorted(UBUNTU_SIGNERS))}); gpgv said:\n{status}")
+
+
+def _ubuntu_sources(suite: str, keyring: str) -> str:
+    """The deb822 source of a release's real archive: release, -updates, -security pockets."""
+    return (f"Types: deb\nURIs: {ubuntu_mirror()}\n"
+            f"Suites: {' '.join(suite + pocket for pocket in UBUNTU_POCKETS)}\n"
+            f"Components: {' '.join(UBUNTU_COMPONENTS)}\nArchitectures: amd64\n"
+            f"Signed-By: {keyring}\n")
+
+
+def _read_ubuntu_indexes(root: Path, suite: str) -> None:
+    """Ubuntu's real package indexes for the release, read with this machine's apt into the
+    rootfs (UBUNTU_LISTS) with the rootfs's own keyring: the rig answers `apt-get -s` against
+    them offline. A private apt root: nothing on this machine changes."""
+    lists = root / UBUNTU_LISTS.lstrip("/")
+    (lists / "partial").mkdir(parents=True)
+    sources = root / UBUNTU_SOURCES.lstrip("/")
+    sources.parent.mkdir(parents=True, exist_ok=True)
+    sources.write_text(_ubuntu_sources(suite, "/usr/share/keyrings/ubuntu-archive-keyring.gpg"))
+    with tempfile.TemporaryDirectory() as work:
+        here = Path(work) / "here.sources"
+        here.write_text(_ubuntu_sources(
+            suite, str(root / "usr/share/keyrings/ubuntu-archive-keyring.gpg")))
+        _run(["apt-get", *ubuntu_apt_options(lists, here, root / "var/lib/dpkg/status"),
+              "-o", f"Dir::Cache={work}", "-o", "Dir::Etc::Trusted=/dev/null",
+              "-o", "Dir::Etc::TrustedParts=/nonexistent", "update"])
+
+
+def ubuntu_apt_options(lists: Path | str, sources: Path | str, status: Path | str) -> list[str]:
+    """apt options that read (only) Ubuntu's real indexes kept in `lists`."""
+    return ["-o", f"Dir::Etc::SourceList={sources}", "-o", "Dir::Etc::SourceParts=/nonexistent",
+            "-o", f"Dir::State::Lists={lists}", "-o", f"Dir::State::status={status}",
+            "-o", "APT::Architecture=amd64", "-o", "Acquire::Languages=none",
+            "-o", "Debug::NoLocking=1", "-q"]
+
+
+def _remove_stale_cache(suite: str) -> None:
     """Drops tarballs and extracted bases of an older include list: they are never used again."""
-    for old in cache_dir().glob(f"{SUITE}-*"):
+    for old in cache_dir().glob(f"{suite}-*"):
         if old.is_dir():
             _remove_tree(old)
         else:
             old.unlink()
 
 
-def _prepare_rootfs(root: Path) -> None:
-    """Makes a fresh debootstrap fit to be a rig: offline apt, root login by key, sshd on."""
+def _prepare_rootfs(root: Path, release: Release) -> None:
+    """Makes a fresh debootstrap fit to be a rig: offline apt, root login by key, sshd on.
+    Ubuntu: the local repository is one of its own sources (an Ubuntu rig's driver comes from
+    its sources), and sshd stays socket-activated as Ubuntu ships it."""
     (root / "etc/apt/sources.list").write_text(
         "# Sandbox rigs have no route out: the mirror entries were removed.\n"
     )
@@ -397,7 +550,12 @@ def _prepare_rootfs(root: Path) -> None:
     (root / "etc/ssh/sshd_config.d/rigbook-sandbox.conf").write_text(
         "PermitRootLogin prohibit-password\n"
     )
-    _run(["systemctl", f"--root={root}", "enable", "ssh.service"])
+    if release.distro == "debian":
+        _run(["systemctl", f"--root={root}", "enable", "ssh.service"])
+        return
+    (root / SIM_SOURCES).write_text(
+        f"Types: deb\nURIs: file:{REPO_MOUNT}\nSuites: ./\nTrusted: yes\n")
+    _run(["systemctl", f"--root={root}", "mask", "motd-news.timer"])
 
 
 def _extract_base(tarball: Path) -> Path:
@@ -422,14 +580,22 @@ def _ensure_key() -> Path:
     return key
 
 
-def _build_sim_repo(repo: Path) -> Path:
-    """Builds every stand-in driver package in every version into a flat apt repository."""
-    manifest = _load_json("packages.json")
+def build_sim_repo(repo: Path, release: Release, versions: list[str] | None = None) -> Path:
+    """Builds every stand-in driver package in every version (the manifest's, or `versions`:
+    a newer one for an upgrade test) into a flat apt repository: Debian's names
+    (packages.json), or Ubuntu's per-branch names (packages-ubuntu.json) with the release's
+    version suffix ({version_id})."""
+    manifest = _load_json("packages.json" if release.distro == "debian"
+                          else "packages-ubuntu.json")
+    versions = [v.format(version_id=release.version) for v in versions or manifest["versions"]]
     _remove_tree(repo)
     repo.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as work:
-        for version in manifest["versions"]:
-            for name, spec in manifest["packages"].items():
+        for version in versions:
+            branch = version.split(".", 1)[0]
+            for template, spec in manifest["packages"].items():
+                name = template.format(branch=branch)
+                spec = {**spec, "depends": [d.format(branch=branch) for d in spec["depends"]]}
                 tree = Path(work) / f"{name}_{version}"
                 _package_tree(tree, name, version, spec, manifest)
                 _run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", tree, repo])
@@ -495,7 +661,7 @@ def _mount_root(rig: Rig, base: Path) -> Path:
     return dirs["root"]
 
 
-def _write_rig_files(rig: Rig, root: Path, key: Path, profiles: dict) -> None:
+def _write_rig_files(rig: Rig, root: Path, key: Path, profiles: dict, repo: Path) -> None:
     """Identity, login key and the simulated hardware of one rig, written before it boots."""
     (root / "etc/hostname").write_text(rig.name + "\n")
     (root / "etc/hosts").write_text(
@@ -512,6 +678,9 @@ def _write_rig_files(rig: Rig, root: Path, key: Path, profiles: dict) -> None:
     (sim / "gpus.json").write_text(json.dumps(_sim_gpus(rig, profiles), indent=2) + "\n")
     if profile["wsl2"]:
         _write_wsl2_files(root, profile["wsl2"])
+    if rig.release.distro == "ubuntu":  # its own source read already, as on a real rig
+        lists = root / "var/lib/apt/lists" / (REPO_MOUNT.replace("/", "_") + "_._Packages")
+        shutil.copyfile(repo / "Packages", lists)
     if profile.get("systemd", True) is False:  # no systemctl at all (a whiteout in its upper)
         (root / "usr/bin/systemctl").unlink(missing_ok=True)
         target = root / HOST_PERSISTENCE
@@ -585,6 +754,8 @@ def _start(rig: Rig, root: Path, repo: Path) -> None:
         nspawn += ["--as-pid2", "/bin/sh", "-c", NO_SYSTEMD_ENTRYPOINT]
     # nspawn's read-only /proc/sys stays: a writable one leaks fs.inotify.* to this machine.
     env = {k: v for k, v in os.environ.items() if k != "SYSTEMD_NSPAWN_API_VFS_WRITABLE"}
+    if rig.release.unified_cgroups:
+        env["SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"] = "1"
     with open(rig.console, "ab") as console:
         supervisor = subprocess.Popen(
             ["sh", "-c", SUPERVISOR, "rigbook-supervisor", *map(str, cgroups), "--", *nspawn],
@@ -723,7 +894,7 @@ def _teardown() -> None:
     _remove_cgroups()
     _remove_network()
     for path in state_dir().iterdir() if state_dir().is_dir() else ():
-        if RIG_NAME.fullmatch(path.name) or path.name == "repo":
+        if RIG_NAME.fullmatch(path.name) or re.fullmatch(r"repo(-\w+)?", path.name):
             _remove_tree(path)
     hosts_file().unlink(missing_ok=True)
 

@@ -198,7 +198,9 @@ class Rig(StrictModel):
     )
     driver_repo_uri: SourceUrl | None = Field(
         None,
-        description="Debian only: apt repository of the driver; none = NVIDIA's CUDA repository.",
+        description="Debian: apt repository of the driver; none = NVIDIA's CUDA repository. "
+        "Ubuntu: the one of the rig's own apt sources the driver comes from (a mirror or "
+        "snapshot you control, which rigbook does not write); none = Ubuntu's archive.",
     )
     driver_repo_trusted: StrictBool = Field(
         False, description="Trust driver_repo_uri without a signing key (local test repositories)."
@@ -744,9 +746,13 @@ class Rig(StrictModel):
         if self.driver_repo_trusted and self.driver_repo_uri is None:
             raise ValueError("driver_repo_trusted without driver_repo_uri: NVIDIA's repository "
                              "is always checked with its key; allowed: driver_repo_uri set")
-        if self.driver_repo_uri is not None and self.platform != "debian":
-            raise ValueError(f"driver_repo_uri is for platform debian only (platform is "
-                             f"{self.platform}); allowed: leave it unset")
+        if self.driver_repo_uri is not None and self.platform == "wsl2":
+            raise ValueError("driver_repo_uri: platform wsl2 uses the Windows driver; "
+                             "allowed: leave it unset")
+        if self.driver_repo_trusted and self.platform != "debian":
+            raise ValueError(f"driver_repo_trusted is for platform debian only (platform is "
+                             f"{self.platform}): rigbook writes no source on Ubuntu; allowed: "
+                             "leave it unset")
         native = {"driver_version": self.driver_version is not None,
                   "driver_modprobe_options": bool(self.driver_modprobe_options),
                   "driver_secure_boot": self.driver_secure_boot == "enroll",

@@ -254,16 +254,17 @@ def test_ubuntu_packages_per_branch_flavour_and_server():
     distro = ubuntu()
     plan = drv.plan_driver(rig(platform="ubuntu", driver_version="580.95.05"), "rig1", distro,
                            NOT_WSL, "x86_64")
-    assert plan.packages == ("nvidia-driver-580-open", "nvidia-utils-580")
+    assert plan.packages == ("nvidia-driver-580-open", "nvidia-utils-580", "nvidia-dkms-580-open")
     assert plan.version == "580.95.05-*"  # matches 580.95.05-0ubuntu0.24.04.1
     assert plan.source is None  # the distribution's own archive
     server = drv.plan_driver(rig(platform="ubuntu", driver_server=True), "rig1", distro,
                              NOT_WSL, "x86_64")
-    assert server.packages == ("nvidia-driver-580-server-open", "nvidia-utils-580-server")
+    assert server.packages == ("nvidia-driver-580-server-open", "nvidia-utils-580-server",
+                               "nvidia-dkms-580-server-open")
     assert server.version == "580.*"
     closed = drv.plan_driver(rig(platform="ubuntu", driver_open=False, driver_branch=595),
                              "rig1", distro, NOT_WSL, "x86_64")
-    assert closed.packages == ("nvidia-driver-595", "nvidia-utils-595")
+    assert closed.packages == ("nvidia-driver-595", "nvidia-utils-595", "nvidia-dkms-595")
 
 
 def test_debian_packages_and_sources():
