@@ -281,6 +281,7 @@ CLASS_NAMES = {
     "rtx3090ti": re.compile(r"RTX 3090 Ti"),
     "rtx4090": re.compile(r"RTX 4090"),
     "rtx5090": re.compile(r"RTX 5090"),
+    "a5000": re.compile(r"RTX A5000"),
     "a6000": re.compile(r"RTX A6000"),
 }
 

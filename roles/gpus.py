@@ -292,7 +292,8 @@ def nvml_probe() -> dict[str, Any]:
         {"gpus": [{"index": 0, "uuid": "GPU-...", "temp": 36, "pcie_gen": 5, "pcie_gen_max": 5,
                    "pcie_width": 16, "pcie_width_max": 16, "tlimit": 51,
                    "ecc_uncorrected": [0, 0], "retired_pending": null,
-                   "remapped": [0, 0, 0, 0], "events": 1, "util": 0}]}
+                   "remapped": [0, 0, 0, 0], "events": 1, "util": 0,
+                   "power_usage_mw": 79005, "enforced_mw": 700000}]}
 
     A value the card does not support is null. Raises ProbeError when pynvml is missing or
     NVML does not initialise.
@@ -348,6 +349,8 @@ def _nvml_health(pynvml, ask, handle) -> dict[str, Any]:
         "remapped": list(remapped) if remapped is not None else None,
         "events": ask(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
         "util": getattr(utilization, "gpu", None),
+        "power_usage_mw": ask(pynvml.nvmlDeviceGetPowerUsage, handle),
+        "enforced_mw": ask(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle),
     }
 
 

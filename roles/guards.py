@@ -78,6 +78,9 @@ ENGINE_FAULTS_LOG = "/var/log/rigbook/engine-faults.log"
 
 #: A link this narrow (lanes) or narrower makes tensor parallelism over PCIe crawl.
 NARROW_LINK = 4
+#: The hardware notes: "PCIe Gen 4 slot — Gen 3 works but allreduce on dual-card is slower"; the
+#: generation is read at its max (pcie.link.gen.max): an idle card drops the current one.
+SLOW_GEN = 3
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _DEVICE = re.compile(r"^(GPU|NIC)\d+$")
@@ -664,6 +667,13 @@ def topology_findings(
                     f"without NVLink, and {_pcie_text(gpu)} is a x{width} link: every token "
                     "crosses it; use an x8/x16 slot or a one-card recipe"
                 )
+            elif gpu.pcie_gen_max is not None and gpu.pcie_gen_max <= SLOW_GEN:
+                found.append(
+                    f"recipe {recipe_name or '?'} splits the model over {recipe_gpus} cards "
+                    f"without NVLink, and {_pcie_text(gpu)} is at most a Gen {gpu.pcie_gen_max} "
+                    "link: the hardware notes find allreduce slower there (mild for many "
+                    "users, minimal for one stream); a Gen 4 slot avoids it"
+                )
     return found
 
 
@@ -745,7 +755,8 @@ def topology_report(rig: Rig) -> Iterator:
     at idle, and the reported max) when the operation executes, so GPUs that appear after an
     earlier step's reboot are seen. Warned: NVLink found but ``nvlink: false`` (or the
     reverse), partly inactive NVLinks, a recipe over two or more cards without NVLink on a x4
-    (or narrower) link, and a recipe that sets NCCL_P2P_DISABLE=1 on a rig with NVLink.
+    (or narrower) or Gen 3 (or older) link, and a recipe that sets NCCL_P2P_DISABLE=1 on a rig
+    with NVLink.
     """
     probe = once(NvidiaGpus)
     if probe is None or not probe.ok or not probe.gpus:

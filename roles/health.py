@@ -41,7 +41,7 @@ HEALTH_FIELDS = (
     "clocks_event_reasons.sw_power_cap", "clocks_event_reasons.hw_slowdown",
     "clocks_event_reasons.hw_thermal_slowdown", "clocks_event_reasons.sw_thermal_slowdown",
     "pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current",
-    "pcie.link.width.max", "utilization.gpu",
+    "pcie.link.width.max", "utilization.gpu", "power.draw", "enforced.power.limit",
 )
 #: NVML's clock-event reason bits (nvml.h) -> the nvidia-smi field that reports them.
 EVENT_BITS = {
@@ -58,8 +58,11 @@ _PROBE = Path(__file__).with_name("gpus.py")
 #: Degrees below its T.Limit (temperature.gpu.tlimit: the throttling limit; the slowdown starts
 #: a few degrees earlier) under which a card is about to throttle.
 NEAR_SLOWDOWN_C = 5
-#: The hardware notes' rule: a power plateau at 78 °C means the card is throttling.
+#: The hardware notes' table ("Interpreting draw plateaued below cap sweeps"): actual draw 5-15%
+#: below the cap with the GPU at 78 °C or more is a thermal throttle, "Software cap not the
+#: limit; cooling is" (docs/sources.md, Thermal plateau).
 PLATEAU_C = 78
+PLATEAU_BELOW = (0.05, 0.15)
 #: A link below its maximum matters only while the card works.
 BUSY_PERCENT = 50
 
@@ -76,6 +79,13 @@ class GpuHealth(JsonValue):
         value = self.values.get(field)
         try:
             return int(float(number(value))) if value is not None else None
+        except ValueError:
+            return None
+
+    def watts(self, field: str) -> float | None:
+        value = self.values.get(field)
+        try:
+            return float(number(value)) if value is not None else None
         except ValueError:
             return None
 
@@ -134,6 +144,9 @@ def health_from_probe(probe: dict[str, Any]) -> list[GpuHealth]:
     def text(value: Any) -> str | None:
         return None if value is None else str(value)
 
+    def watts(milliwatts: Any) -> str | None:  # nvidia-smi prints watts, two decimals
+        return None if milliwatts is None else f"{milliwatts / 1000:.2f}"
+
     def flag(value: Any, on: str = "Yes", off: str = "No") -> str | None:
         return None if value is None else on if value else off
 
@@ -153,6 +166,8 @@ def health_from_probe(probe: dict[str, Any]) -> list[GpuHealth]:
             "pcie.link.width.current": text(gpu["pcie_width"]),
             "pcie.link.width.max": text(gpu["pcie_width_max"]),
             "utilization.gpu": text(gpu["util"]),
+            "power.draw": watts(gpu.get("power_usage_mw")),
+            "enforced.power.limit": watts(gpu.get("enforced_mw")),
         }
         for bit, field in EVENT_BITS.items():
             if events is not None and (events & bit or field not in values):
@@ -202,18 +217,36 @@ def _gpu_findings(gpu: GpuHealth) -> list[Finding]:
     if margin is not None and margin <= NEAR_SLOWDOWN_C:
         add("warn", f"{margin} °C below its T.Limit ({temperature} °C now): it is about to "
                     "throttle; check the cooling or lower the cap")
-    if (gpu.active("clocks_event_reasons.sw_power_cap") and temperature is not None
-            and temperature >= PLATEAU_C):
-        add("warn", f"held at its power cap at {temperature} °C: the hardware notes read a "
-                    f"power plateau at {PLATEAU_C} °C as throttling; improve the cooling, or "
-                    "a lower cap loses less")
     busy = gpu.number("utilization.gpu")
+    plateau = thermal_plateau(gpu)
+    if plateau is not None:
+        draw, cap, below = plateau
+        add("warn", f"draws {draw:g} W, {below:.0%} below its {cap:g} W cap, at {temperature} °C "
+                    f"while {busy}% busy: the hardware notes read a draw plateau 5-15% below the "
+                    f"cap at {PLATEAU_C} °C or more as a thermal throttle: the cap is not the "
+                    "limit, cooling is; improve the cooling (airflow, an undervolt, water), "
+                    "which no cap change fixes")
     for kind in ("gen", "width"):
         now, most = gpu.number(f"pcie.link.{kind}.current"), gpu.number(f"pcie.link.{kind}.max")
         if busy is not None and busy >= BUSY_PERCENT and now and most and now < most:
             add("warn", f"PCIe link {kind} {now} of {most} while {busy}% busy: reseat the card "
                         "or check the slot and riser")
     return found
+
+
+def thermal_plateau(gpu: GpuHealth) -> tuple[float, float, float] | None:
+    """(draw W, cap W, share below the cap) when a busy card at PLATEAU_C or more draws 5-15%
+    below its enforced cap without being held at it (sw_power_cap not active): the notes'
+    thermal row. At the cap (sw_power_cap active) the software cap is the limit, not this."""
+    draw, cap = gpu.watts("power.draw"), gpu.watts("enforced.power.limit")
+    temperature, busy = gpu.number("temperature.gpu"), gpu.number("utilization.gpu")
+    if (draw is None or not cap or temperature is None or temperature < PLATEAU_C
+            or busy is None or busy < BUSY_PERCENT
+            or gpu.active("clocks_event_reasons.sw_power_cap")):
+        return None
+    below = 1 - draw / cap
+    low, high = PLATEAU_BELOW
+    return (draw, cap, below) if low <= round(below, 4) <= high else None
 
 
 CHECKS = (Check(

@@ -132,6 +132,11 @@ def rig_problems(rig: Rig, name: str) -> list[str]:
     if plan is not None:  # verify's sizes the operator set, against the context served
         given = [key for key in SIZE_KEYS if key in rig.model_fields_set]
         problems += [f"{name}: {line}" for line in size_problems(rig, plan.recipe, given)]
+    from rigbook.capadvice import psu_inventory_problem
+
+    psu = psu_inventory_problem(rig)
+    if psu is not None:
+        problems.append(f"{name}: psu_watts: {psu}")
     checks = [lambda: rig_tokens(rig)]
     if rig.recipe is None:  # with a recipe, plan_of loaded the folders
         checks.append(lambda: catalogue(rig.serving_recipe_dirs))
@@ -141,6 +146,22 @@ def rig_problems(rig: Rig, name: str) -> list[str]:
         except RigbookError as exc:
             problems.append(f"{name}: {exc}")
     return problems
+
+
+def rig_warnings(rig: Rig, name: str) -> list[str]:
+    """What the host data asks for that costs the rig, short of refusing it: the card's advice
+    for the recipe (from the class; rigbook.cards), the recipe's own flags'
+    (rigbook.recipes.recipe_warnings) and the caps' (rigbook.capadvice)."""
+    from rigbook.capadvice import cap_warnings
+    from rigbook.cards import card_warnings, class_card
+    from rigbook.recipes import recipe_warnings
+    from rigbook.serving import plan_of
+
+    plan, _ = plan_of(rig, name)
+    card = class_card(rig.gpu_class)
+    found = card_warnings(plan.recipe, rig, card) if plan is not None and card else []
+    found += recipe_warnings(plan.recipe, rig) if plan is not None else []
+    return [f"{name}: {text}" for text in found + cap_warnings(rig)]
 
 
 def validate(hosts: list[Host]) -> dict[str, Rig]:
@@ -211,6 +232,9 @@ def check_command_line(argv: list[str]) -> None:
     except RigbookError as exc:
         print(f"--> rigbook: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    for rig_name, rig in rigs.items():
+        for line in rig_warnings(rig, rig_name):
+            print(f"--> rigbook: warning: {line}", file=sys.stderr)
     _checked.update(rigs)
     _checked_argv = list(argv)
 

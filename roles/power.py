@@ -40,6 +40,7 @@ from rich.table import Table
 
 from rigbook import FILES, runfacts
 from rigbook.cap_check import LINE as CAP_LINE
+from rigbook.capadvice import CHECKS as PSU_CHECKS
 from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
@@ -336,7 +337,7 @@ def _power_reads(rig: Rig, rig_name: str) -> list[Read]:
     return [GPUS_READ, UNIT_READ, SYSTEMD_READ]
 
 
-CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True))
+CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True), *PSU_CHECKS)
 
 
 # --- the rig's GPUs ------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rigbook import FILES
+from rigbook.envvars import env_problems
 from rigbook.errors import RigbookError
 from rigbook.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
 from rigbook.types import IpAddress, Line, LocalPath, StrictModel, Word
@@ -85,21 +86,6 @@ TOOL_PARSERS: dict[str, tuple[str, ...]] = {
     "llama.cpp": ("chatml-function-calling",),
 }
 
-#: Environment rigbook itself owns: a recipe may not set these.
-OWN_ENV = (
-    "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME", "CUDA_HOME", "VLLM_API_KEY", "API_KEY",
-    "LLAMA_API_KEY", "HOST", "PORT", "MODEL", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES",
-)
-#: What the dynamic loader and libc read from the environment, which glibc removes for a
-#: privileged program (glibc's sysdeps/generic/unsecvars.h; and every LD_*): a recipe's
-#: environment reaches every program its unit starts, also the pre-start checks that run as root
-#: (before their `env -i`): LD_PRELOAD of a file the engine wrote would run in root's process.
-LOADER_ENV = (
-    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LD_AUDIT", "LD_DEBUG",
-    "LD_DEBUG_OUTPUT", "LD_DYNAMIC_WEAK", "LD_HWCAP_MASK", "LD_LIBRARY_PATH", "LD_ORIGIN_PATH",
-    "LD_PRELOAD", "LD_PROFILE", "LD_SHOW_AUXV", "LD_USE_LOAD_BIAS", "LOCALDOMAIN", "LOCPATH",
-    "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TMPDIR", "TZDIR",
-)
 #: Flags rigbook renders itself (model, address, key, context, memory, parallelism, tool parser)
 #: or that read a file of further flags (--config, --config_file), as each engine's parser
 #: declares them, aliases included (docs/sources.md, "Engine flags"). extra_args may not carry
@@ -126,7 +112,6 @@ OWN_FLAGS: dict[Engine, tuple[str, ...]] = {
 #: declares a flag that looks like one).
 _NEGATIVE = re.compile(r"-\d+|-\d*\.\d+")
 
-_ENV_KEY = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 class ModelPin(StrictModel):
@@ -222,7 +207,15 @@ class MeasuredOn(StrictModel):
     engine: Engine = Field(description="The engine it ran on.")
     venv: str = Field(
         pattern=r"^[a-z0-9][a-z0-9_.-]*$",
-        description="The engine build it is shipped for: the venv (files/venvs/pins.toml).",
+        description="The venv rigbook ships the configuration with (files/venvs/pins.toml): a "
+        "copy with another venv is another configuration.",
+    )
+    build: Line = Field(
+        min_length=1,
+        description="The engine build the source measured it on, in the source's words (`vLLM "
+        "nightly with the notes' patches`), or as a pin (`vllm==0.29.0`). Unless it is one of "
+        "the pins the venv installs, the figures are shown as the source's, measured on "
+        "another build than the recipe's (docs/recipes.md).",
     )
 
 
@@ -256,8 +249,9 @@ class Recipe(StrictModel):
     )
     measured_on: MeasuredOn | None = Field(
         None,
-        description="measured only, required: the cards and engine build the source measured "
-        "(`fits` may not go beyond them, `engine` and `venv` must be theirs).",
+        description="measured only, required: the cards and the engine build the source "
+        "measured on (`fits` may not go beyond the cards; `engine` and `venv` are the ones it "
+        "ships with; `build` says what the source ran).",
     )
     engine: Engine = Field(description="vllm, sglang or llama.cpp (llama-cpp-python's server).")
     venv: str = Field(
@@ -313,7 +307,7 @@ class Recipe(StrictModel):
     def _consistent(self) -> Recipe:
         problems = (
             _engine_problems(self) + _model_problems(self) + _env_problems(self)
-            + _gdn_problems(self) + _figure_problems(self)
+            + _gdn_problems(self) + _figure_problems(self) + _offload_problems(self)
         )
         if problems:
             raise ValueError("; ".join(problems))
@@ -448,7 +442,7 @@ def _measured_on_problem(r: Recipe) -> str | None:
     on = r.measured_on
     if on is None:
         return ("measured_on: a measured configuration says what it was measured on (gpu_class, "
-                "gpu_count, engine, venv)")
+                "gpu_count, engine, venv, build)")
     differ = []
     if not set(r.fits.gpu_class) <= set(on.gpu_class) or r.fits.gpu_count != on.gpu_count:
         differ.append(f"fits {r.fits.gpu_count}x {'/'.join(r.fits.gpu_class)}, measured on "
@@ -460,6 +454,112 @@ def _measured_on_problem(r: Recipe) -> str | None:
     return (f"measured: {'; '.join(differ)}: this is not the configuration its source measured "
             "(a copy with new fits or another engine build); set measured = false, drop "
             "measured_on and quote none of its figures")
+
+
+def installed_packages(recipe: Recipe) -> tuple[str, ...]:
+    """The pins of the venv a shipped recipe installs (files/venvs/pins.toml; empty: unknown)."""
+    for pins in engine_pins().values():
+        if pins.get("venv") == recipe.venv:
+            return tuple(pins["packages"])
+    return ()
+
+
+def measured_on_its_build(recipe: Recipe) -> bool:
+    """Whether the source measured the build the recipe installs: its figures are then the
+    recipe's own; otherwise they are the source's, on another build."""
+    on = recipe.measured_on
+    return on is not None and on.build in installed_packages(recipe)
+
+
+def figures_text(recipe: Recipe) -> str | None:
+    """What a measured recipe's figures are, in the docs (None: it quotes none)."""
+    on = recipe.measured_on
+    if not recipe.measured or on is None:
+        return None
+    if measured_on_its_build(recipe):
+        return f"measured by its source on `{on.build}`, the build this recipe installs"
+    installs = ", ".join(f"`{p}`" for p in installed_packages(recipe)) or f"venv `{recipe.venv}`"
+    return (f"the source's: measured on {on.build}; this recipe installs {installs}, a build no "
+            "source measured, so they are not this recipe's figures")
+
+
+#: vLLM's CPU KV-offload buffer, in GiB; vLLM keeps it in /dev/shm (the runbook's
+#: vllm_offload_<uuid>.mmap, "sized by --kv-offloading-size").
+KV_OFFLOAD_FLAG = "--kv-offloading-size"
+
+
+def kv_offload_gib(recipe: Recipe) -> float | None:
+    """The --kv-offloading-size a vLLM recipe's extra_args pass, in GiB (None: none)."""
+    if recipe.engine != "vllm":
+        return None
+    args = list(recipe.extra_args)
+    for i, arg in enumerate(args):
+        if engine_flag("vllm", arg) != KV_OFFLOAD_FLAG:
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _offload_problems(r: Recipe) -> list[str]:
+    size = kv_offload_gib(r)
+    if size is None or r.estimate.host_ram_gib >= size:
+        return []
+    return [f"estimate.host_ram_gib {r.estimate.host_ram_gib:g} is below the {KV_OFFLOAD_FLAG} "
+            f"{size:g} GiB buffer, which vLLM keeps in /dev/shm, in host RAM (the runbook's "
+            "vllm_offload_<uuid>.mmap; docs/sources.md, Shutdown drain and /dev/shm): count it"]
+
+
+def shm_offload_problem(recipe: Recipe, shm_size: str | None,
+                        mem_total_bytes: int = 0) -> str | None:
+    """The rig's shm_size against the recipe's KV-offload buffer (None: it holds it, or
+    nothing to compare: no buffer, no shm_size, or a percentage without the host's RAM)."""
+    from rigbook.tuning import size_bytes  # tuning imports the roles this module feeds
+
+    size = kv_offload_gib(recipe)
+    if size is None or shm_size is None or (shm_size.endswith("%") and not mem_total_bytes):
+        return None
+    have = size_bytes(shm_size, mem_total_bytes)
+    if have >= size * 1024**3:
+        return None
+    return (f"shm_size {shm_size} ({have / 1024**3:.1f} GiB) cannot hold the recipe's "
+            f"{KV_OFFLOAD_FLAG} {size:g} GiB buffer, which vLLM keeps in /dev/shm "
+            "(docs/sources.md, Shutdown drain and /dev/shm); raise shm_size")
+
+
+#: The runbook: CPU co-execution for weight offload "cannot pay" below this CPU/PCIe bandwidth
+#: ratio (FreeToken's own rule; its X870E dual-channel desktop measured 1.15x).
+OFFLOAD_PAYS_RATIO = 2.0
+#: vLLM flags that put weights in host RAM for the GPU to read over PCIe.
+WEIGHT_OFFLOAD_FLAGS = ("--cpu-offload-gb",)
+#: The failure log: "A 2048 chunked-prefill size ... quadrupled prefill iterations on
+#: single-request 50-90K contexts".
+SMALL_CHUNK, LONG_SINGLE = 2048, 50_000
+
+
+def recipe_warnings(recipe: Recipe, rig: Rig) -> list[str]:
+    """What the sources say a recipe's own flags cost on one rig, short of refusing it."""
+    found = []
+    flags = {engine_flag(recipe.engine, arg) for arg in recipe.extra_args}
+    for flag in WEIGHT_OFFLOAD_FLAGS:
+        if recipe.engine == "vllm" and flag in flags:
+            found.append(
+                f"extra_args {flag}: weights offloaded to host RAM are read over PCIe; the "
+                f"runbook's host measured CPU memory at 1.15x PCIe (a dual-channel desktop), "
+                f"where offload \"cannot pay\" below {OFFLOAD_PAYS_RATIO:g}x: measure the "
+                "rig's ratio before relying on it (docs/sources.md, CPU weight offload)")
+    chunk = recipe.max_num_batched_tokens
+    if (recipe.max_num_seqs == 1 and chunk is not None and chunk <= SMALL_CHUNK
+            and max_model_len_of(recipe, rig) >= LONG_SINGLE):
+        found.append(
+            f"max_num_batched_tokens {chunk} for one sequence of up to "
+            f"{max_model_len_of(recipe, rig)} tokens: the failure log found a 2048 chunk "
+            "\"quadrupled prefill iterations on single-request 50-90K contexts\"; a single "
+            "user is better served by a larger chunk (docs/sources.md, Chunked prefill)")
+    return found
 
 
 def _model_problems(r: Recipe) -> list[str]:
@@ -488,12 +588,8 @@ def _model_problems(r: Recipe) -> list[str]:
     return problems
 
 
-#: Card classes with SM86 silicon (Ampere consumer / workstation).
-SM86_CLASSES = ("rtx3090", "rtx3090ti", "a6000")
 #: The only CUDA runtime GDN kernels build and load with (docs/sources.md, GDN models).
 GDN_CUDA = "13.0"
-#: Longest context for a GDN model on one SM86 card (Cliff 2: "may OOM at >50K single-prompt").
-GDN_SM86_SINGLE_MAX = 50_000
 
 
 def _gdn_problems(r: Recipe) -> list[str]:
@@ -516,28 +612,11 @@ def _gdn_problems(r: Recipe) -> list[str]:
 
 
 def gdn_fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
-    """The GDN traps that need the rig: FlashInfer's GDN kernels on SM86, and a venv whose CUDA
-    is known (a shipped pin set) and is not 13.0."""
+    """The GDN trap that needs the rig's host data: a venv whose CUDA is known (a shipped pin
+    set) and is not 13.0. The card's own GDN limits are rigbook.cards'."""
     if not any(pin.gdn for pin in recipe.models):
         return []
     problems = []
-    if rig.gpu_class in SM86_CLASSES and any("flashinfer" in a.lower() for a in recipe.extra_args):
-        problems.append(
-            f"extra_args select FlashInfer, whose GDN kernels need SM90+; a {rig.gpu_class} is "
-            "SM86, where only the Triton linear-attention backend runs (the failure log; "
-            "docs/sources.md, GDN models)"
-        )
-    context = max_model_len_of(recipe, rig)
-    if (
-        recipe.engine != "llama.cpp" and recipe.tensor_parallel_size == 1
-        and rig.gpu_class in SM86_CLASSES and context > GDN_SM86_SINGLE_MAX
-    ):
-        problems.append(
-            f"max_model_len {context} on one SM86 card: a GDN model's single prompts past ~50K "
-            "may OOM there (Cliff 2), and the hardware notes recommend llama.cpp past ~60K "
-            "(docs/sources.md, Long context on SM86); set serving_max_model_len "
-            f"<= {GDN_SM86_SINGLE_MAX}, split over two cards, or use llama.cpp"
-        )
     venv = next((v for v in rig.venvs if v.name == recipe.venv), None)
     cuda = venv_cuda(venv.packages) if venv is not None else None
     if cuda is not None and cuda != GDN_CUDA:
@@ -600,17 +679,41 @@ def mtp_index_problem(recipe: Recipe, index_text: str | None) -> str | None:
     return None
 
 
+def mixed_linear_attention(index: dict) -> list[str]:
+    """The linear-attention (GDN) projections a checkpoint stores both ways across its layers:
+    `.weight_packed` (quantised) in some layers and plain `.weight` in others, the failure log's
+    half-quantised checkpoint ("some linear-attention layers stored as plain `weight` rather than
+    `weight_packed`"). A projection kept plain in every layer is a choice, not a mix."""
+    kinds: dict[str, set[str]] = {}
+    for name in index.get("weight_map") or {}:
+        parts = name.split(".")
+        if "linear_attn" not in parts or parts[-1] not in ("weight", "weight_packed"):
+            continue
+        at = parts.index("linear_attn")
+        kinds.setdefault(".".join(parts[at:-1]), set()).add(parts[-1])
+    return sorted(module for module, seen in kinds.items() if len(seen) == 2)
+
+
+def gdn_index_problem(recipe: Recipe, index_text: str | None) -> str | None:
+    """An SGLang recipe's GDN checkpoint whose linear-attention layers mix quantised and plain
+    storage: SGLang hung loading such a checkpoint (the failure log; None: fine, or no index)."""
+    if recipe.engine != "sglang" or not recipe.model.gdn or not index_text:
+        return None
+    try:
+        index = json.loads(index_text)
+    except ValueError:
+        return None
+    mixed = mixed_linear_attention(index) if isinstance(index, dict) else []
+    if not mixed:
+        return None
+    return (f"{WEIGHT_INDEX} stores {', '.join(mixed)} as weight_packed in some layers and as "
+            "plain weight in others: SGLang hung loading such a half-quantised checkpoint in the "
+            "failure log, while the fully quantised one loaded (docs/sources.md, MTP); use a "
+            "checkpoint quantised the same way in every layer")
+
+
 def _env_problems(r: Recipe) -> list[str]:
-    problems = []
-    for key in r.env:
-        if not _ENV_KEY.fullmatch(key):
-            problems.append(f"env: {key!r} is not an environment variable name")
-        elif key in OWN_ENV:
-            problems.append(f"env: {key} is set by rigbook")
-        elif key in LOADER_ENV or key.startswith("LD_"):
-            problems.append(f"env: {key} is read by the dynamic loader or libc of every program "
-                            "the unit starts, the root pre-start checks too (docs/serving.md)")
-    return problems
+    return env_problems(r.env, "env")
 
 
 # --- the catalogue ---------------------------------------------------------------------------
@@ -679,6 +782,9 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     elif venv.engine != VENV_ENGINE[recipe.engine]:
         problems.append(f"venv {venv.name} is a {venv.engine} venv; the recipe is {recipe.engine}")
     problems += pattern_problems(recipe, rig)
+    shm = shm_offload_problem(recipe, rig.shm_size)
+    if shm is not None:
+        problems.append(shm)
     if recipe.cpu_only:
         return problems
     if rig.gpu_class not in fits.gpu_class:
@@ -692,6 +798,11 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     if fits.nvlink == "forbidden" and rig.nvlink:
         problems.append("the recipe is for rigs without NVLink (this rig has nvlink: true)")
     problems += gdn_fit_problems(recipe, rig) + override_problems(recipe, rig)
+    from rigbook.cards import card_problems, class_card  # cards reads recipes: imported here
+
+    card = class_card(rig.gpu_class)
+    if card is not None:
+        problems += card_problems(recipe, rig, card)
     card = VRAM_GIB.get(rig.gpu_class)
     need = vram_need_gib(recipe, rig)
     if card is not None and need > card - VRAM_MARGIN_GIB:
@@ -971,8 +1082,10 @@ Words such as TP, SM86, GDN, MTP and Cliff 2 are in the [glossary](glossary.md).
 
 The recipes a source measured come first: their model, flags, context, KV type and memory
 share are that source's configuration, and the figures they quote were measured on it
-(docs/sources.md). The generic recipes that follow serve other models with the settings the
-sources give for the hardware, and quote no figure.
+(docs/sources.md). Each says which engine build the source ran (`measured_on.build`): where
+that is not the build the recipe installs, its figures are the source's, not a promise of what
+rigbook's build serves (their `figures` row says so). The generic recipes that follow serve
+other models with the settings the sources give for the hardware, and quote no figure.
 """
 
 
@@ -986,6 +1099,7 @@ START_WITH: tuple[tuple[GpuClass, int, tuple[Platform, ...], str], ...] = (
     ("rtx3090ti", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
     ("rtx4090", 1, ("ubuntu", "debian", "wsl2"), "qwen36-27b-llamacpp"),
     ("rtx5090", 1, ("ubuntu", "debian", "wsl2"), "qwen36-27b-5090"),
+    ("a5000", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
     ("a6000", 1, ("ubuntu", "debian", "wsl2"), "llamacpp-single"),
     ("other", 2, ("ubuntu", "debian"), "qwen36-27b-dual-20g"),
 )
@@ -1001,7 +1115,10 @@ def _start_with_lines(recipes: dict[str, Recipe]) -> list[str]:
         "| cards | platforms | start with | measured |", "| --- | --- | --- | --- |",
     ]
     for gpu_class, count, platforms, name in START_WITH:
-        measured = "yes: its figures apply" if recipes[name].measured else "no: quotes no figure"
+        recipe = recipes[name]
+        measured = ("no: quotes no figure" if not recipe.measured else
+                    "yes, on this build" if measured_on_its_build(recipe) else
+                    "yes, on another engine build: the figures are the source's")
         lines.append(f"| {count}x {gpu_class} | {', '.join(platforms)} | [`{name}`](#{name}) "
                      f"| {measured} |")
     return lines + [""]
@@ -1042,6 +1159,9 @@ def _recipe_section(recipe: Recipe) -> list[str]:
             rev = "placeholder" if pin.placeholder else f"`{pin.revision}`"
             file = f", file `{pin.file}`" if pin.file else ""
             rows.append((label, f"`{pin.repo}` at {rev}{file}, ~{pin.weights_gib:g} GiB"))
+    figures = figures_text(recipe)
+    if figures:
+        rows.append(("figures", figures))
     est = recipe.estimate
     rows.append((
         "estimate",
@@ -1059,6 +1179,14 @@ def _recipe_section(recipe: Recipe) -> list[str]:
         "",
     ]
     return lines
+
+
+def _configuration(recipe: Recipe) -> str:
+    if not recipe.measured:
+        return "generic: quotes no figure"
+    if measured_on_its_build(recipe):
+        return "measured by its source, on this build"
+    return f"measured by its source on {recipe.measured_on.build}, not on this build"
 
 
 def _fits_text(recipe: Recipe) -> str:
@@ -1100,8 +1228,7 @@ def recipes_markdown() -> str:
     parts = [_DOC_INTRO.format(placeholder=PLACEHOLDER_REVISION[:8] + "...")]
     parts += _start_with_lines({r.name: r for r in recipes}) + ["## Catalogue\n"]
     parts += ["| recipe | engine | fits | configuration |", "| --- | --- | --- | --- |"]
-    parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} | "
-              f"{'measured by its source' if r.measured else 'generic: quotes no figure'} |"
+    parts += [f"| `{r.name}` | {r.engine} | {_fits_text(r)} | {_configuration(r)} |"
               for r in recipes]
     parts.append("")
     for recipe in recipes:

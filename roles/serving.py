@@ -42,7 +42,8 @@ from pyinfra.facts.files import File, FileContents, FindInFile
 from pyinfra.operations import server
 
 from rigbook import FILES, cap_check, power, venv_check
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal
+from rigbook.cards import Card, card_problems, card_warnings, facts_card
+from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal, warn
 from rigbook.errors import RigbookError
 from rigbook.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
 from rigbook.gpus import GpuProbe
@@ -55,6 +56,7 @@ from rigbook.guards import (
     gpu_lost_reason,
     p2p_disable_problem,
 )
+from rigbook.journal import SpecAcceptance, acceptance_warning, journal_hints
 from rigbook.managed import put_commands
 from rigbook.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
 from rigbook.models import CacheState, ModelCache, snapshot_status
@@ -66,6 +68,7 @@ from rigbook.recipes import (
     api_key_variable,
     bind_of,
     engine_argv,
+    gdn_index_problem,
     gpu_memory_utilization_of,
     is_loopback,
     model_path,
@@ -73,6 +76,7 @@ from rigbook.recipes import (
     port_of,
     recipe_for,
     recipe_pins,
+    shm_offload_problem,
     vram_need_gib,
 )
 from rigbook.render import env_line, render, systemd_word
@@ -191,6 +195,7 @@ def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:
     recipe's engine is shown no GPU (an empty CUDA_VISIBLE_DEVICES), as its unit allows none."""
     env = dict(recipe.env)
     env.update(serving_environment(rig))
+    env.update(rig.serving_env)
     env.update({
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_CACHE": rig.models_cache,
@@ -444,15 +449,24 @@ def preflight(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None, cache: 
                                  "add it to the rig's models and run deploys/models.py")
         elif pin.file and pin.file not in cache.repos[spec.repo].snapshots[spec.revision]:
             checks.fail("model", f"{name} has no {pin.file}")
-    mtp = mtp_index_problem(recipe, weight_index)
-    if mtp is not None:
-        checks.fail("model", mtp)
+    for problem in (mtp_index_problem(recipe, weight_index),
+                    gdn_index_problem(recipe, weight_index)):
+        if problem is not None:
+            checks.fail("model", problem)
     _venv(checks, plan, probe, gpus, venv)
     if probe.engines:
         listed = "; ".join(f"pid {pid} `{cmd[:80]}`" for pid, cmd in probe.engines)
         checks.fail("one engine", f"another engine runs outside {UNIT_NAME}: {listed}; stop it "
                                   "first (never two big models at once)")
     return checks.problems + fit_problems(plan, probe, gpus)
+
+
+def reads_weight_index(recipe: Recipe) -> bool:
+    """Whether the preflight reads the checkpoint's weight index: for an MTP head's storage,
+    and for an SGLang GDN model's linear-attention layers."""
+    spec = recipe.speculative
+    return ((spec is not None and spec.method == "mtp")
+            or (recipe.engine == "sglang" and recipe.model.gdn))
 
 
 def fit_problems(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None) -> list[str]:
@@ -465,8 +479,19 @@ def fit_problems(plan: ServePlan, probe: ServeState, gpus: GpuProbe | None) -> l
                                 f"cards; the rig shows {len(gpus.gpus)}")
         else:
             _vram(checks, plan, probe, gpus)
+            card = serving_card(plan, gpus)
+            for problem in card_problems(plan.recipe, plan.rig, card) if card else ():
+                checks.fail("card", problem)
     _host_ram(checks, plan, probe)
+    shm = shm_offload_problem(plan.recipe, plan.rig.shm_size, probe.mem_total_kib * KIB)
+    if shm is not None:
+        checks.fail("host RAM", shm)
     return checks.problems
+
+
+def serving_card(plan: ServePlan, gpus: GpuProbe) -> Card | None:
+    """The card the recipe runs on, as nvidia-smi shows the GPUs it is split over."""
+    return facts_card(sorted(gpus.gpus, key=lambda g: g.index)[: plan.recipe.tensor_parallel_size])
 
 
 def _venv(checks: Preflight, plan: ServePlan, probe: ServeState, gpus: GpuProbe | None,
@@ -595,11 +620,12 @@ def _await_health(state, host, plan: ServePlan, arguments: dict, systemd: bool =
     lines = journal.stdout
     if plan.key is not None:
         lines = plan.key.redact(lines).replace(plan.key.reveal().split("=", 1)[1], "***")
+    hints = "".join(f"\nWhat it shows: {hint}" for hint in journal_hints(lines, plan.rig))
     host.log_styled(
         f"{plan.label} did not come up healthy on {plan.url} "
         f"({result.get('stage', '?')}: {result.get('message')}). Last {JOURNAL_LINES} "
-        f"{'journal' if systemd else 'log'} lines of {what}:\n{lines}\n{what} is stopped: "
-        "this rig serves nothing now.",
+        f"{'journal' if systemd else 'log'} lines of {what}:\n{lines}{hints}\n{what} is "
+        "stopped: this rig serves nothing now.",
         fg="red", log_func=logger.error,
     )
     return False
@@ -669,7 +695,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         venv = once(VenvBuilds, venv_name=plan.recipe.venv)
         topology = once(GpuTopology) if plan.gpu else None
         index = None
-        if plan.recipe.speculative is not None and plan.recipe.speculative.method == "mtp":
+        if reads_weight_index(plan.recipe):
             folder = model_path(plan.recipe.model, plan.rig)
             index = host.get_fact(FileContents, path=f"{folder}/{WEIGHT_INDEX}")
             index = "\n".join(index) if index else None
@@ -933,6 +959,17 @@ def fit_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
             for problem in fit_problems(plan, facts.serving, gpus)]
 
 
+def advice_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """What the card the rig shows costs its recipe, short of refusing it (warnings)."""
+    plan, _ = plan_of(rig, rig_name)
+    probe = facts.probe
+    if plan is None or not plan.gpu or probe is None or not probe.ok or not probe.gpus:
+        return []
+    card = serving_card(plan, probe)
+    return [warn("serving", f"recipe {plan.recipe.name}: {text}", key="recipe")
+            for text in (card_warnings(plan.recipe, rig, card) if card else ())]
+
+
 def _serving_reads(rig: Rig, rig_name: str) -> list[Read]:
     plan, _ = plan_of(rig, rig_name)
     if plan is None:
@@ -945,8 +982,27 @@ def _serving_reads(rig: Rig, rig_name: str) -> list[Read]:
     ]
 
 
+def _speculation_reads(rig: Rig, rig_name: str) -> list[Read]:
+    plan, _ = plan_of(rig, rig_name)
+    if plan is None or plan.recipe.speculative is None:
+        return []
+    return [Read("acceptance", SpecAcceptance, "speculative acceptance (the engine's log)",
+                 (("unit", UNIT_NAME), ("log", SERVE_LOG)))]
+
+
+def speculation_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
+    """A recipe that speculates, against the acceptance its engine logged (a warning)."""
+    plan, _ = plan_of(rig, rig_name)
+    if plan is None or plan.recipe.speculative is None:
+        return []
+    text = acceptance_warning(facts.acceptance)
+    return [warn("serving", f"recipe {plan.recipe.name}: {text}", key="recipe")] if text else []
+
+
 CHECKS = (
     Check("serving", _serving_reads, serving_findings),
+    Check("speculation", _speculation_reads, speculation_findings),
     GPUS,
     Check("serving fit", _serving_reads, fit_findings, gpus=True),
+    Check("card advice", _serving_reads, advice_findings, gpus=True, said=True),
 )

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from rigbook.cards import CLASS_CARDS
+from rigbook.envvars import env_problems
 from rigbook.errors import RigbookError
 from rigbook.secrets import looks_secret
 from rigbook.shmglob import pattern_problem
@@ -24,6 +26,7 @@ from rigbook.types import (
     Glob,
     HttpUrl,
     IpAddress,
+    Line,
     LocalPath,
     RepoId,
     Requirement,
@@ -37,7 +40,7 @@ from rigbook.types import (
     rig_path,
 )
 
-GpuClass = Literal["rtx3090", "rtx3090ti", "rtx4090", "rtx5090", "a6000", "other"]
+GpuClass = Literal["rtx3090", "rtx3090ti", "rtx4090", "rtx5090", "a5000", "a6000", "other"]
 Cooling = Literal["air", "water", "aio"]
 Platform = Literal["ubuntu", "debian", "wsl2"]
 PowerProfile = Literal["sweet-spot", "prefill", "stock"]
@@ -66,8 +69,8 @@ SWEET_SPOTS: dict[tuple[str, str], dict[str, int]] = {
     ("rtx5090", "prefill"): {"air": 400},
 }
 
-#: VRAM per card class in GiB, for recipe fit checks.
-VRAM_GIB = {"rtx3090": 24, "rtx3090ti": 24, "rtx4090": 24, "rtx5090": 32, "a6000": 48}
+#: VRAM per card class in GiB, for recipe fit checks (rigbook.cards.CLASS_CARDS).
+VRAM_GIB = {name: card.vram_gib for name, card in CLASS_CARDS.items()}
 
 #: Host-data keys that belong to pyinfra itself (connectors, global arguments), not to rigbook.
 PYINFRA_KEY = re.compile(r"^(_|ssh_|winrm_|docker_|local_|chroot_|podman_|vagrant_)")
@@ -261,6 +264,19 @@ class Rig(StrictModel):
         {}, description="Per-GPU caps in watts keyed by GPU index ('0') or UUID; override the rest."
     )
 
+    psu_watts: Annotated[StrictInt, Field(ge=200, le=5000)] | None = Field(
+        None,
+        description="The power supply's rating in watts (single rail); none = not checked. The "
+        "GPUs' caps (stock: each card's default limit, read on the rig) plus psu_host_watts "
+        "must fit in it: the hardware notes' \"2 x 330 W ... at least 850 W single rail\" "
+        "(docs/power.md, Power supply).",
+    )
+    psu_host_watts: Annotated[StrictInt, Field(ge=0, le=2000)] = Field(
+        190,
+        description="What the rest of the host draws under load, in watts, beside the GPUs' "
+        "caps (the notes' 850 W for 2 x 330 W leaves 190 W).",
+    )
+
     # -- host tuning --------------------------------------------------------------------------
     sysctl_inotify_max_user_watches: StrictInt = Field(
         1048576,
@@ -445,6 +461,24 @@ class Rig(StrictModel):
     serving_recipe_dirs: tuple[LocalPath, ...] = Field(
         (), description="More recipe folders on the operator's machine (no shadowing names)."
     )
+    serving_env: dict[str, Line] = Field(
+        {},
+        description="Engine environment for this rig over the recipe's and the platform's, e.g. "
+        "{'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:False'} (the hardware notes' override "
+        "knob, \"no edits to tracked files\"): no copied recipe needed. Refused like a "
+        "recipe's env: rigbook's own names, the loader's, and a name that reads as a secret "
+        "(a key goes in serving_api_key_file).",
+    )
+
+    @field_validator("serving_env")
+    @classmethod
+    def _serving_env(cls, env: dict[str, str]) -> dict[str, str]:
+        problems = env_problems(env)
+        problems += [f"{name} reads as a secret; a key goes in a file "
+                     "(serving_api_key_file)" for name in env if _SECRET_FIELD.search(name)]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return env
 
     @model_validator(mode="after")
     def _serving_section(self) -> Rig:
@@ -782,7 +816,7 @@ _DOCS = "docs/host-data.md lists every key"
 def _shown(value: Any, field: str) -> str:
     """How a refused value is shown: short, and never when it could be a secret."""
     text = repr(value)
-    if looks_secret(text) or _SECRET_FIELD.search(field):
+    if looks_secret(text) or _SECRET_FIELD.search(field) or _SECRET_FIELD.search(text):
         return "a value that looks like a secret (not shown)"
     return text if len(text) <= 80 else text[:77] + "..."
 

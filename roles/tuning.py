@@ -368,6 +368,56 @@ class PresentPaths(FactBase[dict]):
         return {path: kind for kind, path in pairs}
 
 
+_SWAPPINESS = "##RIGBOOK_SWAPPINESS##"
+#: Where a sysctl file of the admin's lives (systemd's sysctl.d(5): /etc wins over the rest).
+SYSCTL_FILES = ("/etc/sysctl.conf", "/etc/sysctl.d/*.conf")
+
+
+@dataclass(frozen=True)
+class SwapLeftover(JsonValue):
+    """The active swap areas (/proc/swaps) and the sysctl files that set vm.swappiness."""
+
+    areas: tuple[str, ...]
+    swappiness_files: tuple[str, ...]
+
+
+class SwapLeftovers(FactBase[SwapLeftover]):
+    """
+    ``/proc/swaps`` (a header, then one line per active area) and the files of
+    /etc/sysctl.conf and /etc/sysctl.d that set ``vm.swappiness`` (``grep -H``)::
+
+        Filename                                Type            Size    Used    Priority
+        /dev/dm-1                               partition       892924  29004   -1
+        ##RIGBOOK_SWAPPINESS##
+        /etc/sysctl.d/99-vllm-swap.conf:vm.swappiness = 10
+    """
+
+    def command(self) -> str:
+        return (f"cat /proc/swaps 2>/dev/null; echo '{_SWAPPINESS}'; grep -Hs -E "
+                "'^[[:space:]]*-?vm[./]swappiness[[:space:]]*=' "
+                f"{' '.join(SYSCTL_FILES)}; true")
+
+    def process(self, output: list[str]) -> SwapLeftover:
+        at = output.index(_SWAPPINESS) if _SWAPPINESS in output else len(output)
+        areas = tuple(line.split()[0] for line in output[:at]
+                      if line.strip() and not line.startswith("Filename"))
+        files = tuple(dict.fromkeys(line.split(":", 1)[0] for line in output[at + 1:]
+                                    if ":" in line))
+        return SwapLeftover(areas, files)
+
+
+def swap_leftover_findings(rig: Rig, leftover: SwapLeftover | None) -> list[Finding]:
+    """The runbook's leftover: a file setting vm.swappiness on a box with no swap is inert, and
+    its rationale "cannot happen without swap" (not one rigbook writes or already removes)."""
+    if leftover is None or leftover.areas:
+        return []
+    return [warn("tuning", f"{path} sets vm.swappiness, but the host has no swap: it is inert "
+                           "(the runbook's 99-vllm-swap.conf); list it in stale_files to remove "
+                           "it", key="stale_files")
+            for path in leftover.swappiness_files
+            if path != SYSCTL_CONF and path not in rig.stale_files]
+
+
 def parse_sysctl_conf(lines: Iterable[str]) -> dict[str, str]:
     """`key = value` lines of a sysctl.d file (comments and blanks skipped), as sysctl reads."""
     values = {}
@@ -514,6 +564,7 @@ def tuning_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     if facts.missing(*names):
         return facts.missing(*names)
     found = _sysctl_findings(rig, facts) + _shm_findings(rig, facts)
+    found += swap_leftover_findings(rig, facts.swap)
     live = (facts.sysctl_live or {}).get("fs.inotify.max_user_watches")
     found += inotify_findings(facts.inotify, live.value if live is not None else None)
     for path, kind in (facts.stale_present or {}).items():
@@ -531,6 +582,7 @@ def _tuning_reads(rig: Rig, rig_name: str) -> list[Read]:
         SHM_READ,
         Read("fstab", FileContents, FSTAB, (("path", FSTAB),)),
         Read("inotify", InotifyWatches, "inotify watches per process"),
+        Read("swap", SwapLeftovers, "swap areas and vm.swappiness files"),
     ]
     if rig.stale_files:
         reads.append(Read("stale_present", PresentPaths, "leftover files",

@@ -48,6 +48,7 @@ ARGS = {
     "VenvBuilds": ["venv_name=demo"],
     "VenvLayoutFact": ["venv=/opt/rigbook/venvs/demo"],
     "RegistryValues": ["key=HKLM\\System", 'names=["TdrDelay"]'],
+    "SpecAcceptance": ["unit=rigbook-serve.service", "log=/var/log/rigbook/serve.log"],
 }
 #: Not for the CLI: the one-round-trip batch of other facts' commands (rigbook.checks).
 INTERNAL = {"FactBatch"}

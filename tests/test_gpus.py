@@ -178,6 +178,8 @@ def _fake_pynvml(init_error: str | None = None) -> types.SimpleNamespace:
         nvmlDeviceGetRemappedRows=lambda _: (0, 0, 0, 0),
         nvmlDeviceGetCurrentClocksEventReasons=lambda _: 1,
         nvmlDeviceGetUtilizationRates=lambda _: types.SimpleNamespace(gpu=0, memory=0),
+        nvmlDeviceGetPowerUsage=lambda _: h200["power_usage_mw"],
+        nvmlDeviceGetEnforcedPowerLimit=lambda _: h200["enforced_mw"],
     )
 
 
@@ -196,6 +198,10 @@ def test_probe_main_prints_the_health_readings(monkeypatch, capsys):
     assert {key: gpu[key] for key in health} == {key: real[key] for key in health}
     [reading] = health_from_probe(printed)  # what roles/health.py makes of it
     assert (reading.uuid, reading.values["temperature.gpu"]) == (UUID, "38")
+    h200 = json.JSONDecoder().raw_decode(fixture("nvml.txt"))[0]["gpus"][0]
+    assert (gpu["power_usage_mw"], gpu["enforced_mw"]) == (h200["power_usage_mw"],
+                                                           h200["enforced_mw"])
+    assert reading.watts("enforced.power.limit") == h200["enforced_mw"] / 1000
 
 
 def test_probe_without_nvml_prints_error_and_exits_3(monkeypatch, capsys):

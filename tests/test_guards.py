@@ -1154,9 +1154,10 @@ def test_topology_fact_runs_nvidia_smi_like_the_gpu_facts(tmp_path, monkeypatch)
     assert topo == Topology(smi=str(smi), matrix=TopoMatrix(1, {(0, 0): "X"}), nvlinks={})
 
 
-def gpu(index: int, width: int | None = 16, width_max: int | None = 16, gen: int = 1) -> Gpu:
+def gpu(index: int, width: int | None = 16, width_max: int | None = 16, gen: int = 1,
+        gen_max: int = 4) -> Gpu:
     return Gpu(index=index, uuid=f"GPU-{index}", name="NVIDIA GeForce RTX 3090",
-               bus_id=f"00000000:0{index + 1}:00.0", pcie_gen=gen, pcie_gen_max=4,
+               bus_id=f"00000000:0{index + 1}:00.0", pcie_gen=gen, pcie_gen_max=gen_max,
                pcie_width=width, pcie_width_max=width_max)
 
 
@@ -1183,6 +1184,21 @@ def test_partly_inactive_nvlink_is_reported():
                     nvlinks=parse_nvlink_status(NVLINK_DUAL))
     assert topology_findings(rig(nvlink=True), topo, []) == [
         "GPU 0: NVLink 1 of 4 links inactive (3): reseat the bridge"]
+
+
+def test_a_two_card_recipe_on_a_gen_3_slot_is_reported():
+    """Hardware notes: "PCIe Gen 4 slot — Gen 3 works but allreduce on dual-card is slower
+    (mild impact on multi-tenant; minimal impact on single-stream)". The max is read: the
+    runbook's card "reports pcie.link.gen.current = 1 at idle"."""
+    gpus = [gpu(0), gpu(1, gen=1, gen_max=3)]
+    (finding,) = topology_findings(rig(), PHB_TOPO, gpus, 2, "dual-3090-tp2")
+    assert finding == (
+        "recipe dual-3090-tp2 splits the model over 2 cards without NVLink, and GPU 1 PCIe gen "
+        "1 (max 3) x16 (max x16) is at most a Gen 3 link: the hardware notes find allreduce "
+        "slower there (mild for many users, minimal for one stream); a Gen 4 slot avoids it")
+    assert topology_findings(rig(), PHB_TOPO, gpus, 1) == []  # one card: no allreduce
+    assert topology_findings(rig(), PHB_TOPO, [gpu(0, gen=1), gpu(1, gen=1)], 2) == []  # idle 4
+    assert topology_findings(rig(nvlink=True), NV_TOPO, gpus, 2) == []  # NVLink carries it
 
 
 def test_a_two_card_recipe_on_a_x4_link_is_reported():

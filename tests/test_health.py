@@ -51,8 +51,8 @@ def changed(**values: str) -> str:
     return ", ".join(cells)
 
 
-def findings(row: str) -> list[tuple[str, str]]:
-    facts = Facts(health=parse_health([HEADER, row]))
+def findings(row: str, header: str = HEADER) -> list[tuple[str, str]]:
+    facts = Facts(health=parse_health([header, row]))
     return [(f.level, f.reason) for f in health_findings(RIG, facts, "rig")]
 
 
@@ -77,8 +77,6 @@ def test_the_h200_capture_reads_as_one_healthy_gpu():
      [("warn", "GPU 0: HW thermal slowdown active now")]),
     ({"temperature__gpu": "83", "temperature__gpu__tlimit": "4"},
      [("warn", "GPU 0: 4 °C below its T.Limit (83 °C now)")]),
-    ({"temperature__gpu": "80", "clocks_event_reasons__sw_power_cap": "Active"},
-     [("warn", "GPU 0: held at its power cap at 80 °C")]),
     ({"pcie__link__gen__current": "3", "utilization__gpu": "97"},
      [("warn", "GPU 0: PCIe link gen 3 of 5 while 97% busy")]),
     # An idle card drops its link to save power: no finding (nvidia-smi -q shows the same).
@@ -90,6 +88,38 @@ def test_each_fault_is_one_finding_saying_what_to_do(values, expected):
     assert len(found) == len(expected), found
     assert [(level, reason[:len(want)]) for (level, reason), (_, want) in
             zip(found, expected, strict=True)] == expected, found
+
+
+def powered(draw: str, cap: str, temperature: str, busy: str = "97", sw_cap: str = "Not Active"):
+    """The H200 row with power.draw and enforced.power.limit added, and the throttle inputs."""
+    row = changed(temperature__gpu=temperature, utilization__gpu=busy,
+                  clocks_event_reasons__sw_power_cap=sw_cap)
+    return findings(f"{row}, {draw}, {cap}", header=f"{HEADER}, power.draw [W], "
+                                                    "enforced.power.limit [W]")
+
+
+def test_a_draw_plateau_below_the_cap_at_78_c_is_the_notes_thermal_throttle():
+    """The hardware notes' table: draw 5-15% below the cap ("547W actual at 600W cap on a 5090")
+    with the GPU at >= 78 °C is "Thermal throttle kicking in. Software cap not the limit;
+    cooling is"; the same plateau at the notes' 66 °C is the memory-bandwidth row, no finding."""
+    [(level, reason)] = powered("547.00", "600.00", "80")
+    assert level == "warn" and reason.startswith("GPU 0: draws 547 W, 9% below its 600 W cap, at "
+                                                 "80 °C while 97% busy")
+    assert "cooling is" in reason and "no cap change fixes" in reason
+    assert powered("547.00", "600.00", "66") == []  # the notes' 5090 peak: not thermal
+    assert powered("334.00", "370.00", "76") == []  # the notes' 3090 plateau peaked at 76 °C
+    assert powered("547.00", "600.00", "80", busy="10") == []  # idle: no plateau to read
+
+
+def test_a_card_held_at_its_cap_is_not_the_thermal_row():
+    """The runbook's GB202 "simultaneously power- and thermally-capped (598.76 W, 91 C,
+    clocks_event_reasons.sw_power_cap = Active)": the software cap is the limit there, so the
+    notes' "cap not the limit" row does not fire; neither does a draw outside 5-15% below."""
+    assert powered("598.76", "600.00", "91", sw_cap="Active") == []
+    assert powered("598.76", "600.00", "91") == []  # 0.2% below: at the cap
+    assert powered("450.00", "600.00", "91") == []  # 25% below: not a plateau under the cap
+    [(_, reason)] = powered("510.00", "600.00", "78")  # exactly 15% below, exactly 78 °C
+    assert "15% below its 600 W cap" in reason
 
 
 def test_a_failed_query_is_a_fact_error_and_status_says_health_was_not_read():
@@ -110,14 +140,17 @@ def test_rows_that_do_not_match_the_header_are_a_fact_error():
         GpuHealthReadings().process(smi_output(ROW))
 
 
-def readings(health) -> list[tuple[int, str, dict]]:
-    return [(gpu.index, gpu.uuid, {field: gpu.values.get(field) for field in HEALTH_FIELDS[2:]})
+def readings(health, fields=HEALTH_FIELDS[2:18]) -> list[tuple[int, str, dict]]:
+    """The fields the same-moment capture has (it predates power.draw in the query)."""
+    return [(gpu.index, gpu.uuid, {field: gpu.values.get(field) for field in fields})
             for gpu in health]
 
 
 def test_nvml_and_nvidia_smi_read_the_same_h200_the_same():
     from_nvml = readings(health_from_probe(PROBE))
     assert from_nvml == readings(parse_health(SAME_MOMENT.splitlines()))
+    [gpu] = health_from_probe(PROBE)  # the capture's power_usage_mw / enforced_mw, in watts
+    assert (gpu.watts("power.draw"), gpu.watts("enforced.power.limit")) == (79.0, 700.0)
     [(_, _, values)] = from_nvml
     assert values["temperature.gpu.tlimit"] == "51"  # NVML's margin is nvidia-smi's T.Limit
     assert values["remapped_rows.failure"] == "No" and values["retired_pages.pending"] is None

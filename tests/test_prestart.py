@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from rigbook import FILES, power
+from rigbook.envvars import LOADER_ENV
 from rigbook.errors import RigbookError
 from rigbook.guards import GPU_LOST_HEADLINE, WATCH, XID_SOURCE
-from rigbook.recipes import LOADER_ENV, Recipe, load_recipe
+from rigbook.recipes import Recipe, load_recipe
 from rigbook.serving import (
     CAP_CHECK_PATH,
     CAP_CHECK_SOURCE,

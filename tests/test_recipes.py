@@ -199,7 +199,7 @@ def test_a_generic_recipe_quoting_a_figure_is_refused(description):
         Recipe.model_validate(data)
     data["measured"] = True
     data["measured_on"] = {"gpu_class": ["rtx3090"], "gpu_count": 2, "engine": "vllm",
-                           "venv": "v"}
+                           "venv": "v", "build": "vllm==0.33.0"}
     assert Recipe.model_validate(data).measured
     data["sources"] = []
     with pytest.raises(Exception, match="names the source that measured it"):
@@ -481,34 +481,6 @@ def gdn_rig(gpu_class="rtx3090", packages=("vllm==0.33.0", "torch==2.14.0")) -> 
                venvs=[{"name": "v", "engine": "vllm", "packages": list(packages)}])
 
 
-def test_gdn_models_refuse_flashinfer_on_sm86():
-    recipe = gdn_recipe(extra_args=["--linear-attention-backend=flashinfer"],
-                        fits={"gpu_class": ["rtx3090", "rtx4090"], "gpu_count": 2,
-                              "platforms": ["debian"]})
-    problems = fit_problems(recipe, gdn_rig())
-    assert len(problems) == 1 and "GDN kernels need SM90+; a rtx3090 is SM86" in problems[0]
-    assert "docs/sources.md, GDN models" in problems[0]
-    assert fit_problems(recipe, gdn_rig(gpu_class="rtx4090")) == []
-    assert fit_problems(gdn_recipe(), gdn_rig()) == []  # Triton (the default) on SM86 is fine
-    plain = Recipe.model_validate(recipe_data(extra_args=["--linear-attention-backend=flashinfer"]))
-    assert fit_problems(plain, gdn_rig()) == []  # not a GDN model
-
-
-def test_gdn_models_past_50k_on_one_sm86_card_are_refused():
-    """Hardware notes: Cliff 2, "may OOM at >50K single-prompt context" on a single 3090; TP=2
-    escapes it (docs/sources.md, Long context on SM86)."""
-    one = {"gpu_class": ["rtx3090", "rtx4090"], "gpu_count": 1, "platforms": ["debian"]}
-    long = gdn_recipe(max_model_len=131072, fits=one)
-    rig = Rig(platform="debian", gpu_class="rtx3090", gpu_count=1,
-              venvs=[{"name": "v", "engine": "vllm", "packages": ["vllm==1.0"]}])
-    (problem,) = fit_problems(long, rig)
-    assert problem.startswith("max_model_len 131072 on one SM86 card: a GDN model's single")
-    assert fit_problems(long, rig.model_copy(update={"serving_max_model_len": 50000})) == []
-    assert fit_problems(long, rig.model_copy(update={"gpu_class": "rtx4090"})) == []
-    two = gdn_recipe(max_model_len=131072, tensor_parallel_size=2)
-    assert fit_problems(two, gdn_rig(packages=("vllm==1.0",))) == []
-
-
 def test_gdn_models_need_a_cuda_13_0_venv(monkeypatch):
     from rigbook import recipes
 
@@ -630,6 +602,119 @@ def test_test_recipes_load_from_their_own_folder_without_shadowing(tmp_path: Pat
 def test_recipes_docs_are_generated_from_the_catalogue():
     docs = (ROOT / "docs" / "recipes.md").read_text()
     assert docs == recipes_markdown(), "run `rigbook docs` to regenerate"
+
+
+def test_figures_measured_on_another_engine_build_are_shown_as_the_sources():
+    """Issue 36: qwen36-27b-dual-20g's 82.4 / 107.9 TPS were measured on vLLM nightly with the
+    notes' patches (a patched source clone); rigbook installs the stock vLLM 0.33.0 wheel. The
+    docs show them as the source's; a recipe measured on the build it installs shows its own."""
+    import tomllib
+
+    from rigbook.recipes import figures_text, measured_on_its_build
+
+    docs = (ROOT / "docs" / "recipes.md").read_text()
+    for name in ("qwen36-27b-dual-20g", "qwen36-27b-5090", "qwen36-27b-llamacpp"):
+        recipe = catalogue()[name]
+        assert not measured_on_its_build(recipe), name
+        text = figures_text(recipe)
+        assert text.startswith(f"the source's: measured on {recipe.measured_on.build}; this "
+                               "recipe installs `"), text
+        assert f"| figures | {text} |" in docs
+        assert "not this build's" in " ".join(recipe.description.split()), name
+    assert "vLLM nightly with the notes' patches" in catalogue()[
+        "qwen36-27b-dual-20g"].measured_on.build
+    data = tomllib.loads((RECIPES_DIR / "qwen36-27b-dual-20g.toml").read_text())
+    data["measured_on"]["build"] = "vllm==0.33.0"  # a source that measured rigbook's own pins
+    same = Recipe.model_validate(data)
+    assert measured_on_its_build(same)
+    assert figures_text(same) == ("measured by its source on `vllm==0.33.0`, the build this "
+                                  "recipe installs")
+    del data["measured_on"]["build"]
+    with pytest.raises(ValidationError, match="measured_on.build"):
+        Recipe.model_validate(data)
+
+
+def test_the_kv_offload_buffer_counts_against_host_ram_and_shm_size():
+    """Runbook: /dev/shm "holds vllm_offload_<uuid>.mmap, 42,945,576,960 bytes (40.0 GiB) —
+    vLLM's CPU KV-offload region, sized by --kv-offloading-size", on a host whose free -g read
+    "182 total" and whose /dev/shm is "a 92 G tmpfs"."""
+    from rigbook.recipes import kv_offload_gib, shm_offload_problem
+
+    args = ["--kv-offloading-backend", "native", "--kv-offloading-size", "40"]
+    data = recipe_data(extra_args=args, estimate={"kv_gib": 1, "host_ram_gib": 24})
+    with pytest.raises(ValidationError, match="estimate.host_ram_gib 24 is below the "
+                                              "--kv-offloading-size 40 GiB buffer"):
+        Recipe.model_validate(data)
+    data["estimate"]["host_ram_gib"] = 64
+    recipe = Recipe.model_validate(data)
+    assert kv_offload_gib(recipe) == 40.0
+    for spelling in (["--kv-offloading-size=40"], ["--kv_offloading_size", "40"]):
+        assert kv_offload_gib(Recipe.model_validate({**data, "extra_args": spelling})) == 40.0
+    assert 42_945_576_960 / 1024**3 == pytest.approx(40.0, abs=0.01)
+    assert shm_offload_problem(recipe, "92G") is None
+    problem = shm_offload_problem(recipe, "32G")
+    assert problem.startswith("shm_size 32G (32.0 GiB) cannot hold the recipe's "
+                              "--kv-offloading-size 40 GiB buffer")
+    rig = Rig(platform="debian", gpu_class="rtx3090", gpu_count=2, shm_size="32G",
+              venvs=[{"name": "v", "engine": "vllm", "packages": ["vllm==1.0"]}])
+    assert problem in fit_problems(recipe, rig)
+    # a percentage needs the host's RAM: the serving preflight has MemTotal
+    assert shm_offload_problem(recipe, "50%") is None
+    assert shm_offload_problem(recipe, "50%", 182 * 1024**3) is None  # 91 GiB
+    assert shm_offload_problem(recipe, "20%", 182 * 1024**3).startswith("shm_size 20% (36.4 GiB)")
+    assert shm_offload_problem(Recipe.model_validate(recipe_data()), "1G") is None  # no buffer
+
+
+def test_weight_offload_and_a_small_chunk_for_one_long_sequence_are_said():
+    """Runbook: "CPU STREAM read 64.6 GB/s ... against PCIe H2D 56.4" (1.15x): offload "cannot
+    pay" below FreeToken's 2.0x. Failure log: a 2048 chunk "quadrupled prefill iterations on
+    single-request 50-90K contexts"."""
+    from rigbook.inventory import rig_warnings
+    from rigbook.recipes import recipe_warnings
+
+    rig = Rig(platform="debian", gpu_class="rtx4090", gpu_count=2)
+    (text,) = recipe_warnings(Recipe.model_validate(recipe_data(
+        extra_args=["--cpu_offload_gb", "8"])), rig)
+    assert text.startswith("extra_args --cpu-offload-gb: weights offloaded to host RAM")
+    assert "1.15x PCIe" in text and "below 2x" in text
+    assert round(64.6 / 56.4, 2) == 1.15
+    one = recipe_data(max_num_seqs=1, max_num_batched_tokens=2048, max_model_len=65536)
+    (text,) = recipe_warnings(Recipe.model_validate(one), rig)
+    assert text.startswith("max_num_batched_tokens 2048 for one sequence of up to 65536 tokens")
+    assert recipe_warnings(Recipe.model_validate({**one, "max_num_batched_tokens": 16384}),
+                           rig) == []
+    assert recipe_warnings(Recipe.model_validate({**one, "max_num_seqs": 8}), rig) == []
+    shipped = catalogue()
+    assert all(recipe_warnings(r, example_rig(r)) == [] for r in shipped.values())
+    assert rig_warnings(example_rig(shipped["single-24g-long"]), "r") == []
+
+
+def test_an_sglang_gdn_checkpoint_with_half_quantised_linear_attention_is_refused():
+    """Failure log: SGLang hung loading a checkpoint "half-quantized, with the MTP head and some
+    linear-attention layers stored as plain `weight` rather than `weight_packed`"."""
+    from rigbook.recipes import gdn_index_problem, mixed_linear_attention
+    from rigbook.serving import reads_weight_index
+
+    def index(plain_layers: range, layers: int = 4) -> str:
+        names = {}
+        for i in range(layers):
+            kind = "weight" if i in plain_layers else "weight_packed"
+            names[f"model.layers.{i}.linear_attn.in_proj_qkvz.{kind}"] = "a"
+            names[f"model.layers.{i}.linear_attn.out_proj.weight"] = "a"  # plain everywhere
+            names[f"model.layers.{i}.linear_attn.norm.weight"] = "a"
+        return json.dumps({"weight_map": names})
+
+    model = {"repo": "o/m", "revision": MAIN, "weights_gib": 1, "gdn": True}
+    sglang = Recipe.model_validate(recipe_data(engine="sglang", model=model))
+    problem = gdn_index_problem(sglang, index(range(2, 4)))
+    assert problem.startswith("model.safetensors.index.json stores linear_attn.in_proj_qkvz as "
+                              "weight_packed in some layers and as plain weight in others")
+    assert gdn_index_problem(sglang, index(range(0))) is None  # quantised the same everywhere
+    assert mixed_linear_attention(json.loads(index(range(4)))) == []  # plain everywhere
+    vllm = Recipe.model_validate(recipe_data(model=model))
+    assert gdn_index_problem(vllm, index(range(2, 4))) is None  # the hang was SGLang's
+    assert gdn_index_problem(sglang, "not json") is None
+    assert reads_weight_index(sglang) and not reads_weight_index(vllm)
 
 
 def test_tool_parser_renders_each_engines_own_flags():

@@ -36,6 +36,7 @@ from rigbook.serving import (
     VENV_CHECK_SOURCE,
     ServeProbe,
     ServeState,
+    _await_health,
     parse_probe,
     preflight,
     probe_args,
@@ -200,6 +201,41 @@ def test_env_file_layers_venv_recipe_platform_and_rigbook():
                               "platform": "wsl2", "recipe": "wsl2-dual-3090-tp2"})
     assert 'PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False"' in render_env(
         serve_plan(wsl, "rig3"), LAUNCHER)
+
+
+def test_a_rig_sets_an_engine_variable_without_a_copied_recipe():
+    """Hardware notes: PYTORCH_CUDA_ALLOC_CONF "as a ${...} override knob ... No edits to
+    tracked files needed": serving_env overrides the recipe's and the platform's on one rig,
+    escaped like every env-file value."""
+    rig = dual_rig(serving_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False",
+                                "NCCL_P2P_DISABLE": "0", "ODD": 'a"$b\\c'})
+    body = [x for x in render_env(serve_plan(rig, "rig1"), LAUNCHER).splitlines()
+            if not x.startswith("#")]
+    assert 'PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False"' in body
+    assert 'NCCL_P2P_DISABLE="0"' in body and 'NCCL_P2P_DISABLE="1"' not in body
+    assert 'ODD="a\\"\\$b\\\\c"' in body
+    assert body[-3:] == ['HF_HUB_OFFLINE="1"', 'HF_HUB_CACHE="/var/lib/rigbook/hf/hub"',
+                         'RIGBOOK_RECIPE="dual-3090-draft"']  # rigbook's own still win
+
+
+@pytest.mark.parametrize("env, refused", [
+    ({"LD_PRELOAD": "/var/lib/rigbook-serve/x.so"}, "LD_PRELOAD is read by the dynamic loader"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.check=3"}, "GLIBC_TUNABLES is read by the dynamic loader"),
+    ({"HF_HUB_OFFLINE": "0"}, "HF_HUB_OFFLINE is set by rigbook"),
+    ({"CUDA_VISIBLE_DEVICES": "1"}, "CUDA_VISIBLE_DEVICES is set by rigbook"),
+    ({"lower": "1"}, "'lower' is not an environment variable name"),
+    ({"A B": "1"}, "'A B' is not an environment variable name"),
+    ({"A\nB": "1"}, "is not an environment variable name"),
+    ({"OK": "x\nExecStartPre=/bin/sh"}, "serving_env.OK: one line of text"),
+    ({"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz012345"}, "HF_TOKEN reads as a secret"),
+])
+def test_serving_env_refuses_what_a_recipe_env_may_not_set(env, refused):
+    from rigbook.spec import parse_rig
+
+    data = {**dual_rig().model_dump(exclude_defaults=True), "serving_env": env}
+    with pytest.raises(RigbookError, match=re.escape(refused)) as error:
+        parse_rig("rig1", data)
+    assert "hf_abcdef" not in str(error.value)  # a secret is never shown back
 
 
 # --- the plan's checks --------------------------------------------------------------------------
@@ -641,6 +677,20 @@ def test_a_failed_health_check_shows_the_journal_and_stops_the_unit(tmp_path: Pa
     )
     assert "unrecognized arguments: --no_such_flag 1" in message and "k3y-secret" not in message
     assert message.endswith("rigbook-serve.service is stopped: this rig serves nothing now.")
+    assert "What it shows:" not in message  # no known signature in these lines
+
+
+def test_a_failed_start_on_wsl2_says_a_tdr_reset_is_not_oom():
+    """The hardware notes' TDR signature in the journal of a failed start on a WSL2 rig."""
+    wsl = Rig.model_validate({**dual_rig().model_dump(exclude_defaults=True),
+                              "platform": "wsl2", "recipe": "wsl2-dual-3090-tp2"})
+    plan = serve_plan(wsl, "rig3")
+    tdr = (ROOT / "tests/fixtures/real/journal/tdr-signature-club3090-50.txt").read_text()
+    host = ShellHost({"python3 /opt/rigbook/serving/health.py": json.dumps(
+        {"ok": False, "stage": "engine", "message": "the engine exited"}), "journalctl": tdr})
+    assert _await_health(None, host, plan, {}) is False
+    (message,) = host.logged
+    assert "\nWhat it shows: Windows reset the GPU mid-kernel (TDR" in message
 
 
 # --- caps that fail closed (roles/cap_check.py) -------------------------------------------------
@@ -722,3 +772,16 @@ def test_a_cpu_only_unit_gets_no_gpu_device_and_its_engine_sees_no_gpu():
     assert 'CUDA_VISIBLE_DEVICES=""\n' in render_env(plan, {"CUDA_VISIBLE_DEVICES": "0,1"})
     gpu = serve_plan(dual_rig(), "rig1")
     assert "CUDA_VISIBLE_DEVICES" not in dict(gpu.env)
+
+
+def test_status_warns_when_a_speculating_recipe_accepts_too_little():
+    from rigbook.checks import Facts
+    from rigbook.serving import speculation_findings
+
+    rig = dual_rig()  # dual-3090-draft speculates with a draft model
+    [finding] = speculation_findings(rig, Facts(acceptance=1.2), "rig1")
+    assert (finding.level, finding.key) == ("warn", "recipe")
+    assert finding.reason.startswith("recipe dual-3090-draft: the engine's mean acceptance "
+                                     "length is 1.2 tokens per pass")
+    assert speculation_findings(rig, Facts(acceptance=3.9), "rig1") == []
+    assert speculation_findings(rig, Facts(acceptance=None), "rig1") == []  # none logged yet

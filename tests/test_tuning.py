@@ -42,6 +42,7 @@ from rigbook.tuning import (
     sysctl_values,
     tuning_findings,
 )
+from tests.conftest import ROOT
 from tests.opkit import execute, local_fact, run_op, shell
 
 GIB = 1024**3
@@ -466,3 +467,29 @@ def test_the_fstab_line_is_left_alone_when_the_preflight_read_it_as_wanted():
     commands, _ = run_op(fstab_shm_size, {"FileContents": other, "FindInFile": [fstab_line("8G")]},
                          size="16G")
     assert commands and "size=16G" in commands[0].get_raw_value()
+
+
+def test_a_swappiness_leftover_on_a_box_without_swap_is_said():
+    """Runbook: "/etc/sysctl.d/99-vllm-swap.conf is a leftover setting vm.swappiness = 10 on a
+    box with no swap, so it is inert" ("swapon --show prints nothing"). /proc/swaps as published
+    (tests/fixtures/real/swap/); its header alone is a box without swap."""
+    from rigbook.tuning import _SWAPPINESS, SwapLeftovers, swap_leftover_findings
+
+    real = (ROOT / "tests/fixtures/real/swap/proc-swaps-one-partition.txt").read_text()
+    header = real.splitlines()[:1]
+    grep = ["/etc/sysctl.d/99-vllm-swap.conf:vm.swappiness = 10",
+            "/etc/sysctl.d/99-vllm-swap.conf:vm.swappiness=10"]
+    swapless = SwapLeftovers().process([*header, _SWAPPINESS, *grep])
+    assert swapless.areas == () and swapless.swappiness_files == (
+        "/etc/sysctl.d/99-vllm-swap.conf",)
+    rig = Rig(platform="ubuntu", gpu_class="rtx3090", gpu_count=2)
+    [finding] = swap_leftover_findings(rig, swapless)
+    assert (finding.level, finding.key) == ("warn", "stale_files")
+    assert finding.reason.startswith("/etc/sysctl.d/99-vllm-swap.conf sets vm.swappiness, but "
+                                     "the host has no swap: it is inert")
+    listed = rig.model_copy(update={"stale_files": ("/etc/sysctl.d/99-vllm-swap.conf",)})
+    assert swap_leftover_findings(listed, swapless) == []  # removed as a leftover already
+    swapping = SwapLeftovers().process([*real.splitlines(), _SWAPPINESS, *grep])
+    assert swapping.areas == ("/dev/dm-1",)
+    assert swap_leftover_findings(rig, swapping) == []  # with swap it does something
+    assert SwapLeftovers().process([*header, _SWAPPINESS]).swappiness_files == ()

@@ -1,0 +1,134 @@
+"""What a card is (compute capability, VRAM) and the serving rules the sources key on it.
+
+The sources' limits are about silicon and memory, not about product names: FlashInfer's GDN
+kernels "require SM90+", kernels shipped for SM90 "fail to select or select and then assert" on
+SM120, Cliff 2 is "the chunked-prefill code path that 24 GB single-card configs are forced to
+take", and the SM86 decode slowdown at depth is "architectural, not model-specific"
+(docs/sources.md, Rules keyed on the card). So each rule reads a `Card`: from the rig's
+nvidia-smi (`compute_cap`, `memory.total`) once facts are read, and from its `gpu_class` before
+connecting, where the class alone decides (`other` has no class card: its rules wait for the
+facts). Refusals are `card_problems`, advice is `card_warnings`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rigbook.gpus import Gpu
+
+if TYPE_CHECKING:
+    from rigbook.recipes import Recipe
+    from rigbook.spec import Rig
+
+
+@dataclass(frozen=True)
+class Card:
+    """A card's compute capability (major, minor) and VRAM in GiB; `seen` says where from."""
+
+    compute_cap: tuple[int, int]
+    vram_gib: float
+    seen: str
+
+    @property
+    def sm(self) -> str:
+        return f"SM{self.compute_cap[0]}{self.compute_cap[1]}"
+
+
+#: The classes rigbook knows, as the hardware notes' card table lists them (docs/sources.md).
+CLASS_CARDS = {
+    "rtx3090": Card((8, 6), 24, "gpu_class rtx3090"),
+    "rtx3090ti": Card((8, 6), 24, "gpu_class rtx3090ti"),
+    "rtx4090": Card((8, 9), 24, "gpu_class rtx4090"),
+    "rtx5090": Card((12, 0), 32, "gpu_class rtx5090"),
+    "a5000": Card((8, 6), 24, "gpu_class a5000"),
+    "a6000": Card((8, 6), 48, "gpu_class a6000"),
+}
+#: The compute capability of the SM86 rules, and the first one FlashInfer's GDN kernels run on.
+SM86, SM90 = (8, 6), (9, 0)
+#: Cards of at most this much VRAM take Cliff 2's chunked-prefill path on one card: "24 GB
+#: single-card configs" (a 3090 reports 24576 MiB, a 4090 24564 MiB, a 5090 32607 MiB).
+CLIFF2_VRAM_GIB = 24.5
+#: Longest context for a GDN model on one such card ("may OOM at >50K single-prompt context").
+CLIFF2_MAX_CONTEXT = 50_000
+#: Past this context an SM86 card pays the decode tax: "switch to llama.cpp at >60K context".
+SM86_LONG_CONTEXT = 60_000
+#: Kernels built for SM90 (Hopper) that a recipe can name, by the words that select them.
+SM90_KERNELS = {"FLASHMLA": "FlashMLA", "VLLM_FLASH_ATTN_VERSION=3": "FlashAttention 3"}
+
+
+def class_card(gpu_class: str) -> Card | None:
+    """The card of a class (None: `other`, which only the rig's facts describe)."""
+    return CLASS_CARDS.get(gpu_class)
+
+
+def parse_compute_cap(text: str | None) -> tuple[int, int] | None:
+    """nvidia-smi's `compute_cap` ("8.6", "12.0") as (major, minor); None when it said none."""
+    major, dot, minor = (text or "").strip().partition(".")
+    return (int(major), int(minor)) if dot and major.isdigit() and minor.isdigit() else None
+
+
+def facts_card(gpus: Iterable[Gpu]) -> Card | None:
+    """The card the rig's nvidia-smi shows: the lowest compute capability and the smallest VRAM
+    of its GPUs (a rule holds for the weakest card); None when a GPU does not report either."""
+    seen = [(parse_compute_cap(g.compute_cap), g.memory_total_mib, g) for g in gpus]
+    if not seen or any(cap is None or mib is None for cap, mib, _ in seen):
+        return None
+    cap, mib, gpu = min(seen, key=lambda s: (s[0], s[1]))
+    low = min(m for _, m, _ in seen)
+    return Card(cap, round(low / 1024, 1),
+                f"nvidia-smi: GPU {gpu.index} {gpu.name}, compute_cap {gpu.compute_cap}, "
+                f"{low} MiB")
+
+
+def _selected(recipe: Recipe) -> list[str]:
+    """Every word a recipe passes to its engine: extra_args items and env KEY=value pairs."""
+    return [*recipe.extra_args, *(f"{key}={value}" for key, value in recipe.env.items())]
+
+
+def card_problems(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
+    """Why the recipe cannot serve on this card (empty: nothing the card refuses)."""
+    from rigbook.recipes import max_model_len_of
+
+    if recipe.cpu_only:
+        return []
+    problems = []
+    gdn = any(pin.gdn for pin in recipe.models)
+    words = _selected(recipe)
+    if gdn and card.compute_cap < SM90 and any("flashinfer" in w.lower() for w in words):
+        problems.append(
+            f"extra_args or env select FlashInfer, whose GDN kernels need SM90+; this card is "
+            f"{card.sm} ({card.seen}), where only the Triton linear-attention backend runs (the "
+            "failure log; docs/sources.md, Rules keyed on the card)")
+    if card.compute_cap[0] != SM90[0]:
+        for word, kernel in SM90_KERNELS.items():
+            if any(word in w.upper() for w in words):
+                problems.append(
+                    f"{kernel} is built for SM90 (Hopper); this card is {card.sm} ({card.seen}), "
+                    "where kernels shipped for SM90 fail to select or assert (the runbook; "
+                    "docs/sources.md, Rules keyed on the card)")
+    context = max_model_len_of(recipe, rig)
+    if (gdn and recipe.engine != "llama.cpp" and recipe.tensor_parallel_size == 1
+            and card.vram_gib <= CLIFF2_VRAM_GIB and context > CLIFF2_MAX_CONTEXT):
+        problems.append(
+            f"max_model_len {context} on one {card.vram_gib:g} GiB card ({card.seen}): 24 GB "
+            "single-card configs take the chunked-prefill path where a GDN model's single "
+            "prompts past ~50K may OOM (Cliff 2; docs/sources.md, Rules keyed on the card); set "
+            f"serving_max_model_len <= {CLIFF2_MAX_CONTEXT}, split over two cards (TP=2), or "
+            "use llama.cpp")
+    return problems
+
+
+def card_warnings(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
+    """What the card costs the recipe, short of refusing it."""
+    from rigbook.recipes import max_model_len_of
+
+    context = max_model_len_of(recipe, rig)
+    if (recipe.cpu_only or recipe.engine == "llama.cpp" or card.compute_cap != SM86
+            or context <= SM86_LONG_CONTEXT):
+        return []
+    return [f"max_model_len {context} on {card.sm} ({card.seen}): single-stream decode on SM86 "
+            "slows ~71% from 0 to 131K context, \"architectural, not model-specific\"; the "
+            f"hardware notes switch to llama.cpp past ~{SM86_LONG_CONTEXT // 1000}K "
+            "(docs/sources.md, Long context on SM86)"]
