@@ -18,7 +18,6 @@ import json
 
 import pytest
 
-from inventory.sandbox import PROFILE_DATA
 from rigbook.inventory import parse_rig
 from rigbook.offboard import FOOTPRINT, UNITS, kept
 from rigbook.serving import SERVE_USER, UNIT_NAME
@@ -29,6 +28,14 @@ from tests.test_serving_e2e import CONVERGE, tiny_cpu_args
 from tests.tinymodel import FILE, revision_of, write_tiny_gguf
 
 pytestmark = pytest.mark.sandbox
+
+
+def profile_data() -> dict:
+    """The single-4090 profile's host data. Imported here, not at the top: the sandbox
+    inventory reads the running rigs when imported, and none run while tests are collected."""
+    from inventory.sandbox import PROFILE_DATA
+
+    return PROFILE_DATA["single-4090"]
 
 #: Folders whose content the system changes by itself, or that this file's runs use.
 CHURN = ("/proc", "/sys", "/dev/pts", "/tmp", "/var/tmp", "/var/log/journal", "/var/cache",
@@ -118,7 +125,7 @@ def test_offboard_leaves_nothing_of_rigbook(fresh_rig, tmp_path):
 
     after = files(fresh_rig)
     owned = package_files(fresh_rig)
-    keep = kept(parse_rig(name, PROFILE_DATA["single-4090"]))
+    keep = kept(parse_rig(name, profile_data()))
     assert "/etc/apt/sources.list.d/rigbook-nvidia.sources" in keep  # kept with the driver
     new = sorted(line for line in after - before
                  if not under(path := line.split(" ", 1)[1], (*keep, *NOT_RIGBOOKS))
@@ -136,7 +143,7 @@ def test_offboard_leaves_nothing_of_rigbook(fresh_rig, tmp_path):
     asked = run_pyinfra(SANDBOX_INVENTORY, "deploys/offboard.py", "--limit", name,
                         "--data", 'offboard_remove=["venvs", "models"]')
     assert asked.returncode == 0, asked.explain()
-    keep = kept(parse_rig(name, {**PROFILE_DATA["single-4090"],
+    keep = kept(parse_rig(name, {**profile_data(),
                                  "offboard_remove": ["venvs", "models"]}))
     assert keep == ("/etc/apt/sources.list.d/rigbook-nvidia.sources",
                     "/etc/modprobe.d/rigbook-blacklist-nouveau.conf")
