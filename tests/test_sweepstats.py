@@ -1,14 +1,18 @@
 """The sweep's statistics against synthetic power traces whose true mean and autocorrelation are
 known: AR(1) series x_t = mu + phi (x_{t-1} - mu) + e_t have the integrated autocorrelation time
-dt (1 + phi) / (1 - phi) and the stationary sd sigma_e / sqrt(1 - phi^2)."""
+dt (1 + phi) / (1 - phi) and the stationary sd sigma_e / sqrt(1 - phi^2). And once on a real
+load: the meter's capture on the H200 host."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import re
 
 import pytest
 
+from rigbook.sweepresult import evidence, samples_of
 from rigbook.sweepstats import (
     autocorrelation_time,
     estimate,
@@ -17,6 +21,7 @@ from rigbook.sweepstats import (
     resolvable,
     t95,
 )
+from tests.conftest import ROOT
 
 
 def ar1(n: int, mean: float, sd: float, tau_s: float, dt: float, seed: int) -> list[float]:
@@ -102,3 +107,35 @@ def test_indistinguishable_caps_within_noise_and_distinct_ones_apart():
     c = estimate(ar1(200, 0.080, 0.01, 2, 0.5, 3), 0.5)
     assert indistinguishable(a, b)
     assert not indistinguishable(a, c)
+
+
+def test_the_meter_and_the_statistics_on_a_real_h200_load_at_its_own_cap():
+    """tests/fixtures/nvidia-h200/meter: rigbook's meter (NVML) on the H200 host, idle 20 s,
+    then 60 s of bf16 matmuls at the card's own 700 W cap (nothing was set; capture.sh)."""
+    folder = ROOT / "tests" / "fixtures" / "nvidia-h200" / "meter"
+    cap = float(re.search(r"Current Power Limit\s*:\s*([\d.]+) W",
+                          (folder / "power-before.txt").read_text()).group(1))
+    after = re.search(r"Current Power Limit\s*:\s*([\d.]+) W",
+                      (folder / "power-after.txt").read_text()).group(1)
+    assert cap == float(after) == 700.0  # the live cap, before and after: untouched
+
+    def window(name: str):
+        lines = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines()]
+        assert lines[0] == {"source": "nvml", "interval": 0.25}
+        samples = samples_of(lines[1:])
+        return samples, evidence(samples, samples[0].t, samples[-1].t, cap)
+
+    idle, quiet = window("idle")
+    load, busy = window("load")
+    assert 0.24 <= busy.interval_s <= 0.26 and busy.samples == len(load) > 200
+    assert quiet.mean_w < 0.2 * cap and "gpu_idle" in quiet.clock_reasons and not quiet.cap_bound
+    assert "sw_power_cap" in busy.clock_reasons and busy.cap_bound  # the load meets the cap
+    assert busy.p95_w <= cap * 1.01 and busy.median_w > 0.95 * cap
+    assert busy.energy_source == "counter" and busy.other_processes  # the matmuls' own process
+    draws = [s.total_w for s in load]
+    found = estimate(draws, 0.25)
+    # the samples are not independent: fewer effective ones, a wider interval than naive
+    assert 1 < found.n_eff < len(draws) and found.tau_s > 0.25
+    assert found.half_width > 1.96 * found.sd / math.sqrt(len(draws))
+    assert busy.resolvable_w == pytest.approx(
+        resolvable(found.sd, found.tau_s, busy.seconds), rel=0.01)
