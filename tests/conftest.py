@@ -14,6 +14,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +88,20 @@ def run_pyinfra(inventory: str, deploy: str, *args: str, timeout: int = 900,
     except json.JSONDecodeError:
         results = None
     return PyinfraRun(proc.returncode, proc.stdout, proc.stderr, results)
+
+
+@contextmanager
+def added_rig(profile: str) -> Iterator[dict]:
+    """One more sandbox rig of `profile` beside the session's (`rigbook sandbox add`), removed
+    with all it left when the block ends: for a test that needs a rig nothing else touched."""
+    added = rigbook("sandbox", "add", profile, check=False)
+    assert added.returncode == 0, added.stdout + added.stderr
+    name = added.stdout.split()[0]
+    listing = {rig["name"]: rig for rig in json.loads(rigbook("sandbox", "list", "--json").stdout)}
+    try:
+        yield listing[name]
+    finally:
+        rigbook("sandbox", "remove", name, check=False)
 
 
 def rig_ssh(rig: dict, command: str, check: bool = True) -> subprocess.CompletedProcess:

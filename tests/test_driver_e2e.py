@@ -43,6 +43,21 @@ CONVERGE = "deploys/rig.py"
 BUMP = "deploys/driver.py"
 
 
+#: Status's one line for the simulated mismatch (the sandbox has no /proc/driver/nvidia/version).
+MISMATCH = "driver user-space 580.159, kernel module (not read): reboot to load the 580.159 module"
+
+
+def status_says_mismatch(rig_name: str = "rig1") -> str:
+    """`rigbook status` of a rig in the simulated mismatch: its own state, exit 4, one finding
+    with MISMATCH (returned, for what else must say it)."""
+    seen = rigbook("status", SANDBOX_INVENTORY, "--json", "--limit", rig_name, check=False)
+    assert seen.returncode == 4, seen.stdout + seen.stderr
+    (status,) = json.loads(seen.stdout)["rigs"]
+    assert status["state"] == "driver-mismatch"
+    assert [f["level"] for f in status["findings"] if MISMATCH in f["reason"]] == ["mismatch"]
+    return MISMATCH
+
+
 def versions(rig: dict) -> dict[str, str]:
     """Installed version per stand-in package (absent: not installed)."""
     out = rig_ssh(rig, "dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Version}\\n'").stdout
@@ -127,13 +142,7 @@ def test_driver_install_hold_bump_refuse(sandbox):
     # status and every GPU deploy's preflight say it as one finding, in its own state (issue
     # 35); the sandbox has no /proc/driver/nvidia/version, so the module is "not read"; step 5
     # reboots the rig out of this state.
-    seen = rigbook("status", SANDBOX_INVENTORY, "--json", "--limit", "rig1", check=False)
-    assert seen.returncode == 4, seen.stdout + seen.stderr
-    (status,) = json.loads(seen.stdout)["rigs"]
-    line = ("driver user-space 580.159, kernel module (not read): reboot to load the 580.159 "
-            "module")
-    assert status["state"] == "driver-mismatch"
-    assert [f["level"] for f in status["findings"] if line in f["reason"]] == ["mismatch"]
+    line = status_says_mismatch()
     refused = run_pyinfra(SANDBOX_INVENTORY, "deploys/power_cap.py", "--limit", "rig1")
     assert refused.returncode != 0 and line in refused.stderr, refused.explain()
     assert refused.changed() == {}, refused.explain()

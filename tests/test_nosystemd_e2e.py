@@ -27,7 +27,7 @@ from pyinfra_cli.util import parse_cli_arg
 from rigbook.serving import PIDFILE, SERVE_LOG, SUPERVISE_CONF, SUPERVISE_PATH
 from rigbook.sweep import NO_UNIT_HERE
 from rigbook.units import NO_SYSTEMD
-from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.conftest import ROOT, SANDBOX_INVENTORY, added_rig, rig_ssh, rigbook, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
 from tests.test_serving_e2e import engines, tiny_cpu_args
 from tests.tinymodel import FILE, revision_of, write_tiny_gguf
@@ -42,14 +42,8 @@ UNIT_WORDS = ("systemctl", "daemon-reload", ".service", "drop-in")
 @pytest.fixture(scope="module")
 def bare_rig(sandbox):
     """One nosystemd-4090 rig beside the session's rigs, removed (with all it left) at the end."""
-    added = rigbook("sandbox", "add", "nosystemd-4090", check=False)
-    assert added.returncode == 0, added.stdout + added.stderr
-    name = added.stdout.split()[0]
-    listing = {rig["name"]: rig for rig in json.loads(rigbook("sandbox", "list", "--json").stdout)}
-    try:
-        yield listing[name]
-    finally:
-        rigbook("sandbox", "remove", name, check=False)
+    with added_rig("nosystemd-4090") as rig:
+        yield rig
 
 
 def unit_steps(run) -> list[str]:

@@ -14,15 +14,13 @@ caps are the cards' defaults again. A second offboard changes nothing; one with
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from rigbook.inventory import parse_rig
 from rigbook.offboard import FOOTPRINT, UNITS, kept
 from rigbook.serving import SERVE_USER, UNIT_NAME
 from rigbook.venvs import VENVS_DIR
-from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
+from tests.conftest import SANDBOX_INVENTORY, added_rig, rig_ssh, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
 from tests.test_serving_e2e import CONVERGE, tiny_cpu_args
 from tests.tinymodel import FILE, revision_of, write_tiny_gguf
@@ -51,14 +49,8 @@ LISTING = ("find / " + " ".join(f"-path {p} -prune -o" for p in CHURN)
 @pytest.fixture(scope="module")
 def fresh_rig(sandbox):
     """One single-4090 rig nothing has touched, removed (with all it left) at the end."""
-    added = rigbook("sandbox", "add", "single-4090", check=False)
-    assert added.returncode == 0, added.stdout + added.stderr
-    name = added.stdout.split()[0]
-    listing = {rig["name"]: rig for rig in json.loads(rigbook("sandbox", "list", "--json").stdout)}
-    try:
-        yield listing[name]
-    finally:
-        rigbook("sandbox", "remove", name, check=False)
+    with added_rig("single-4090") as rig:
+        yield rig
 
 
 #: What the kept driver's stand-in packages write from their maintainer scripts (dpkg does not

@@ -22,8 +22,6 @@ blacklist are what is tested. The teardown puts rig1 back as a converge leaves i
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from rigbook.driver import BLACKLIST, PREFERENCES
@@ -39,7 +37,16 @@ from rigbook.serving import (
 from rigbook.spec import Rig
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import debian_subset, ssh_with_input
-from tests.test_driver_e2e import NEW, OLD, PACKAGES, forget_driver, holds, smi_driver, versions
+from tests.test_driver_e2e import (
+    NEW,
+    OLD,
+    PACKAGES,
+    forget_driver,
+    holds,
+    smi_driver,
+    status_says_mismatch,
+    versions,
+)
 
 pytestmark = pytest.mark.sandbox
 
@@ -127,13 +134,7 @@ def test_unattended_upgrade_moves_nothing_held_and_breaks_the_driver_unheld(sand
         smi = rig_ssh(rig, "nvidia-smi -L", check=False)
         assert smi.returncode == 18 and "Driver/library version mismatch" in smi.stdout + smi.stderr
 
-        seen = rigbook("status", SANDBOX_INVENTORY, "--json", "--limit", "rig1", check=False)
-        assert seen.returncode == 4, seen.stdout + seen.stderr
-        (status,) = json.loads(seen.stdout)["rigs"]
-        line = ("driver user-space 580.159, kernel module (not read): reboot to load the 580.159 "
-                "module")
-        assert status["state"] == "driver-mismatch"
-        assert [f["level"] for f in status["findings"] if line in f["reason"]] == ["mismatch"]
+        line = status_says_mismatch()
         table = rigbook("status", SANDBOX_INVENTORY, "--limit", "rig1", check=False)
         assert table.returncode == 4 and "DRIVER MISMATCH" in table.stdout, table.stdout
 
