@@ -1,7 +1,7 @@
 """rigbook's jobs as functions of the package: one per deploy, each for the host pyinfra runs it on.
 
-    pyinfra inventory.py rigbook.jobs.converge              # pyinfra's function form
-    pyinfra inventory.py deploys/rig.py                     # the repository's deploy file
+    pyinfra inventory.py rigbook.jobs.converge      # pyinfra's function form (rigbook init)
+    pyinfra inventory/rigs.py deploys/rig.py        # a clone's deploy file
 
 Both forms run the same code: each file under deploys/ is its docstring and one call of the job
 here, and a deploy file of your own can import and call them (`from rigbook.jobs import
