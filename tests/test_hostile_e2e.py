@@ -32,7 +32,16 @@ from rigbook.guards import REAPER, REAPER_UNIT
 from rigbook.guards import SOURCES as GUARD_FILES
 from rigbook.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
 from rigbook.render import render, systemd_word
-from rigbook.serving import ENV_PATH, SERVE_HOME, SERVE_USER, render_env, render_unit, serve_plan
+from rigbook.serving import (
+    ENV_PATH,
+    SERVE_HOME,
+    SERVE_USER,
+    VENV_CHECK_PATH,
+    VENV_CHECK_SOURCE,
+    render_env,
+    render_unit,
+    serve_plan,
+)
 from rigbook.spec import Rig
 from rigbook.tokens import MIRROR_TOKEN_PATH
 from tests.conftest import ROOT, rig_ssh
@@ -89,6 +98,8 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
         rig_ssh(rig, f"id -u {SERVE_USER} >/dev/null 2>&1 || useradd --system {SERVE_USER}; "
                      f"install -d -o {SERVE_USER} {SERVE_HOME}")
         put(rig, DUMP, DUMPER, "755")
+        had_check = rig_ssh(rig, f"test -e {VENV_CHECK_PATH}", check=False).returncode == 0
+        put(rig, VENV_CHECK_PATH, VENV_CHECK_SOURCE.read_text())  # as the serving role puts it
         put(rig, ENV_HERE, render_env(plan, None))
         put(rig, f"/etc/systemd/system/{UNIT}", unit)
         verify = rig_ssh(rig, f"systemd-analyze verify /etc/systemd/system/{UNIT}", check=False)
@@ -105,12 +116,17 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
         shown = rig_ssh(rig, f"systemctl cat {UNIT}").stdout.splitlines()
         directives = [line.split("=", 1)[0] for line in shown if "=" in line
                       and not line.startswith("#")]
-        assert directives.count("ExecStart") == 1 and "ExecStartPre" not in directives
+        # the one check before the engine: a driver bump's hold (no GPU: no driver to compare)
+        checks = [line for line in shown if line.startswith("ExecStartPre=")]
+        assert directives.count("ExecStart") == 1 and len(checks) == 1, checks
+        assert VENV_CHECK_PATH in checks[0] and "--smi" not in checks[0], checks
         print(f"{UNIT}: systemd-analyze verify clean; argv of {len(seen['argv'])} words and "
               f"{len(seen['env'])} variables read back unchanged; {' '.join(policy.split())}")
     finally:
         rig_ssh(rig, f"systemctl stop {UNIT}; rm -f /etc/systemd/system/{UNIT} {DUMP} {OUT}; "
                      "rm -rf /etc/rigbook-hostile; systemctl daemon-reload", check=False)
+        if not had_check:
+            rig_ssh(rig, f"rm -f {VENV_CHECK_PATH}", check=False)
 
 
 #: Accepted by the types (roles/types.py, roles/spec.py), and as hostile as they allow.
