@@ -23,6 +23,13 @@ __all__ = ["guarded"]  # the guards deployed on rig2 (a fixture of tests/test_gu
 PLANTED = f"{QUARANTINE}/vllm_offload_planted.mmap"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def new_rigs(sandbox):
+    """New rigs before `guarded` deploys the guards: its first run must find rig2 without them,
+    and an earlier module's converge may have left them there."""
+    rigbook("sandbox", "up", str(len(sandbox)))
+
+
 def stat_of(path: str) -> str:
     return ssh(f"stat -c '%u %a %F' {path}").stdout.strip()
 
