@@ -144,28 +144,13 @@ def check_answer(data: dict) -> str:
                        where="choices[0].message.tool_calls")
 
 
-def sse_chunks(lines: Iterable[bytes | str]) -> Iterable[dict]:
-    """The JSON chunks of an SSE chat stream, up to data: [DONE]."""
-    for raw in lines:
-        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            return
-        try:
-            yield json.loads(payload)
-        except ValueError as error:
-            raise ToolProblem("a stream of JSON chunks", f"{payload[:200]!r} ({error})",
-                              SHAPE_HINT) from None
-
-
-def check_stream(lines: Iterable[bytes | str]) -> str:
-    """A streamed answer: delta.tool_calls carry the call (name, then argument fragments, per
-    index) and the last finish_reason is "tool_calls"."""
+def check_stream(chunks: Iterable[dict]) -> str:
+    """A streamed answer, its chunks as rigbook.verify.sse_chunks reads them: delta.tool_calls
+    carry the call (name, then argument fragments, per index) and the last finish_reason is
+    "tool_calls"."""
     calls: dict[int, Call] = {}
     content, finish, deltas = [], None, 0
-    for chunk in sse_chunks(lines):
+    for chunk in chunks:
         for choice in _list(chunk.get("choices") if isinstance(chunk, dict) else None):
             if not isinstance(choice, dict):
                 continue

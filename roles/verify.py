@@ -27,7 +27,7 @@ import random
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -340,6 +340,24 @@ def sample_of(started: float, events: list[tuple[float, str]], usage_tokens: int
     return Sample(started=started, first=events[0][0], last=events[-1][0], tokens=tokens)
 
 
+def sse_chunks(lines: Iterable[bytes | str], head: list[str] | None = None) -> Iterator[dict]:
+    """The JSON chunks of an SSE chat stream, up to `data: [DONE]`; ValueError (naming it) for a
+    chunk that is not JSON. Its first three lines go to `head`, for a message about it."""
+    for raw in lines:
+        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if head is not None and len(head) < 3:
+            head.append(line)
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        try:
+            yield json.loads(payload)
+        except ValueError as error:
+            raise ValueError(f"{payload[:200]!r} ({error})") from None
+
+
 def read_stream(response: requests.Response, clock: Callable[[], float] = time.monotonic,
                 ) -> tuple[list[tuple[float, str]], int | None]:
     """(arrival time, text) of each content chunk of an SSE chat stream, and usage tokens.
@@ -348,16 +366,7 @@ def read_stream(response: requests.Response, clock: Callable[[], float] = time.m
     unfinished UTF-8 character); a role-only or finish chunk carries none.
     """
     events, usage, head = [], None, []
-    for raw in response.iter_lines():
-        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-        if len(head) < 3:
-            head.append(line)
-        if not line or not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            break
-        chunk = json.loads(payload)
+    for chunk in sse_chunks(response.iter_lines(), head):
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content")
             if isinstance(text, str):
@@ -470,10 +479,13 @@ class Ladder:
     def tools_stream(self) -> str:
         with self._tool_request("tools-stream", True) as response:
             try:
-                return toolcheck.check_stream(response.iter_lines())
+                return toolcheck.check_stream(sse_chunks(response.iter_lines()))
             except toolcheck.ToolProblem as problem:
                 raise StepFailed("tools-stream", problem.expected, problem.got,
                                  problem.hint) from None
+            except ValueError as error:  # a chunk that is not JSON
+                raise StepFailed("tools-stream", "a stream of JSON chunks", str(error),
+                                 toolcheck.SHAPE_HINT) from None
 
     def prefill_once(self) -> tuple[int, float]:
         """(prompt tokens the engine counted, seconds) of one ~prefill_tokens prompt."""

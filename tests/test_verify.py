@@ -31,6 +31,7 @@ from rigbook.verify import (
     run_ladder,
     sample_of,
     save_run,
+    sse_chunks,
     verify_plan,
 )
 
@@ -340,15 +341,22 @@ def test_adversarial_tool_answers_fail_the_step_not_the_ladder():
     odd = ['data: {"choices":[{"delta":{"tool_calls":["x",{"index":[1],"function":'
            '{"name":"get_current_weather","arguments":7}}]}}]}', "data: [DONE]"]
     with pytest.raises(toolcheck.ToolProblem, match="to parse as JSON"):
-        toolcheck.check_stream(odd)
+        toolcheck.check_stream(sse_chunks(odd))
     for line in ("data: [1]", 'data: {"choices":5}', 'data: {"choices":["x",{"delta":3}]}',
                  'data: {"choices":[{"delta":{"tool_calls":7},"finish_reason":9}]}'):
         with pytest.raises(toolcheck.ToolProblem, match="a call of get_current_weather"):
-            toolcheck.check_stream([line, "data: [DONE]"])
+            toolcheck.check_stream(sse_chunks([line, "data: [DONE]"]))
     with pytest.raises(toolcheck.ToolProblem, match="a call of"):
         toolcheck.check_answer({"choices": [{"message": {"content": "hi", "tool_calls": 5}}]})
-    with pytest.raises(toolcheck.ToolProblem, match="a stream of JSON chunks"):
-        toolcheck.check_stream(["data: {not json", "data: [DONE]"])
+    with pytest.raises(ValueError, match="'{not json' "):
+        list(sse_chunks(["data: {not json", "data: [DONE]"]))
+
+
+def test_a_stream_that_is_not_json_fails_its_step_with_the_shape_hint(server):
+    fake, url = server
+    run, step = tools_failure(fake, url, stream="data: {not json\n\ndata: [DONE]\n\n")
+    assert run.failed_step == "tools-stream" and step.hint == toolcheck.SHAPE_HINT
+    assert step.expected == "a stream of JSON chunks" and "'{not json'" in step.got
 
 
 def test_stream_arithmetic():
