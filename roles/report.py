@@ -17,6 +17,7 @@ import getpass
 import json
 import re
 import socket
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,28 +29,37 @@ from rigbook.errors import RigbookError
 from rigbook.inventory import load_inventory
 from rigbook.secrets import read_secret_file
 from rigbook.serving import JOURNAL_LINES, SERVE_LOG, UNIT_NAME, plan_of
-from rigbook.status import RigStatus, gather
+from rigbook.status import RigStatus, gather, gpus_of
+from rigbook.types import JsonValue
 from rigbook.verify import results_dir
 
 
-class ServingJournal(FactBase[list[str]]):
+@dataclass(frozen=True)
+class ServingLog(JsonValue):
+    """The serving engine's last lines, and the rig's own host name (for the redactor)."""
+
+    lines: tuple[str, ...] = ()
+    hostname: str | None = None
+
+
+class ServingJournal(FactBase[ServingLog]):
     """The serving engine's last lines: its unit's journal, or the supervisor's log on a host
-    without systemd. Empty when there is neither (no recipe ever served)."""
+    without systemd (none when there is neither: nothing has served), then ``hostname``."""
 
     def command(self) -> str:
         return (f"if [ -d /run/systemd/system ]; then journalctl -u {UNIT_NAME} -n "
                 f"{JOURNAL_LINES} --no-pager -o short-iso -q; else tail -n {JOURNAL_LINES} "
                 f"{SERVE_LOG}; fi 2>/dev/null; hostname")
 
-    def process(self, output: list[str]) -> list[str]:
-        return output
+    def process(self, output: list[str]) -> ServingLog:
+        return ServingLog(tuple(output[:-1]), output[-1].strip()) if output else ServingLog()
 
     @staticmethod
-    def default() -> list[str]:
-        return []
+    def default() -> ServingLog:
+        return ServingLog()
 
 
-#: Read with status's facts, in the same round trip; the last line is the rig's own host name.
+#: Read with status's facts, in the same round trip.
 JOURNAL_READ = Read("serving_journal", ServingJournal, "the serving journal")
 
 #: Tokens and credentials whatever their source: HF, OpenAI-style and bearer tokens, keys and
@@ -123,13 +133,11 @@ def report_markdown(name: str, rig, status: RigStatus, facts: Facts | None, vers
     """The report's markdown, before redaction (`report` redacts it whole)."""
     hard = [f for f in status.findings if f.level != "warn"]
     advisory = [f for f in status.findings if f.level == "warn"]
-    journal = list(facts.serving_journal or []) if facts else []
-    journal = journal[:-1]  # the last line is the rig's host name
+    log = (facts.serving_journal if facts else None) or ServingLog()
     plan, why = plan_of(rig, name)
-    probe = facts.probe if facts else None
     pcie = [{"gpu": g.index, "bus_id": g.bus_id, "gen": g.pcie_gen, "gen_max": g.pcie_gen_max,
              "width": g.pcie_width, "width_max": g.pcie_width_max}
-            for g in (probe.gpus if probe is not None and probe.ok else ())]
+            for g in (gpus_of(facts) if facts else ())]
     last = _last_verify(name)
     facts_json = status.model_dump(mode="json", exclude={"findings"})
     lines = [
@@ -154,7 +162,7 @@ def report_markdown(name: str, rig, status: RigStatus, facts: Facts | None, vers
         "",
         "## Serving journal (last lines)",
         "",
-        _block("\n".join(journal) or "(no journal: nothing has served here)", "text"),
+        _block("\n".join(log.lines) or "(no journal: nothing has served here)", "text"),
         "",
         "## Recipe",
         "",
@@ -185,12 +193,12 @@ def report(inventory_file: str, name: str, version: str) -> tuple[str, int]:
     (status,) = fleet.rigs
     rig, facts = rigs[name], facts_of.get(name)
     host = hosts[0]
-    journal = (facts.serving_journal or []) if facts else []
+    log = (facts.serving_journal if facts else None) or ServingLog()
     names = {name: "<rig>", socket.gethostname(): "<operator-host>", getpass.getuser(): "<user>"}
     for key, placeholder in (("ssh_hostname", "<rig-address>"), ("ssh_user", "<user>")):
         if host.data.get(key):
             names[str(host.data.get(key))] = placeholder
-    if journal:
-        names.setdefault(journal[-1].strip(), "<rig-hostname>")  # often the rig's name
+    if log.hostname:
+        names.setdefault(log.hostname, "<rig-hostname>")  # often the rig's name
     redact = Redactor(names, _secrets_of(rig))
     return redact(report_markdown(name, rig, status, facts, version)), status.exit_code

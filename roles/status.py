@@ -339,7 +339,8 @@ def _read(facts: Facts, *names: str) -> bool:
     return not any(name in facts.unread for name in names)
 
 
-def _gpus(facts: Facts) -> tuple[Gpu, ...]:
+def gpus_of(facts: Facts) -> tuple[Gpu, ...]:
+    """The GPUs nvidia-smi listed, when it was read and answered (else none)."""
     probe = facts.probe
     return probe.gpus if _read(facts, "probe") and probe is not None and probe.ok else ()
 
@@ -532,7 +533,7 @@ def build_rig_status(name: str, rig: Rig, facts: Facts) -> RigStatus:
     (and the API key file) on this machine, as a deploy does.
     """
     findings = [_finding(f) for f in run_checks(rig, name, every_check(), facts)]
-    gpus = _gpus(facts)
+    gpus = gpus_of(facts)
     unit = _unit_row(rig, facts)
     models, cache = _model_rows(rig, facts, name)
     return RigStatus(
