@@ -222,7 +222,8 @@ def shm_default() -> Iterator:
 @operation()
 def default_caps() -> Iterator:
     """
-    Set each GPU's live power limit back to the card's default where it differs (by 0.5 W).
+    Set each GPU's live power limit back to the card's default where it differs (by more than
+    power.TOLERANCE_W).
     """
     probe, why = power._visible_gpus()
     if why is not None:
@@ -230,7 +231,7 @@ def default_caps() -> Iterator:
         return
     todo = [gpu for gpu in probe.gpus if gpu.default_limit_w is not None
             and gpu.power_limit_w is not None
-            and abs(gpu.power_limit_w - gpu.default_limit_w) > 0.5]
+            and not power.same_w(gpu.power_limit_w, gpu.default_limit_w)]
     for gpu in todo:
         yield StringCommand(QuoteString(probe.smi), "-i", QuoteString(gpu.uuid), "-pl",
                             f"{gpu.default_limit_w:g}")
