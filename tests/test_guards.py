@@ -61,7 +61,7 @@ from rigbook.recipes import catalogue
 from rigbook.render import render
 from rigbook.spec import Rig, parse_rig
 from rigbook.status import build_rig_status
-from tests.opkit import execute, local_fact, run_op, shell
+from tests.opkit import execute, run_op, shell
 
 ROOT = Path(__file__).resolve().parent.parent
 GUARDS = ROOT / "files" / "guards"
@@ -1136,22 +1136,6 @@ def test_topology_fact_output():
     assert stand_in.error.startswith("/usr/bin/nvidia-smi topo -m failed: Invalid combination")
     assert parse_topology([guards._TOPO, "##RIGBOOK_NO_SMI##", guards._NVLINK_S,
                            "##RIGBOOK_NO_SMI##"]) == Topology(error="no nvidia-smi")
-
-
-def test_topology_fact_runs_nvidia_smi_like_the_gpu_facts(tmp_path, monkeypatch):
-    """The fact's shell on this machine, with an nvidia-smi that prints the real captures."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text(
-        "#!/bin/sh\n"
-        f'case "$1" in topo) cat {H200 / "topo-m.txt"};; nvlink) cat {H200 / "nvlink-s.txt"};;'
-        " *) exit 2;; esac\n"
-    )
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    topo = local_fact(guards.GpuTopology)
-    assert topo == Topology(smi=str(smi), matrix=TopoMatrix(1, {(0, 0): "X"}), nvlinks={})
 
 
 def gpu(index: int, width: int | None = 16, width_max: int | None = 16, gen: int = 1,

@@ -63,6 +63,7 @@ from rigbook.tokens import (
 )
 from tests.hubstub import Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import local_fact, run_op, shell
+from tests.test_facts_data import captured
 from tests.test_progress import FakeRig
 
 COMMIT = "a" * 40
@@ -686,14 +687,11 @@ def test_operator_token_sources(tmp_path):
         operator_token(rig(models_token_file=str(tmp_path / "nope")), {})
 
 
-def test_secret_file_fact_shows_no_contents(tmp_path):
-    path = tmp_path / "hf-token"
-    assert local_fact(SecretFile, path=str(path)) is None
-    path.write_bytes(Secret(TOKEN).data)
-    path.chmod(0o600)
-    found = local_fact(SecretFile, path=str(path))
-    assert (found.mode, found.sha256) == ("600", Secret(TOKEN).sha256)
-    assert TOKEN not in SecretFile().command(path=str(path)).get_raw_value()
+def test_secret_file_fact_shows_no_contents():
+    # A token file on a real host as SecretFile read it: its mode and hash, never the token.
+    found = captured("tokens.SecretFile/a-token-file")
+    assert (found.mode, found.sha256) == ("600", Secret("hf_not_a_real_token\n").sha256)
+    assert TOKEN not in SecretFile().command(path="/root/hf-token").get_raw_value()
     assert parse_secret_file(["600 root root", "a" * 64]) == SecretFileState(
         "600", "root", "root", "a" * 64)
 

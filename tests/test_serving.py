@@ -34,12 +34,10 @@ from rigbook.serving import (
     UNIT_PATH,
     VENV_CHECK_PATH,
     VENV_CHECK_SOURCE,
-    ServeProbe,
     ServeState,
     _await_health,
     parse_probe,
     preflight,
-    probe_args,
     render_env,
     render_unit,
     serve_plan,
@@ -50,7 +48,8 @@ from rigbook.spec import Rig
 from rigbook.units import start_shell
 from rigbook.venvs import VenvLayout, VenvState
 from tests.conftest import ROOT
-from tests.opkit import FakeHost, describe, execute, file_states, local_fact, run_op
+from tests.opkit import FakeHost, describe, execute, file_states, run_op
+from tests.test_facts_data import captured
 from tests.tinymodel import N_LAYER, cache_layout, revision_of, vocabulary, write_tiny_gguf
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")
@@ -445,9 +444,10 @@ def test_cpu_recipes_skip_the_gpu_checks_and_need_the_gguf_file():
 # --- the probe ----------------------------------------------------------------------------------
 
 
-def test_the_probe_runs_on_a_real_host_and_parses():
-    plan = serve_plan(cpu_rig(), "rig1")
-    probe = local_fact(ServeProbe, args=probe_args(plan))
+def test_the_probe_asks_for_every_serving_file_and_finds_itself_nowhere():
+    # The probe run on a real host that serves nothing (tests/facts/serving.ServeProbe); the
+    # fixture checks that its command is still the one for this plan.
+    probe = captured("serving.ServeProbe/a-host-that-serves-nothing")
     assert probe.mem_total_kib > probe.mem_available_kib > 0
     assert set(probe.files) == {UNIT_PATH, ENV_PATH, KEY_PATH, HEALTH_PATH, CAP_CHECK_PATH,
                                 VENV_CHECK_PATH, POWER_UNIT, SUPERVISE_PATH, SUPERVISE_CONF,

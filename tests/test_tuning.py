@@ -26,8 +26,6 @@ from rigbook.tuning import (
     SYSCTL_CONF,
     SYSCTL_TEMPLATE,
     LiveSysctl,
-    LiveSysctls,
-    Shm,
     ShmState,
     fstab_line,
     parse_live_sysctls,
@@ -44,6 +42,7 @@ from rigbook.tuning import (
 )
 from tests.conftest import ROOT
 from tests.opkit import execute, local_fact, run_op, shell
+from tests.test_facts_data import captured
 
 GIB = 1024**3
 WATCHES = "fs.inotify.max_user_watches"
@@ -116,20 +115,6 @@ def test_sysctl_path_swaps_dots_and_slashes_like_sysctl():
 
 
 # --- live values --------------------------------------------------------------------------------
-
-
-def test_live_sysctls_fact_reads_this_machine():
-    live = local_fact(LiveSysctls, keys=(WATCHES, "net.ipv4.tcp_rmem", "vm.no_such_key"))
-    assert live[WATCHES].value == Path(sysctl_path(WATCHES)).read_text().strip()
-    assert live["net.ipv4.tcp_rmem"].value.split() == (
-        Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()
-    )
-    assert live["vm.no_such_key"].value is None
-    proc_sys_ro = any(
-        line.split()[1] == "/proc/sys" and "ro" in line.split()[3].split(",")
-        for line in Path("/proc/mounts").read_text().splitlines()
-    )
-    assert live[WATCHES].read_only is proc_sys_ro
 
 
 def test_read_only_comes_from_the_deepest_mount():
@@ -212,17 +197,6 @@ def test_live_step_refuses_a_key_the_kernel_lacks():
 # --- /dev/shm -----------------------------------------------------------------------------------
 
 
-def test_shm_fact_reads_this_machine():
-    shm = local_fact(Shm)
-    meminfo = Path("/proc/meminfo").read_text()
-    mem_kib = int(re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.M).group(1))
-    assert shm.mem_total_bytes == mem_kib * 1024
-    df = subprocess.run(["df", "-B1", "--output=size", "/dev/shm"], capture_output=True,
-                        text=True, check=True).stdout.split()
-    assert shm.fstype == "tmpfs" and shm.size_bytes == int(df[-1])
-    assert shm.used_bytes is not None and shm.used_bytes <= shm.size_bytes
-
-
 def test_shm_fact_without_a_mount():
     shm = parse_shm(["df 1000000 0", "MemTotal:       24596720 kB"])
     assert shm == ShmState(None, "", None, None, 24596720 * 1024)
@@ -244,12 +218,11 @@ def test_size_bytes(size, expected):
 
 
 def test_size_bytes_matches_the_kernel_for_percentages():
-    # This machine's own /dev/shm (typically size=50%) read back by df is what size_bytes says
-    # when its size= option is a percentage of MemTotal.
-    shm = local_fact(Shm)
-    match = re.search(r"size=(\d+)k", shm.options)
-    if match:  # the kernel shows the size in k: the same number of bytes as df
-        assert size_bytes(f"{int(match.group(1))}K", shm.mem_total_bytes) == shm.size_bytes
+    # A real host's /dev/shm as the kernel shows it (size= in k) and as df reads it back: the same
+    # bytes, which is what size_bytes says of that size.
+    shm = captured("tuning.Shm/tmpfs-dev-shm")
+    size_k = int(re.search(r"size=(\d+)k", shm.options).group(1))
+    assert size_bytes(f"{size_k}K", shm.mem_total_bytes) == shm.size_bytes
 
 
 def state(size=64 * 1024**2, used=0, mem=24 * GIB, fstype="tmpfs") -> ShmState:
@@ -384,24 +357,15 @@ def test_the_check_refuses_with_every_reason():
     ]
 
 
-def test_a_leftover_that_is_not_a_regular_file_refuses_the_rig_before_any_change(tmp_path):
+def test_a_leftover_that_is_not_a_regular_file_refuses_the_rig_before_any_change():
     """Check first: the preflight reads what each leftover is; a folder, a link, a FIFO there
     refuses the rig before the driver (or anything) changes, instead of failing mid-run."""
-    from rigbook.tuning import PresentPaths
-
-    (tmp_path / "99-vllm-swap.conf").write_text("vm.swappiness = 10\n")
-    (tmp_path / "a folder.conf").mkdir()
-    (tmp_path / "a link.conf").symlink_to(tmp_path / "99-vllm-swap.conf")
-    paths = tuple(str(tmp_path / name) for name in
-                  ("99-vllm-swap.conf", "a folder.conf", "a link.conf", "absent.conf"))
-    present = local_fact(PresentPaths, paths=paths)
-    assert present == {paths[0]: "file", paths[1]: "directory", paths[2]: "link"}
-    cfg = rig(stale_files=["/etc/sysctl.d/99-vllm-swap.conf", "/etc/sysctl.d/x.conf",
-                           "/etc/sysctl.d/y.conf"])
+    stale = ["/etc/sysctl.d/99-vllm-swap.conf", "/etc/sysctl.d/x.conf", "/etc/sysctl.d/y.conf"]
+    cfg = rig(stale_files=stale)
     facts = tuning_facts(cfg, state(size=2 * GIB), live_ok(cfg))
-    facts.store("stale_present", {"/etc/sysctl.d/99-vllm-swap.conf": "file",
-                                  "/etc/sysctl.d/x.conf": "directory",
-                                  "/etc/sysctl.d/y.conf": "link"})
+    # What a real host's PresentPaths read of a file, a folder and a link, in that order.
+    kinds = captured("tuning.PresentPaths/file-folder-link-absent").values()
+    facts.store("stale_present", dict(zip(stale, kinds, strict=True)))
     assert refusals(cfg, facts) == [
         f"rig1: stale_files: /etc/sysctl.d/{name}.conf is a {kind}, not a regular file: rigbook "
         "removes regular files only; allowed: take it out of stale_files" for name, kind in
@@ -416,28 +380,6 @@ def test_the_check_leaves_shm_alone_when_not_asked():
 
 
 # --- inotify watches per process (docs/sources.md, inotify watches) ----------------------------
-
-
-def test_inotify_watches_are_counted_per_process_on_this_machine(tmp_path):
-    import ctypes
-    import os
-
-    from rigbook.tuning import InotifyWatches
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.inotify_init()
-    if fd < 0:
-        pytest.skip("no inotify here")
-    try:
-        for i in range(3):
-            folder = tmp_path / str(i)
-            folder.mkdir()
-            assert libc.inotify_add_watch(fd, str(folder).encode(), 0x100) >= 0  # IN_CREATE
-        holders = local_fact(InotifyWatches)
-        mine = [h for h in holders if h.pid == os.getpid()]
-        assert len(mine) == 1 and mine[0].watches >= 3 and mine[0].uid == os.getuid()
-    finally:
-        os.close(fd)
 
 
 def test_inotify_near_the_limit_names_the_holders():

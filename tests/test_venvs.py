@@ -38,7 +38,6 @@ from rigbook.venvs import (
     NvidiaSmiHeader,
     VenvBuilds,
     VenvLayout,
-    VenvLayoutFact,
     VenvState,
     build_name,
     build_script,
@@ -60,7 +59,8 @@ from rigbook.venvs import (
     venv_environment,
 )
 from tests.conftest import ROOT
-from tests.opkit import execute, local_fact, run_op, shell
+from tests.opkit import execute, run_op, shell
+from tests.test_facts_data import captured
 from tests.test_progress import FakeRig
 
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
@@ -290,19 +290,12 @@ def test_an_older_nvcc_on_path_leaves_the_flashinfer_sampler_off():
     assert "VLLM_USE_FLASHINFER_SAMPLER" not in ok
 
 
-def test_layout_fact_reads_the_release_of_the_nvcc_on_path(tmp_path):
-    venv = tmp_path / "v"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    for release in ("12.8", "13.0"):
-        nvcc = venv / "bin" / "nvcc"
-        nvcc.write_text(
-            "#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
-            f"echo 'Cuda compilation tools, release {release}, V{release}.88'\n"
-        )
-        nvcc.chmod(0o755)
-        layout = local_fact(VenvLayoutFact, venv=str(venv))
-        assert layout.path_nvcc == str(nvcc) and layout.path_nvcc_release == release
-        assert layout.path_nvcc_matches == (release == "13.0")
+@pytest.mark.parametrize("release", ["12.8", "13.0"])
+def test_only_a_13_0_nvcc_on_path_matches_the_cu13_venv(release):
+    # The layout fact on a real host with an nvcc of that release first on PATH.
+    layout = captured(f"venvs.VenvLayoutFact/nvcc-{release}-on-path")
+    assert layout.path_nvcc_release == release
+    assert layout.path_nvcc_matches == (release == "13.0")
 
 
 def render_env(name: str, env: dict[str, str]) -> list[str]:
@@ -329,26 +322,6 @@ def test_env_file_content_with_and_without_nvcc():
     proc = subprocess.run(["sh", "-c", f"set -a; {env_file}\nenv"], capture_output=True,
                           text=True, check=True, env={})
     assert "VLLM_USE_FLASHINFER_SAMPLER=0" in proc.stdout.splitlines()
-
-
-def test_layout_fact_reads_a_real_venv(tmp_path):
-    venv = tmp_path / "v"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    layout = local_fact(VenvLayoutFact, venv=str(venv))
-    assert layout.venv == str(venv) and layout.cu13 is None and not layout.cu13_nvcc
-    site = Path(layout.site_packages)
-    assert site.is_dir() and site.name == "site-packages"
-    (site / "nvidia" / "cu13" / "bin").mkdir(parents=True)
-    (site / "nvidia" / "cu13" / "lib").mkdir()
-    nvcc = site / "nvidia" / "cu13" / "bin" / "nvcc"
-    nvcc.write_text("#!/bin/sh\n")
-    nvcc.chmod(0o755)
-    layout = local_fact(VenvLayoutFact, venv=str(venv))
-    assert layout.cu13 == ("bin", "lib") and layout.cu13_nvcc
-    assert local_fact(VenvLayoutFact, venv=str(tmp_path / "none")) is None
-
-
-# --- builds, swap, prune ------------------------------------------------------------------------
 
 
 def manifest(build: str, driver: str = "580.95.05", digest: str | None = None) -> dict:

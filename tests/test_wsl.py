@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from rigbook.wsl import (
     RegistryValues,
     RegProbe,
     WindowsProfile,
-    WindowsProfiles,
     Wsl,
     WslSignals,
     check_platform,
@@ -46,6 +44,7 @@ from rigbook.wsl import (
     wslconfig_memory,
 )
 from tests.opkit import Calls, execute, file_states, local_fact, run_op, shell
+from tests.test_facts_data import captured
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM_REG = ROOT / "sandbox" / "simulated" / "reg.exe"
@@ -86,10 +85,8 @@ def test_profile_script_exports_it(tmp_path):
 # --- detection ------------------------------------------------------------------------------
 
 
-def test_this_machine_is_not_wsl():
-    signals = local_fact(Wsl)
-    assert signals.kernel == os.uname().release
-    assert not signals.detected
+def test_a_linux_host_is_not_wsl():
+    assert not captured("wsl.Wsl/linux-not-wsl").detected
 
 
 @pytest.mark.parametrize(
@@ -206,11 +203,6 @@ def test_add_fails_with_reg_exe_message_on_other_errors(registry):
     done = run_shell(reg_add_command(r"HKXX\Nowhere", {"TdrDelay": 60}))
     assert done.returncode == 1
     assert "ERROR: Invalid key name." in done.stderr
-
-
-def test_registry_fact_without_reg_exe(monkeypatch, tmp_path):
-    monkeypatch.setattr(wsl, "REG_EXE", str(tmp_path / "reg.exe"))
-    assert "WSL interop off" in probe().error
 
 
 def test_add_command_quotes_the_key():
@@ -342,19 +334,10 @@ def test_windows_path():
     assert windows_path("/root/rigbook-tdr.reg") == "/root/rigbook-tdr.reg"
 
 
-def test_profiles_fact_reads_users_folders(tmp_path, monkeypatch):
-    users = tmp_path / "Users"
-    for name in ("rig", "Public", "Default", "other"):
-        (users / name).mkdir(parents=True)
-    (users / "rig" / ".wslconfig").write_bytes(b"[wsl2]\r\nmemory=32GB\r\n")
-    (users / "desktop.ini").write_text("")
-    monkeypatch.setattr(wsl, "USERS", str(users))
-    profiles = local_fact(WindowsProfiles)
-    assert profiles == [
-        WindowsProfile(f"{users}/other", None),
-        WindowsProfile(f"{users}/rig", "[wsl2]\nmemory=32GB\n\n"),
-    ]
-    assert tdr_file_dir(profiles) == f"{users}/rig"
+def test_the_tdr_file_goes_to_the_profile_with_a_wslconfig():
+    # A real host's folders as WindowsProfiles read them (Public and Default are no one's).
+    profiles = captured("wsl.WindowsProfiles/users-folders")
+    assert tdr_file_dir(profiles) == "/tmp/rigbook-capture/Users/rig"
 
 
 def test_tdr_file_dir_choices():
