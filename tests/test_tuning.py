@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from pyinfra.api import FunctionCommand
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files
 
@@ -23,7 +22,6 @@ from rigbook.spec import Rig
 from rigbook.tuning import (
     FSTAB_SHM_LINE,
     READ_ONLY_NOTE,
-    SYSCTL_CONF,
     SYSCTL_TEMPLATE,
     LiveSysctl,
     ShmState,
@@ -32,7 +30,6 @@ from rigbook.tuning import (
     parse_shm,
     plan_live_sysctl,
     shm_differs,
-    shm_live,
     shm_problem,
     size_bytes,
     sysctl_live,
@@ -41,7 +38,7 @@ from rigbook.tuning import (
     tuning_findings,
 )
 from tests.conftest import ROOT
-from tests.opkit import execute, local_fact, run_op, shell
+from tests.opkit import local_fact, run_op, shell
 from tests.test_facts_data import captured
 
 GIB = 1024**3
@@ -152,20 +149,6 @@ def test_plan_splits_differ_same_read_only_missing():
 VALUES = {WATCHES: "1048576", INSTANCES: "1024"}
 
 
-def test_live_step_applies_the_file_when_values_differ():
-    live = {WATCHES: LiveSysctl("65536", False), INSTANCES: LiveSysctl("128", False)}
-    commands, fake = run_op(sysctl_live, {"LiveSysctls": live}, values=VALUES)
-    assert shell(commands) == [f"sysctl -p {SYSCTL_CONF}"]
-    assert fake.asked == [("LiveSysctls", {"keys": (WATCHES, INSTANCES)})]
-
-
-def test_live_step_is_no_change_when_values_match():
-    live = {WATCHES: LiveSysctl("1048576", False), INSTANCES: LiveSysctl("1024", False)}
-    commands, fake = run_op(sysctl_live, {"LiveSysctls": live}, values=VALUES)
-    assert commands == []
-    assert fake.noops == [f"sysctl values of {SYSCTL_CONF} are live"]
-
-
 def test_read_only_host_warns_once_and_changes_nothing(caplog):
     live = {WATCHES: LiveSysctl("65536", True), INSTANCES: LiveSysctl("128", True)}
     with caplog.at_level(logging.WARNING, logger="pyinfra"):
@@ -184,14 +167,6 @@ def test_mixed_host_writes_the_writable_keys_one_by_one(caplog):
     commands, _ = run_op(sysctl_live, {"LiveSysctls": live}, values=VALUES)
     assert shell(commands) == [f"sysctl -w {INSTANCES}=1024"]
     assert WATCHES in caplog.text
-
-
-def test_live_step_refuses_a_key_the_kernel_lacks():
-    live = {WATCHES: LiveSysctl("1048576", False), INSTANCES: LiveSysctl(None, False)}
-    commands, fake = run_op(sysctl_live, {"LiveSysctls": live}, values=VALUES)
-    assert len(commands) == 1 and isinstance(commands[0], FunctionCommand)
-    assert execute(commands[0], fake) is False
-    assert INSTANCES in fake.logged[0] and "rig1" in fake.logged[0]
 
 
 # --- /dev/shm -----------------------------------------------------------------------------------
@@ -248,29 +223,6 @@ def test_shm_differs_tolerates_one_page():
     assert not shm_differs(2 * GIB, state(size=2 * GIB))
     assert not shm_differs(2 * GIB, state(size=2 * GIB + 4096))
     assert shm_differs(2 * GIB, state(size=64 * 1024**2))
-
-
-def test_shm_live_remounts_when_size_differs():
-    commands, _ = run_op(shm_live, {"Shm": state(size=64 * 1024**2)}, size="2G")
-    assert shell(commands) == ["mount -o remount,size=2G /dev/shm"]
-
-
-def test_shm_live_is_no_change_at_the_size():
-    commands, fake = run_op(shm_live, {"Shm": state(size=2 * GIB)}, size="2G")
-    assert commands == [] and "already 2.0 GiB" in fake.noops[0]
-
-
-def test_shm_live_percentages_compare_in_bytes():
-    mem = 24596720 * 1024
-    commands, _ = run_op(shm_live, {"Shm": state(size=size_bytes("50%", mem), mem=mem)},
-                         size="50%")
-    assert commands == []
-
-
-def test_shm_live_refuses_too_large():
-    commands, fake = run_op(shm_live, {"Shm": state(mem=16 * GIB)}, size="32G")
-    assert len(commands) == 1 and execute(commands[0], fake) is False
-    assert "32G" in fake.logged[0]
 
 
 # --- /etc/fstab -------------------------------------------------------------------------------
