@@ -34,7 +34,6 @@ from rigbook.apt import (
     DpkgInstalled,
     DpkgInterrupted,
     DpkgWork,
-    apt_hold,
     finish_interrupted,
     parse_dpkg_audit,
     upstream_version,
@@ -353,19 +352,6 @@ def test_bump_refuses_only_a_target_that_is_installed_and_running():
 
 
 # --- holds ----------------------------------------------------------------------------------
-
-
-def test_apt_hold_marks_only_what_is_not_held():
-    holds = AptHolds().process((FIXTURES / "apt-mark-showhold.txt").read_text().splitlines())
-    commands, _ = run_op(apt_hold, {"AptHolds": holds},
-                         packages=["libnccl2", "nvidia-smi", "nvidia-open"])
-    assert shell(commands) == ["apt-mark hold nvidia-open nvidia-smi"]
-    commands, fake = run_op(apt_hold, {"AptHolds": holds}, packages=["libnccl2", "libnccl-dev"])
-    assert commands == []
-    assert fake.noops == ["libnccl-dev, libnccl2: already held"]
-    commands, _ = run_op(apt_hold, {"AptHolds": holds}, packages=["libnccl2", "nvidia-smi"],
-                         held=False)
-    assert shell(commands) == ["apt-mark unhold libnccl2"]
 
 
 def test_hold_driver_holds_every_installed_driver_package_once():

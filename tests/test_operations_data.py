@@ -31,8 +31,8 @@ def typed(kind, data):
     if data is None:
         return None
     if origin in (typing.Union, types.UnionType):
-        (inner,) = [arg for arg in args if arg is not type(None)]
-        return typed(inner, data)
+        inner = [arg for arg in args if arg is not type(None)]
+        return typed(inner[0], data) if len(inner) == 1 else data  # int | str: as JSON has it
     if dataclasses.is_dataclass(kind):
         hints = typing.get_type_hints(kind)
         return kind(**{name: typed(hints[name], value) for name, value in data.items()})
@@ -43,6 +43,8 @@ def typed(kind, data):
         return tuple(typed(item, value) for item, value in zip(items, data, strict=True))
     if origin is list:
         return [typed(args[0], value) for value in data]
+    if origin in (set, frozenset):
+        return origin(typed(args[0], value) for value in data)
     return data
 
 
