@@ -102,7 +102,9 @@ def execute(command: FunctionCommand, fake: FakeHost) -> bool:
 
 
 def local_fact(fact_cls, **kwargs):
-    """Run a fact's command on this machine and process its stdout, as pyinfra would."""
+    """Run a fact's command on this machine and process its stdout, as pyinfra would: only for a
+    round trip over what the test itself made (a file it edits with an operation's commands, the
+    stand-in reg.exe). A fact's value on a host comes from a capture (tests/facts/)."""
     fact = fact_cls()
     command = fact.command(**kwargs)
     text = command.get_raw_value() if isinstance(command, StringCommand) else command

@@ -9,10 +9,12 @@ installed from the wheelhouse into a throwaway venv).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import socket
@@ -62,9 +64,10 @@ from rigbook.tokens import (
     rig_tokens,
 )
 from tests.hubstub import Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
-from tests.opkit import local_fact, run_op, shell
+from tests.opkit import run_op, shell
 from tests.test_facts_data import captured
 from tests.test_progress import FakeRig
+from tests.test_rig_programs import load
 
 COMMIT = "a" * 40
 OTHER = "b" * 40
@@ -113,8 +116,17 @@ def make_repo(cache: Path, repo: str, commit: str, files: dict[str, bytes], *,
     return top
 
 
+CACHE_PROGRAM = load("cache")
+
+
 def read_cache(cache: Path) -> CacheState:
-    return local_fact(ModelCache, cache=str(cache))
+    """ModelCache's value for a cache a test built: the fact's rig-side program run in-process on
+    it, its output read by the fact (tests/test_rig_programs.py: what the fact's command prints
+    on a real host is the same)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        CACHE_PROGRAM.main(["cache.py", str(cache)])
+    return ModelCache().process(printed.getvalue().splitlines())
 
 
 FILES_A = {"config.json": b'{"model_type": "llama"}\n', "model.safetensors": b"\x01" * 4096,
@@ -690,7 +702,7 @@ def test_operator_token_sources(tmp_path):
 def test_secret_file_fact_shows_no_contents():
     # A token file on a real host as SecretFile read it: its mode and hash, never the token.
     found = captured("tokens.SecretFile/a-token-file")
-    assert (found.mode, found.sha256) == ("600", Secret("hf_not_a_real_token\n").sha256)
+    assert (found.mode, found.sha256) == ("600", Secret("hf_not_a_real_token").sha256)
     assert TOKEN not in SecretFile().command(path="/root/hf-token").get_raw_value()
     assert parse_secret_file(["600 root root", "a" * 64]) == SecretFileState(
         "600", "root", "root", "a" * 64)

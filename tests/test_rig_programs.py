@@ -9,6 +9,7 @@ reads the file when it builds its command, not when rigbook is imported.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import shlex
@@ -20,7 +21,7 @@ import pytest
 from rigbook import FILES, models, serving
 from rigbook.models import ModelCache, parse_cache
 from rigbook.serving import ServeProbe, parse_probe, probe_args, serve_plan
-from tests.opkit import local_fact
+from tests.test_facts_data import captured
 from tests.test_serving import cpu_rig
 
 PROGRAMS = {"probe": FILES / "serving" / "probe.py", "cache": FILES / "models" / "cache.py"}
@@ -51,12 +52,15 @@ def test_importing_a_rig_program_runs_nothing(name, capsys):
 
 
 def test_cache_main_prints_what_the_fact_reads(tmp_path, capsys):
+    """main run here on a cache prints what the fact's command printed on a real host for the
+    same layout (tests/facts/models.ModelCache: make_repo's cache, sent there)."""
     from tests.test_models import COMMIT, FILES_A, make_repo
 
     make_repo(tmp_path, "org/model", COMMIT, FILES_A, lfs=("model.safetensors",))
     load("cache").main(["cache.py", str(tmp_path)])
     state = parse_cache(capsys.readouterr().out)
-    assert state == local_fact(ModelCache, cache=str(tmp_path))
+    real = captured("models.ModelCache/one-repo-with-an-lfs-file")
+    assert state == dataclasses.replace(real, cache=str(tmp_path))
     assert state.repos["org/model"].snapshots[COMMIT]["model.safetensors"] == 4096
 
 

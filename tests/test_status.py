@@ -69,8 +69,8 @@ from rigbook.tuning import (
 )
 from rigbook.venvs import MANIFEST, LiveDriver, VenvBuilds, build_name, smoke_input, spec_hash
 from rigbook.wsl import RegProbe, WindowsProfile, WslSignals
-from tests.opkit import local_fact
-from tests.test_models import FILES_A, make_repo
+from tests.test_facts_data import captured
+from tests.test_models import FILES_A, make_repo, read_cache
 from tests.test_real_fixtures import REAL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -648,23 +648,27 @@ def write_build(root: Path, rig: Rig, name: str, driver: str | None, *, digest: 
     return build
 
 
+#: Where the captured venv builds lie (tests/facts/capture.py, layouts: write_build's builds).
+CAPTURED_VENVS = Path("/tmp/rigbook-capture/venvs")
+
+
 def read_venvs(rig: Rig, facts: Facts) -> Facts:
-    """VenvBuilds run here for every venv of the rig (VENVS_DIR patched to a temp dir)."""
+    """VenvBuilds of every venv of the rig, as a real host read write_build's builds
+    (tests/facts/venvs.VenvBuilds; VENVS_DIR patched to where they lay there)."""
     for spec in rig.venvs:
-        facts.store(f"venvs:{spec.name}", local_fact(VenvBuilds, venv_name=spec.name))
+        facts.store(f"venvs:{spec.name}", captured(f"venvs.VenvBuilds/{spec.name}"))
     return facts
 
 
-def test_venvs_current_stale_incompatible_changed_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(venvs_role, "VENVS_DIR", str(tmp_path))
+def test_venvs_current_stale_incompatible_changed_missing(monkeypatch):
+    root = CAPTURED_VENVS
+    monkeypatch.setattr(venvs_role, "VENVS_DIR", str(root))
     names = ["ok", "old", "cu132", "changed", "cut", "absent", "mine"]
     rig = dual_3090(venvs=[{"name": name, **VENV} for name in names])
-    ok = write_build(tmp_path, rig, "ok", "580.95.05")
-    write_build(tmp_path, rig, "old", "580.76.05")
-    write_build(tmp_path, rig, "cu132", "580.95.05", cuda_runtime="13.2")
-    write_build(tmp_path, rig, "changed", "580.95.05", digest="0123456789ab")
-    cut = write_build(tmp_path, rig, "cut", "580.95.05", finished=False)
-    (tmp_path / "mine").mkdir()  # someone's own venv where rigbook's symlink goes
+    # Captured: ok, old (driver 580.76.05), cu132 (its CUDA 13.2 runtime), changed (another
+    # digest), cut (no manifest), no absent, and mine: someone's own folder where the link goes.
+    ok, cut = (build_name(name, spec_hash(rig.venvs[i], rig), STAMP)
+               for i, name in ((0, "ok"), (4, "cut")))
     status = build_rig_status("rig1", rig, read_venvs(rig, converged_dual(rig)))
     assert [(v.name, v.state) for v in status.venvs] == [
         ("ok", "current"), ("old", "stale"), ("cu132", "incompatible"),
@@ -682,10 +686,10 @@ def test_venvs_current_stale_incompatible_changed_missing(tmp_path, monkeypatch)
         "580.95.05 (CUDA error 804): run deploys/venvs.py (and check the pins against the "
         "driver)",
         f"venv changed: spec changed (0123456789ab -> {digest}): deploys/rig.py rebuilds it",
-        f"venv cut: {tmp_path}/cut -> {tmp_path}/{cut}, which is not a finished build: "
+        f"venv cut: {root}/cut -> {root}/{cut}, which is not a finished build: "
         "deploys/rig.py builds it",
         "venv absent: not built: deploys/rig.py builds it",
-        f"venvs[mine]: {tmp_path}/mine exists and is not rigbook's symlink: move it away",
+        f"venvs[mine]: {root}/mine exists and is not rigbook's symlink: move it away",
     ]
     assert status.state == "drift"
     text = table_text(status, width=400)
@@ -710,8 +714,8 @@ def test_models_complete_partial_missing_and_unlisted(tmp_path):
               {"repo": "org/missing", "revision": REV_A}]
     rig = dual_3090(models_cache=str(tmp_path), models=models)
     facts = converged_dual(rig)
-    # the role's own script, run here
-    facts.store("cache", local_fact(ModelCache, cache=str(tmp_path)))
+    # the role's own script, run in-process on the cache the test built
+    facts.store("cache", read_cache(tmp_path))
     status = build_rig_status("rig1", rig, facts)
     assert [(m.repo, m.state, m.files, m.missing_files) for m in status.models] == [
         ("org/complete", "complete", 3, None), ("org/partial", "partial", 3, 1),
@@ -764,11 +768,10 @@ def probe_output(active: str = "active", sub: str = "running", enabled: str = "e
     }, sort_keys=True)]
 
 
-def recipe_lines(rig: Rig, folder: Path) -> list[str] | None:
-    """FindInFile(^RIGBOOK_RECIPE=), run here on the engine.env serving.render_env writes."""
-    env = folder / "engine.env"
-    env.write_text(render_env(serve_plan(rig, "rig1"), None))
-    return local_fact(FindInFile, path=str(env), pattern="^RIGBOOK_RECIPE=")
+def recipe_lines(rig: Rig) -> list[str]:
+    """What FindInFile(^RIGBOOK_RECIPE=) reads of the engine.env serving.render_env writes."""
+    env = render_env(serve_plan(rig, "rig1"), None).splitlines()
+    return [line for line in env if line.startswith("RIGBOOK_RECIPE=")]
 
 
 HEALTHY = {"ok": True, "model": "tiny", "seconds": 0.0}
@@ -777,17 +780,17 @@ REFUSED = {"ok": False, "stage": "models", "seconds": 0.0,
 
 
 def test_serving_recipe_unit_state_and_health(tmp_path, monkeypatch):
-    monkeypatch.setattr(venvs_role, "VENVS_DIR", str(tmp_path / "venvs"))
+    # The tiny-cpu build as a real host read it (tests/facts/venvs.VenvBuilds/tiny-cpu).
+    monkeypatch.setattr(venvs_role, "VENVS_DIR", "/tmp/rigbook-capture/serve/venvs")
     rig = tiny_rig(tmp_path)
-    write_build(tmp_path / "venvs", rig, "tiny-cpu", "580.95.05")
     make_repo(tmp_path / "hub", "local/tiny", REV_A, {"tiny.gguf": b"GGUF" * 64},
               patterns=(("tiny.gguf",), ()))  # a GGUF recipe's repo: its file only
     base = read_venvs(rig, converged_dual(rig))
-    base.store("cache", local_fact(ModelCache, cache=str(tmp_path / "hub")))
+    base.store("cache", read_cache(tmp_path / "hub"))
 
     def serving(probe: list[str], recipe_of: Rig = rig, **changes) -> RigStatus:
         facts = base.replace(serving=ServeProbe().process(probe),
-                        serving_recipe=recipe_lines(recipe_of, tmp_path), **changes)
+                        serving_recipe=recipe_lines(recipe_of), **changes)
         return build_rig_status("rig1", rig, facts)
 
     def reasons(status: RigStatus) -> list[str]:
@@ -831,16 +834,14 @@ def test_serving_recipe_unit_state_and_health(tmp_path, monkeypatch):
                             f"`{engine[1]}`"]
     assert two.serving.other_engines == [f"pid 4242 {engine[1]}"]
 
-    # The serving role's probe run for real on this machine, where nothing is set up.
-    plan = serve_plan(rig, "rig1")
-    bare = base.replace(serving=local_fact(ServeProbe, args=probe_args(plan)),
-                   serving_recipe=local_fact(FindInFile, path=str(tmp_path / "no.env"),
-                                             pattern="^RIGBOOK_RECIPE="))
+    # The serving role's probe on a real host where nothing is set up (no systemd there: the
+    # supervisor's file is what is missing), and its engine.env absent.
+    bare = base.replace(serving=captured("serving.ServeProbe/a-host-that-serves-nothing"),
+                        serving_recipe=captured("serving.FindInFile/no-engine-env"))
     unset = build_rig_status("rig1", rig, bare)
-    runner = ("rigbook-serve.service" if bare.serving.systemd  # this machine: with systemd?
-              else "/etc/rigbook/serving/supervise.json")
-    assert reasons(unset) == [f"no {runner}: recipe tiny-cpu-a is not set up; run "
-                              "deploys/serve.py"]
+    assert not bare.serving.systemd
+    assert reasons(unset) == ["no /etc/rigbook/serving/supervise.json: recipe tiny-cpu-a is not "
+                              "set up; run deploys/serve.py"]
     assert unset.serving.running_recipe is None and unset.serving.healthy is None
 
 

@@ -14,6 +14,7 @@ committing it.
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -98,6 +99,47 @@ def cases() -> list[dict]:
     ]
 
 
+def layouts() -> list[dict]:
+    """Cases read over folders the tests build (a cache, venv builds): built here under ROOT with
+    the tests' own helpers and sent to the host as a tarball in the set-up."""
+    from tests import test_status as status
+    from tests.test_models import COMMIT, FILES_A, make_repo
+
+    subprocess.run(["rm", "-rf", ROOT], check=True)
+    hub = Path(ROOT, "hub")
+    make_repo(hub, "org/model", COMMIT, FILES_A, lfs=("model.safetensors",))
+    venvs = Path(ROOT, "venvs")
+    names = ["ok", "old", "cu132", "changed", "cut", "absent", "mine"]
+    rig = status.dual_3090(venvs=[{"name": name, **status.VENV} for name in names])
+    status.write_build(venvs, rig, "ok", "580.95.05")
+    status.write_build(venvs, rig, "old", "580.76.05")
+    status.write_build(venvs, rig, "cu132", "580.95.05", cuda_runtime="13.2")
+    status.write_build(venvs, rig, "changed", "580.95.05", digest="0123456789ab")
+    status.write_build(venvs, rig, "cut", "580.95.05", finished=False)
+    (venvs / "mine").mkdir()
+    serve = Path(ROOT, "serve")
+    tiny = status.tiny_rig(serve)
+    status.write_build(serve / "venvs", tiny, "tiny-cpu", "580.95.05")
+    tar = subprocess.run(["tar", "czf", "-", "-C", ROOT, "."], capture_output=True, check=True)
+    subprocess.run(["rm", "-rf", ROOT], check=True)
+    unpack = f"printf %s {base64.b64encode(tar.stdout).decode()} | base64 -d | tar xzf - -C {ROOT}"
+    venv_cases = [
+        {"name": f"venvs.VenvBuilds/{name}", "args": {"venv_name": name},
+         "patch": {"VENVS_DIR": str(venvs)}, "also": {"ls": f"ls -la {venvs}"}}
+        for name in names]
+    venv_cases[0]["setup"] = unpack
+    return [
+        *venv_cases,
+        {"name": "venvs.VenvBuilds/tiny-cpu", "args": {"venv_name": "tiny-cpu"},
+         "patch": {"VENVS_DIR": str(serve / "venvs")}, "also": {"ls": f"ls -la {serve}/venvs"}},
+        {"name": "models.ModelCache/one-repo-with-an-lfs-file", "args": {"cache": str(hub)},
+         "also": {"find": f"find {hub} -printf '%y %s %p -> %l\\n'"}},
+        {"name": "serving.FindInFile/no-engine-env",
+         "args": {"path": f"{ROOT}/no.env", "pattern": "^RIGBOOK_RECIPE="},
+         "also": {"ls": f"ls -l {ROOT}/no.env 2>&1; true"}},
+    ]
+
+
 def shell_quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
@@ -126,8 +168,10 @@ def command_of(case: dict) -> str:
     return command.get_raw_value() if isinstance(command, StringCommand) else command
 
 
-def plan(path: str) -> None:
-    out = [{**case, "command": command_of(case)} for case in cases()]
+def plan(path: str, which: str = "cases") -> None:
+    """The plan of `cases` (the first capture) or `layouts` (the second)."""
+    out = [{**case, "command": command_of(case)} for case in {"cases": cases,
+                                                                "layouts": layouts}[which]()]
     Path(path).write_text(json.dumps(out, indent=1))
 
 
