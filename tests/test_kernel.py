@@ -23,7 +23,7 @@ from rigbook.checks import Facts, batch_command, process_output
 from rigbook.render import render
 from rigbook.spec import Rig
 from rigbook.wsl import WslSignals
-from tests.opkit import describe, file_states, run_op, shell
+from tests.opkit import describe, file_states, run_op
 from tests.test_real_fixtures import REAL, readings
 
 
@@ -359,24 +359,6 @@ def test_blacklist_nouveau():
     commands, fake = run_op(kern.blacklist_nouveau,
                             {**same, "NouveauFact": kern.Nouveau(), "RebootMarker": []})
     assert commands == [] and fake.noops[-1] == "nouveau is blacklisted and not loaded"
-
-
-def test_kernel_headers():
-    def kernels(running, modules=(), headers=()):
-        return {"KernelsFact": kern.Kernels(running, (), frozenset(modules), frozenset(headers))}
-
-    k = "6.8.0-45-generic"
-    commands, _ = run_op(kern.kernel_headers, kernels(k, [k]))
-    (command,) = shell(commands)
-    assert command.endswith("apt-get -y -o Dpkg::Options::=\"--force-confdef\" -o "
-                            "Dpkg::Options::=\"--force-confold\" install "
-                            "linux-headers-6.8.0-45-generic")
-    commands, fake = run_op(kern.kernel_headers, kernels(k, [k], [k]))
-    assert commands == [] and "installed" in fake.noops[0]
-    commands, fake = run_op(kern.kernel_headers, kernels("6.1.0-28-amd64"))
-    assert commands == [] and "not this system's" in fake.noops[0]
-    commands, _ = run_op(kern.kernel_headers, kernels("6.8.0;reboot", ["6.8.0;reboot"]))
-    assert shell(commands) == []  # refused, nothing run
 
 
 def test_pin_out_sources():
