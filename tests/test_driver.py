@@ -354,19 +354,6 @@ def test_bump_refuses_only_a_target_that_is_installed_and_running():
 # --- holds ----------------------------------------------------------------------------------
 
 
-def test_hold_driver_holds_every_installed_driver_package_once():
-    facts = {"DpkgInstalled": SIM_INSTALLED, "AptHolds": {"nvidia-open", "libnccl2"}}
-    commands, _ = run_op(drv.hold_driver, facts)
-    assert shell(commands) == [
-        "apt-mark hold libnvidia-ml1 nvidia-kernel-open-dkms nvidia-persistenced nvidia-smi"
-    ]
-    facts["AptHolds"] = set(SIM_INSTALLED) - {"python3"}
-    commands, fake = run_op(drv.hold_driver, facts)
-    assert commands == [] and "already held" in fake.noops[0]
-    commands, fake = run_op(drv.hold_driver, {"DpkgInstalled": DpkgInstalled().process(H200_DPKG)})
-    assert commands == [] and fake.noops == ["no driver packages are installed"]
-
-
 def render(name: str, cfg) -> str:
     """A template as the driver role renders it (rigbook.render)."""
     return render_template(TEMPLATES / name, cfg=cfg)
