@@ -525,20 +525,6 @@ def test_version_glob_and_pin_resolve_dependencies_to_the_pinned_version(apt_roo
 # --- install, move ----------------------------------------------------------------------------
 
 
-def test_install_driver_installs_only_the_missing_packages_pinned():
-    commands, _ = run_op(drv.install_driver, {"DpkgInstalled": {"python3": "3.11.2-1+b1"}},
-                         packages=("nvidia-open", "nvidia-persistenced"), version="580.95.05-*")
-    assert shell(commands) == [
-        "DEBIAN_FRONTEND=noninteractive apt-get -y -o Dpkg::Options::=\"--force-confdef\" "
-        "-o Dpkg::Options::=\"--force-confold\" install "
-        "'nvidia-open=580.95.05-*' 'nvidia-persistenced=580.95.05-*'"
-    ]
-    commands, fake = run_op(drv.install_driver, {"DpkgInstalled": SIM_INSTALLED},
-                            packages=("nvidia-open", "nvidia-persistenced"), version="580.95.05-*")
-    assert commands == []
-    assert fake.noops == ["installed: nvidia-open 580.95.05-1, nvidia-persistenced 580.95.05-1"]
-
-
 def move(installed: dict, madison: list[str] = MADISON, target: str = "580.159.04"):
     def versions(packages):
         offered = AptVersions().process(madison)
