@@ -61,7 +61,7 @@ from rigbook.recipes import catalogue
 from rigbook.render import render
 from rigbook.spec import Rig, parse_rig
 from rigbook.status import build_rig_status
-from tests.opkit import execute, run_op, shell
+from tests.opkit import run_op, shell
 
 ROOT = Path(__file__).resolve().parent.parent
 GUARDS = ROOT / "files" / "guards"
@@ -859,26 +859,6 @@ def test_reap_runs_the_reaper_to_set_a_stray_quarantine_aside():
     assert shell(commands) == [f"python3 {guards.REAPER} --pattern 'vllm_offload_*.mmap'"]
     (note,) = [c for c in commands if isinstance(c, FunctionCommand)]
     assert note.args[0].startswith("setting aside /dev/shm/.rigbook-quarantine (")
-
-
-def test_reap_is_no_change_when_everything_is_held_or_nothing_matches():
-    plan = ReapPlan(True, (verdict("keep"),))
-    commands, fake = run_op(reap_shm, {"ShmReapPlan": plan}, patterns=("vllm_offload_*.mmap",))
-    assert commands == []
-    assert fake.noops == ["nothing to reap in /dev/shm: kept /dev/shm/vllm_offload_1.mmap "
-                          "(2.0 GiB, 2147483648 bytes): why"]
-    commands, fake = run_op(reap_shm, {"ShmReapPlan": ReapPlan(True)}, patterns=("a_*",))
-    assert commands == [] and fake.noops == ["nothing to reap in /dev/shm: no file matches a_*"]
-
-
-def test_reap_refusal_fails_the_rig_and_runs_nothing():
-    plan = ReapPlan(True, (verdict("refuse"),))
-    commands, fake = run_op(reap_shm, {"ShmReapPlan": plan}, patterns=("vllm_offload_*.mmap",))
-    (command,) = commands
-    assert isinstance(command, FunctionCommand) and shell(commands) == []
-    assert execute(command, fake) is False
-    assert fake.logged == ["rig1: /dev/shm reaper refused, nothing was deleted:\n  - refused "
-                           "/dev/shm/vllm_offload_1.mmap (2.0 GiB, 2147483648 bytes): why"]
 
 
 def test_reap_plan_parses_a_missing_reaper_and_an_error():
