@@ -38,8 +38,8 @@ NVCC = ("#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
 
 def cases() -> list[dict]:
     """Each case: its fixture's name, the fact, its arguments, set-up and independent reads."""
-    from rigbook import wsl
-    from rigbook.serving import probe_args, serve_plan
+    from rigbook.roles import wsl
+    from rigbook.roles.serving import probe_args, serve_plan
     from tests.test_serving import cpu_rig
 
     present = tuple(f"{ROOT}/present/{name}" for name in
