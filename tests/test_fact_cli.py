@@ -116,7 +116,8 @@ def test_every_fact_prints_as_json_on_local():
                       "--data", "gpu_count=1")
     assert set(values) == _expected()
     assert isinstance(values["roles.driver_source.DriverSourceFact"]["files"], list)
-    assert isinstance(values["roles.disks.FreeDisk"], list) and values["roles.disks.FreeDisk"][0]["mount"]
+    disks = values["roles.disks.FreeDisk"]
+    assert isinstance(disks, list) and disks[0]["mount"]
     assert values["roles.serving.ServeProbe"]["mem_total_kib"] > 0
 
 
