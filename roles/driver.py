@@ -10,11 +10,14 @@ means a rebuild, not a restart. So rigbook owns the driver:
 - `driver_bump(rig)` (deploys/driver.py) is that deploy: unhold, install the target, hold
   again, reboot when allowed, and check that nvidia-smi reports the target.
 - WSL2 gets no Linux driver at all; the role checks the Windows driver's nvidia-smi instead.
+- On an Ubuntu rig with Secure Boot on, the kernel module is Ubuntu's prebuilt signed one where
+  the rig's sources offer it for the running kernel and the driver planned (`kernel_module`);
+  else DKMS, whose module needs the enrolled MOK.
 
 The platform branch is chosen once (`plan_driver`), from the host data cross-checked with the
 distribution the rig reports. Versions are pinned by their upstream part with an apt version
 glob (`nvidia-open=580.95.05-*`: apt resolves it against its own candidate list and fails when
-nothing matches, so Ubuntu's 580.178.04-0ubuntu0.24.04.1 and the NVIDIA repository's
+nothing matches, so Ubuntu's 580.196.07-0ubuntu0.24.04.1 and the NVIDIA repository's
 580.95.05-1 need no lookup table) plus an apt preferences pin with the same glob, so that the
 dependencies apt pulls in resolve to the same version instead of the newest one.
 docs/driver.md describes the whole role; docs/runbooks/driver-bump.md the bump.
