@@ -318,8 +318,15 @@ def kernel_module(rig: Rig, secure_boot: SecureBoot | None, modules: SignedModul
     when the rig's sources offer them for the very driver version the plan installs and for a
     kernel of the running one's series (signed by Ubuntu: no MOK enrolment); else DKMS, whose
     module needs the enrolled key. An installed DKMS package stays: the converge never moves a
-    driver. The metapackage carries the kernel's version, so it gets no version glob."""
+    driver, nor do installed signed modules (with Secure Boot off since, too). The metapackage
+    carries the kernel's version, so it gets no version glob."""
     dkms = dkms_package(rig)
+    prefix = modules_prefix(**signed_modules_args(rig))
+    kept = sorted((kernel_series(name.removeprefix(prefix)) is not None, name)
+                  for name in installed if name.startswith(prefix))
+    if kept:  # the flavour's metapackage before a kernel's own package
+        return KernelModule(kept[0][1], f"Ubuntu's prebuilt signed modules ({kept[0][1]}, "
+                                        "installed)")
     if not (secure_boot and secure_boot.enabled):
         return KernelModule(None, f"DKMS ({dkms})")
     modules = modules or SignedModules()
@@ -331,8 +338,8 @@ def kernel_module(rig: Rig, secure_boot: SecureBoot | None, modules: SignedModul
     if dkms in installed:
         why = f"{dkms} is installed"
     elif not modules.package:
-        why = (f"the rig's sources offer no {modules_prefix(**signed_modules_args(rig))}FLAVOUR "
-               f"for the running kernel {modules.running or '?'}")
+        why = (f"the rig's sources offer no {prefix}FLAVOUR for the running kernel "
+               f"{modules.running or '?'}")
     elif not stands_in or upstream_version(stands_in) != upstream_version(driver or ""):
         why = (f"{modules.package} {modules.version} stands in for {dkms} {stands_in or '(none)'}"
                f", not for the {driver or wanted(rig)} the plan installs")
@@ -1061,8 +1068,7 @@ def _onboard_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         installed = facts.installed or {}
         module = kernel_module(rig, facts.secure_boot, facts.signed_modules,
                                facts.driver_policy or [], installed)
-        prefix = modules_prefix(**signed_modules_args(rig))
-        signed = bool(module.signed) or any(name.startswith(prefix) for name in installed)
+        signed = bool(module.signed)
         if module.signed and module.signed not in installed:
             found.append(drift("driver", f"Secure Boot is on: the converge installs {module.says}",
                                key="driver_secure_boot"))

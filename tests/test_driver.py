@@ -1150,9 +1150,16 @@ def test_secure_boot_keeps_dkms_where_no_signed_module_fits():
     assert says(modules=signed_fact("noble", 580, "7.0.0-44-generic")) == (
         lead + "linux-modules-nvidia-580-open-generic is for kernel 6.8.0-151-generic, not of "
         "the running kernel's series (7.0.0-44-generic)" + tail)
-    # a DKMS driver installed stays DKMS: the converge never moves a driver
+    # a DKMS driver installed stays DKMS, installed signed modules stay: the converge never
+    # moves a driver (Secure Boot turned off since, too)
     assert "nvidia-dkms-580-open is installed" in says(
         installed={"nvidia-dkms-580-open": "580.196.07-0ubuntu0.24.04.1"})
+    signed = {"linux-modules-nvidia-580-open-6.8.0-151-generic": "6.8.0-151.151+1",
+              "linux-modules-nvidia-580-open-generic": "6.8.0-151.151+1"}
+    for sb in (SECURE_BOOT, kern.SecureBoot(enabled=False, mokutil=True)):
+        kept = drv.kernel_module(r, sb, kern.SignedModules(), policies, signed)
+        assert kept == drv.KernelModule("linux-modules-nvidia-580-open-generic", (
+            "Ubuntu's prebuilt signed modules (linux-modules-nvidia-580-open-generic, installed)"))
 
 
 def test_secure_boot_on_ubuntu_needs_no_mok_with_the_signed_modules():
