@@ -32,7 +32,8 @@ import pytest
 from pydantic import ValidationError
 
 from rigbook import sandbox
-from rigbook.driver import (
+from rigbook.core.spec import DRIVER_BRANCHES, Rig
+from rigbook.roles.driver import (
     BLACKLIST,
     is_driver_package,
     kernel_module,
@@ -40,9 +41,8 @@ from rigbook.driver import (
     plan_driver,
     upstream_version,
 )
-from rigbook.kernel import SecureBoot, SignedModulesFact, modules_prefix, parse_apt_policy
-from rigbook.spec import DRIVER_BRANCHES, Rig
-from rigbook.wsl import WslSignals
+from rigbook.roles.kernel import SecureBoot, SignedModulesFact, modules_prefix, parse_apt_policy
+from rigbook.roles.wsl import WslSignals
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 
 pytestmark = pytest.mark.sandbox

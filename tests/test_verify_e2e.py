@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from rigbook import cli
-from rigbook.serving import UNIT_NAME
-from rigbook.verify import load_runs
+from rigbook.roles.serving import UNIT_NAME
+from rigbook.roles.verify import load_runs
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
 from tests.test_serving_e2e import (
