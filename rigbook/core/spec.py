@@ -272,9 +272,10 @@ class Rig(StrictModel):
     driver_secure_boot: Literal["refuse", "enroll"] = Field(
         "refuse",
         description=(
-            "With Secure Boot on and the DKMS signing key not enrolled: refuse the rig and list "
-            "the steps (refuse), or make the key when there is none and queue its enrolment, "
-            "leaving one step at the console (enroll; docs/driver.md, Onboarding a real box)."
+            "With Secure Boot on and the DKMS signing key not enrolled (on Ubuntu: where no "
+            "prebuilt signed module fits, docs/driver.md): refuse the rig and list the steps "
+            "(refuse), or make the key when there is none and queue its enrolment, leaving one "
+            "step at the console (enroll; docs/driver.md, Onboarding a real box)."
         ),
     )
     driver_foreign: Literal["refuse", "adopt"] = Field(
