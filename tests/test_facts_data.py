@@ -19,7 +19,7 @@ FACTS = Path(__file__).parent / "facts"
 
 def role_module(role: str):
     """The role module a fixture folder names (`tuning` in tuning.Shm/)."""
-    return importlib.import_module(f"rigbook.{role}")
+    return importlib.import_module(f"rigbook.roles.{role}")
 
 
 def fact_class(folder: str):
