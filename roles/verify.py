@@ -11,7 +11,10 @@ answer, plain and streamed; rigbook.thinkcheck), `long-generation` (a ~2K-token 
 repeated-line cascade and with lexical variety; rigbook.degeneration), `prefill` (a prompt of
 verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
 verify_needle_fill of the context is asked back, exact match when verify_needle_exact; and a
-prompt beyond the context must be REJECTED with the engine's context error) and `bench` (a
+prompt beyond the context must be REJECTED with the engine's context error), `speculative`
+(when the recipe speculates: the engine's /metrics counters before and after a short generation
+give the acceptance length, 1 + accepted / drafts, against the recipe's
+speculative.min_acceptance_length; rigbook.specmetrics) and `bench` (a
 fixed narrative and a fixed code prompt, streamed: time to first token and decode tokens/s,
 median and range, single stream and at verify_bench_concurrency). A step that does not apply
 to the recipe is stored as skipped, with the reason.
@@ -43,7 +46,7 @@ from pydantic import ValidationError
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
-from rigbook import degeneration, thinkcheck, toolcheck
+from rigbook import degeneration, specmetrics, thinkcheck, toolcheck
 from rigbook.errors import RigbookError
 from rigbook.types import StrictModel
 
@@ -104,6 +107,8 @@ class Target:
     key: str | None = field(default=None, repr=False)
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    #: The recipe speculates: the acceptance length its draft must reach (None: it does not).
+    min_acceptance_length: float | None = None
 
 
 class StepFailed(Exception):
@@ -137,7 +142,7 @@ class Stat(StrictModel):
 
 class Step(StrictModel):
     name: Literal["health", "chat", "tools", "tools-stream", "thinking", "long-generation",
-                  "prefill", "needle", "bench"]
+                  "prefill", "needle", "speculative", "bench"]
     ok: bool
     skipped: bool = False
     seconds: float
@@ -600,6 +605,31 @@ class Ladder:
         notes.append(f"{beyond} tok rejected (HTTP {response.status_code})")
         return "; ".join(notes)
 
+    def _metrics(self) -> str:
+        response = self.client.get("/metrics")
+        if response.status_code != 200:
+            raise StepFailed("speculative", "GET /metrics -> 200", _said(response),
+                             specmetrics.NO_METRICS_HINT)
+        return response.text
+
+    def speculative(self) -> str:
+        """The acceptance over one greedy narrative of bench_tokens, from the counters' growth
+        (other traffic on the engine in that window counts too)."""
+        floor = self.target.min_acceptance_length
+        before = self._metrics()
+        response = self.client.chat(NARRATIVE_PROMPT, max_tokens=self.settings.bench_tokens)
+        if response.status_code != 200:
+            raise StepFailed("speculative", "HTTP 200 to a chat completion", _said(response))
+        try:
+            grown = specmetrics.acceptance(before, self._metrics())
+        except specmetrics.SpecProblem as problem:
+            raise StepFailed("speculative", problem.expected, problem.got, problem.hint) from None
+        if grown.length < floor:
+            raise StepFailed("speculative", f"an acceptance length of {floor:g} or more (the "
+                             "recipe's speculative.min_acceptance_length)", grown.text(),
+                             specmetrics.FLOOR_HINT)
+        return f"{grown.text()} (floor {floor:g})"
+
     def levels(self) -> tuple[list[int], str]:
         """The bench's concurrencies for this engine, and why one was skipped ("" if none)."""
         s = self.settings
@@ -651,6 +681,8 @@ class Ladder:
         yield "long-generation", self.long_generation
         yield "prefill", self.prefill
         yield "needle", self.needle
+        yield "speculative", (self.speculative if self.target.min_acceptance_length else
+                              "the recipe does not speculate")
         yield "bench", self.bench_
 
 
@@ -813,7 +845,9 @@ def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
     target = Target(rig=rig_name, recipe=recipe.name, engine=recipe.engine,
                     served_name=recipe.served_name(), max_model_len=max_model_len_of(recipe, rig),
                     url=url, key=key, tool_parser=recipe.tool_parser,
-                    reasoning_parser=recipe.reasoning_parser)
+                    reasoning_parser=recipe.reasoning_parser,
+                    min_acceptance_length=recipe.speculative.min_acceptance_length
+                    if recipe.speculative else None)
     return target, settings
 
 

@@ -37,7 +37,7 @@ from rigbook.verify import (
 
 KEY = "k-123"
 LADDER = ["health", "chat", "tools", "tools-stream", "thinking", "long-generation", "prefill",
-          "needle", "bench"]
+          "needle", "speculative", "bench"]
 SMALL = Settings(prefill_tokens=100, needle_depths=(0.1, 0.9), needle_fill=0.9,
                  needle_exact=True, bench_warmups=1, bench_runs=2, bench_tokens=8,
                  bench_concurrency=2, timeout_s=10)
@@ -70,6 +70,8 @@ class Fake:
     think_stream = fixture("sglang-r1-stream.sse", THINKING)
     think_bodies: list = []
     essay: str | None = None
+    # the /metrics texts the engine serves, one per GET (the speculative step reads two)
+    metrics: list = []
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -91,6 +93,10 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(404, {"detail": "Not Found"})
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self._send(401, {"error": "bad key"})
+        if self.path == "/metrics":
+            if not self.fake.metrics:
+                return self._send(404, {"detail": "Not Found"})
+            return self._send(200, self.fake.metrics.pop(0), "text/plain; version=0.0.4")
         self._send(200, {"object": "list", "data": [{"id": self.fake.model}]})
 
     def do_POST(self):
@@ -138,7 +144,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     class Local(Fake):
-        tool_bodies, think_bodies = [], []
+        tool_bodies, think_bodies, metrics = [], [], []
 
     handler = type("H", (Handler,), {"fake": Local})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -160,7 +166,8 @@ def test_whole_ladder_passes(server):
     assert run.ok, failure_message(run)
     assert [s.name for s in run.steps] == LADDER
     # a step that does not apply to the recipe is stored as skipped, with the reason
-    assert [s.name for s in run.steps if s.skipped] == ["tools", "tools-stream", "thinking"]
+    assert [s.name for s in run.steps if s.skipped] == ["tools", "tools-stream", "thinking",
+                                                        "speculative"]
     assert step(run, "tools").detail == ("skipped: the recipe has no tool_parser: the engine "
                                          "parses no tool calls")
     assert step(run, "thinking").detail == ("skipped: the recipe has no reasoning_parser: its "
@@ -244,7 +251,7 @@ def test_tool_call_steps_pass_on_sglangs_own_answers(server):
     run = run_ladder(tool_target(url), SMALL)
     assert run.ok, failure_message(run)
     assert [s.name for s in run.steps] == LADDER
-    assert [s.name for s in run.steps if s.skipped] == ["thinking"]
+    assert [s.name for s in run.steps if s.skipped] == ["thinking", "speculative"]
     tools, stream = step(run, "tools").detail, step(run, "tools-stream").detail
     assert tools.startswith('get_current_weather({"city": "Boston", "state": "MA", "unit": '
                             '"fahrenheit"}), 1 call(s), finish_reason tool_calls')

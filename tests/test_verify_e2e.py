@@ -82,9 +82,11 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         run = runs[0]
         steps = {s.name: s for s in run.steps}
         assert list(steps) == ["health", "chat", "tools", "tools-stream", "thinking",
-                               "long-generation", "prefill", "needle", "bench"]
-        # tiny-cpu-a has no tool or reasoning parser: those steps are skipped, saying why
-        assert [s.name for s in run.steps if s.skipped] == ["tools", "tools-stream", "thinking"]
+                               "long-generation", "prefill", "needle", "speculative", "bench"]
+        # tiny-cpu-a has no tool or reasoning parser and does not speculate: those steps are
+        # skipped, saying why
+        assert [s.name for s in run.steps if s.skipped] == ["tools", "tools-stream", "thinking",
+                                                            "speculative"]
         assert run.url == f"http://{rig['address']}:8100" and run.served_model == "local/tiny"
         # the essay gets what the 512-token context leaves; the random model's text is varied
         assert "repeated 4-grams" in steps["long-generation"].detail
