@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rigbook import specmetrics
-from rigbook.verify import Target, failure_message, run_ladder
-from tests.test_verify import SMALL, server, step, target  # noqa: F401
+from rigbook.verify import Target, failure_message, run_ladder, verify_plan
+from tests.test_verify import SMALL, rig, server, step, target  # noqa: F401
 
 CAPTURE = (Path(__file__).parent / "fixtures" / "metrics" / "vllm-41916-spec-decode.prom") \
     .read_text()
@@ -80,3 +80,12 @@ def test_the_floor_is_inclusive(server, floor):  # noqa: F811
     fake, url = server
     fake.metrics = [metrics(accepted=0), metrics(300, 900, 960)]
     assert run_ladder(spec_target(url, floor), SMALL).ok
+
+
+def test_the_plan_takes_the_floor_from_a_recipe_that_speculates():
+    vllm = [{"name": "vllm-0.33", "engine": "vllm", "packages": ["vllm==0.33.0"]}]
+    draft = rig(recipe="dual-3090-draft", gpu_count=2, venvs=vllm, verify_prefill_tokens=300,
+                verify_url="http://127.0.0.1:18000")
+    assert verify_plan(draft, "rigA", "x")[0].min_acceptance_length == 1.5  # the default
+    plain = rig(verify_prefill_tokens=300, verify_url="http://127.0.0.1:18000")
+    assert verify_plan(plain, "rigA", "x")[0].min_acceptance_length is None
