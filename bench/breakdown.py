@@ -31,7 +31,7 @@ INVENTORY = "inventory/sandbox.py"
 LOCK = Path("/run/lock/rigbook-sandbox.lock")
 DEPLOY = "deploys/rig.py"
 #: The roles deploys/rig.py calls, in its order; every other rigbook module the deploy script
-#: calls directly (rigbook.preflight, rigbook.spec) is the preflight.
+#: calls directly (rigbook.preflight, rigbook.core.spec) is the preflight.
 ROLES = ("driver", "tuning", "wsl", "guards", "power", "venvs", "models", "serving")
 PREFLIGHT = "preflight"
 #: Work no rigbook module asked for, and the wall time outside planning and execution.

@@ -41,9 +41,9 @@ from io import BytesIO
 from pathlib import Path
 
 from bench.breakdown import INVENTORY, ROOT, sandbox_rigs
+from rigbook.core.tools import UV
+from rigbook.roles.venvs import UV_CACHE, VENVS_DIR
 from rigbook.sandbox import WHEELS_MOUNT, wheelhouse
-from rigbook.tools import UV
-from rigbook.venvs import UV_CACHE, VENVS_DIR
 from tests.hubstub import big_repo
 
 MIB = 1024**2

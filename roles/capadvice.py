@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rigbook.checks import Check, Facts, Finding, error, warn
-from rigbook.facts import GPUS_READ, usable
-from rigbook.gpus import Gpu
-from rigbook.spec import Rig
+from rigbook.core.checks import Check, Facts, Finding, error, warn
+from rigbook.core.facts import GPUS_READ, usable
+from rigbook.core.spec import Rig
+from rigbook.rigside.gpus import Gpu
 
 #: The notes' low cap on a 3090, and the band counted as "near" it.
 LOW_3090_W = 230
@@ -79,7 +79,7 @@ def _default_watts(gpu: Gpu) -> float | None:
 
 def psu_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     """The PSU against the caps the power role will set, stock ones read from the cards."""
-    from rigbook.power import asked_cap  # power reads this module's neighbours
+    from rigbook.roles.power import asked_cap  # power reads this module's neighbours
 
     if rig.psu_watts is None or asked_caps(rig) is not None:
         return []  # nothing declared, or decided before connecting

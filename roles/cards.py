@@ -16,11 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rigbook.gpus import Gpu
+from rigbook.rigside.gpus import Gpu
 
 if TYPE_CHECKING:
-    from rigbook.recipes import Recipe
-    from rigbook.spec import Rig
+    from rigbook.core.spec import Rig
+    from rigbook.roles.recipes import Recipe
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _selected(recipe: Recipe) -> list[str]:
 
 def card_problems(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
     """Why the recipe cannot serve on this card (empty: nothing the card refuses)."""
-    from rigbook.recipes import max_model_len_of
+    from rigbook.roles.recipes import max_model_len_of
 
     if recipe.cpu_only:
         return []
@@ -122,7 +122,7 @@ def card_problems(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
 
 def card_warnings(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
     """What the card costs the recipe, short of refusing it."""
-    from rigbook.recipes import max_model_len_of
+    from rigbook.roles.recipes import max_model_len_of
 
     context = max_model_len_of(recipe, rig)
     if (recipe.cpu_only or recipe.engine == "llama.cpp" or card.compute_cap != SM86

@@ -10,8 +10,8 @@ import re
 
 from packaging.utils import canonicalize_name
 
-from rigbook.errors import RigbookError
-from rigbook.spec import VenvSpec
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import VenvSpec
 
 #: Least driver per CUDA runtime (CUDA toolkit release notes, table 3; docs/sources.md, "CUDA
 #: runtime and driver"). A cu13 build

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pyinfra.api import FactBase, QuoteString, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook.checks import Check, Facts, Finding, Read, warn
-from rigbook.messages import gib
-from rigbook.spec import Rig
-from rigbook.types import JsonValue
+from rigbook.core.checks import Check, Facts, Finding, Read, warn
+from rigbook.core.messages import gib
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
 
 DISK_PATHS = ("/", "/opt/rigbook")
 #: Warn when a filesystem has less than this share free.

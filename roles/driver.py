@@ -33,7 +33,7 @@ from pyinfra.operations import apt, systemd
 from pyinfra.operations.util import any_changed
 
 from rigbook import FILES
-from rigbook.apt import (
+from rigbook.core.apt import (
     BUMP_SCRIPT,
     AptHolds,
     AptVersions,
@@ -44,9 +44,25 @@ from rigbook.apt import (
     finish_interrupted,
     upstream_version,
 )
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
-from rigbook.checks import refusal as refusal_finding
-from rigbook.driver_source import (
+from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.core.checks import refusal as refusal_finding
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import GPUS_READ, WSL_NVIDIA_SMI, NvidiaGpus
+from rigbook.core.managed import absent, absent_commands, expect, put, put_commands
+from rigbook.core.messages import notice, refuse, refused, warn_once
+from rigbook.core.reboot import (
+    DRIVER_VERSION,
+    LoadedDriverVersion,
+    RebootMarker,
+    reboot_and_wait,
+    reboot_reasons,
+    record_reboot,
+)
+from rigbook.core.render import template, template_commands
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig
+from rigbook.core.units import booted, service
+from rigbook.roles.driver_source import (
     SOURCE_READ,
     DriverSourceFact,
     Foreign,
@@ -54,9 +70,7 @@ from rigbook.driver_source import (
     foreign_findings,
     running_version,
 )
-from rigbook.errors import RigbookError
-from rigbook.facts import GPUS_READ, WSL_NVIDIA_SMI, NvidiaGpus
-from rigbook.kernel import (
+from rigbook.roles.kernel import (
     NOUVEAU_CONF,
     OTHER_SOURCES_PREF,
     AptPolicy,
@@ -69,23 +83,9 @@ from rigbook.kernel import (
     onboard_reads,
     pin_out_sources,
 )
-from rigbook.managed import absent, absent_commands, expect, put, put_commands
-from rigbook.messages import notice, refuse, refused, warn_once
-from rigbook.reboot import (
-    DRIVER_VERSION,
-    LoadedDriverVersion,
-    RebootMarker,
-    reboot_and_wait,
-    reboot_reasons,
-    record_reboot,
-)
-from rigbook.render import template, template_commands
-from rigbook.runfacts import once
-from rigbook.serving import hold_serving
-from rigbook.spec import Rig
-from rigbook.units import booted, service
-from rigbook.venvs import VenvBuilds
-from rigbook.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
+from rigbook.roles.serving import hold_serving
+from rigbook.roles.venvs import VenvBuilds
+from rigbook.roles.wsl import WSL_READ, Wsl, WslSignals, check_platform, platform_problem
 
 TEMPLATES = FILES / "driver"
 
@@ -234,7 +234,8 @@ def version_glob(rig: Rig) -> str:
 def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -> DriverPlan:
     """Choose the platform branch once; RigbookError when the rig and the host disagree.
 
-    `distro` is pyinfra's LinuxDistribution fact, `wsl` rigbook.wsl.Wsl, `arch` Arch (uname -m).
+    `distro` is pyinfra's LinuxDistribution fact, `wsl` rigbook.roles.wsl.Wsl, `arch` Arch (uname
+    -m).
     """
     check_platform(name, rig.platform, wsl)
     if rig.platform == "wsl2":

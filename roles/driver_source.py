@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook.apt import upstream_version
-from rigbook.checks import Facts, Finding, Read, error
-from rigbook.kernel import is_configured
-from rigbook.spec import Rig
-from rigbook.types import JsonValue
+from rigbook.core.apt import upstream_version
+from rigbook.core.checks import Facts, Finding, Read, error
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
+from rigbook.roles.kernel import is_configured
 
 #: Where a container runtime mounts the host's driver (NVIDIA's container toolkit, cloud images).
 HOST_MOUNT = "/usr/local/nvidia"
@@ -134,7 +134,7 @@ def running_version(facts: Facts) -> str | None:
 def foreign_driver(rig: Rig, facts: Facts, default_repo: str,
                    installed: set[str]) -> Foreign | None:
     """The driver this rig runs or has, when rigbook does not own it; None when it does (or there
-    is none yet). `installed`: the driver versions its packages carry (rigbook.driver's
+    is none yet). `installed`: the driver versions its packages carry (rigbook.roles.driver's
     driver_versions). Needs facts driver_source, loaded, probe and driver_policy."""
     if rig.platform == "wsl2":
         return None

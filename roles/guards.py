@@ -9,12 +9,13 @@ Three failure classes from a real host's runbook, guarded against rather than do
   file only when it could read the mappings and open files of EVERY process and none holds it:
   an unreadable holder is indistinguishable from no holder, so it fails closed. It reads them
   twice, the second time with the file set aside in a quarantine folder, so a process that
-  took the file in between keeps it. Its patterns follow roles/shmglob.py, installed beside it.
+  took the file in between keeps it. Its patterns follow rigbook/rigside/shmglob.py, installed
+  beside it.
 - Xid 79 (fallen off the bus) and 154 (node reboot required) mean the card is gone until a
   reboot; restarting an engine then only adds a confusing second failure. The Xid watch
-  (files/guards/rigbook-xid-watch, a copy of roles/xid.py beside it for the classification)
-  follows the kernel log and writes /run/rigbook/gpu-lost for this boot's fatal Xids; the
-  serving unit refuses to start while it exists, the serving role's preflight and
+  (files/guards/rigbook-xid-watch, a copy of rigbook/rigside/xid.py beside it for the
+  classification) follows the kernel log and writes /run/rigbook/gpu-lost for this boot's fatal
+  Xids; the serving unit refuses to start while it exists, the serving role's preflight and
   `rigbook status` read it (`GpuLostMark`, `gpu_lost_reason`). Xid 31 / 13 (one process's
   fault) go to /var/log/rigbook/engine-faults.log.
 - GPU topology as the rig reports it (`nvidia-smi topo -m`, `nvidia-smi nvlink -s`, PCIe
@@ -41,18 +42,26 @@ from pyinfra.operations import server, systemd
 from pyinfra.operations.util import any_changed
 
 from rigbook import FILES
-from rigbook.checks import Check, Facts, Finding, Read, warn
-from rigbook.errors import RigbookError
-from rigbook.facts import GPUS_READ, NvidiaGpus, smi_answer, smi_attempts, smi_script
-from rigbook.gpus import Gpu
-from rigbook.managed import absent, directory, put
-from rigbook.messages import notice, refuse, warn_once
-from rigbook.render import template
-from rigbook.runfacts import once
-from rigbook.spec import Rig
-from rigbook.types import JsonValue
-from rigbook.units import SYSTEMD, booted, service
-from rigbook.xid import Boot, Card, Xid, parse_boot, parse_cards, parse_xid_lines, same_device
+from rigbook.core.checks import Check, Facts, Finding, Read, warn
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import GPUS_READ, NvidiaGpus, smi_answer, smi_attempts, smi_script
+from rigbook.core.managed import absent, directory, put
+from rigbook.core.messages import notice, refuse, warn_once
+from rigbook.core.render import template
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
+from rigbook.core.units import SYSTEMD, booted, service
+from rigbook.rigside.gpus import Gpu
+from rigbook.rigside.xid import (
+    Boot,
+    Card,
+    Xid,
+    parse_boot,
+    parse_cards,
+    parse_xid_lines,
+    same_device,
+)
 
 SOURCES = FILES / "guards"
 XID_SOURCE = Path(__file__).with_name("xid.py")
@@ -161,7 +170,7 @@ def gpu_lost_reason(mark: GpuLost | None) -> str | None:
 XID_LINES = 500
 #: The most boots read (the newest): one `journalctl -k -b <id>` each.
 BOOTS_READ = 100
-#: The kernel-log lines rigbook.xid reads: Xids, fallen-off-the-bus reports without one, and
+#: The kernel-log lines rigbook.rigside.xid reads: Xids, fallen-off-the-bus reports without one, and
 #: the "GPU at PCI:" / serial lines that name a card.
 KLOG_PATTERN = "NVRM: (Xid|GPU |The NVIDIA GPU )|fallen off the bus"
 _KLOG = "##RIGBOOK_KLOG##"
@@ -578,7 +587,7 @@ def parse_topology(output: list[str]) -> Topology:
 class GpuTopology(FactBase[Topology]):
     """
     The GPU interconnect: ``nvidia-smi topo -m`` and ``nvidia-smi nvlink -s``, run with the
-    same nvidia-smi search as NvidiaGpus (roles/facts.py). Never fails the host: a broken or
+    same nvidia-smi search as NvidiaGpus (rigbook/core/facts.py). Never fails the host: a broken or
     absent nvidia-smi (or the sandbox's stand-in, which has no topo) gives ``error``.
 
     .. code:: python
@@ -705,7 +714,7 @@ def _recipe(rig: Rig):
     """The rig's recipe from the catalogue, or None (the serving role reports a bad one)."""
     if rig.recipe is None:
         return None
-    from rigbook.recipes import catalogue  # the catalogue reads TOML files: only when needed
+    from rigbook.roles.recipes import catalogue  # the catalogue reads TOML files: only when needed
 
     try:
         return catalogue(rig.serving_recipe_dirs).get(rig.recipe)
@@ -749,7 +758,7 @@ def topology_report(rig: Rig) -> Iterator:
     """
     Report the GPU interconnect and warn where it contradicts the host data; change nothing.
 
-    + rig: the rig's validated host data (``rigbook.spec.Rig``)
+    + rig: the rig's validated host data (``rigbook.core.spec.Rig``)
 
     Reads ``nvidia-smi topo -m`` / ``nvlink -s`` and each GPU's PCIe generation and width (now,
     at idle, and the reported max) when the operation executes, so GPUs that appear after an
@@ -893,7 +902,7 @@ def _install_reaper(rig: Rig):
     started by serving's drop-in). Without systemd, no unit: rigbook's supervisor runs the
     script after the engine stops (roles/serving.py)."""
     directory(name=f"Guards folder {GUARDS_DIR}", path=GUARDS_DIR, mode="755")
-    put(name="Install the reaper's pattern rule (roles/shmglob.py)",
+    put(name="Install the reaper's pattern rule (rigbook/rigside/shmglob.py)",
         src=str(SHMGLOB_SOURCE), dest=SHMGLOB_COPY, mode="644")
     script = put(name="Install the /dev/shm reaper", src=str(SOURCES / "rigbook-shm-reaper"),
                  dest=REAPER, mode="755")
@@ -923,7 +932,7 @@ def guards(rig: Rig) -> None:
         topology_report(name="GPU topology", rig=rig)
         return
     _script, reaper_unit = _install_reaper(rig)
-    xid_copy = put(name="Install the Xid classifier (roles/xid.py)", src=str(XID_SOURCE),
+    xid_copy = put(name="Install the Xid classifier (rigbook/rigside/xid.py)", src=str(XID_SOURCE),
                    dest=XID_COPY, mode="644")
     watch = put(name="Install the Xid watch", src=str(SOURCES / "rigbook-xid-watch"),
                 dest=WATCH, mode="755")

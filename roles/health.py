@@ -6,11 +6,12 @@ failed, the clock-event (throttle) reasons active now, the temperature against t
 T.Limit, and a PCIe link below its maximum while the card is busy. Xids since boot are the
 guards' check (roles/guards.py). Each finding says what it means and what to do.
 
-The values come from NVML: rigbook's probe (roles/gpus.py, `--probe`) run by the tools venv's
-python, which holds nvidia-ml-py (roles/tools.py). Where there is no tools venv or NVML does not
-load there, from `nvidia-smi --query-gpu` (NVML's own command line) with the same wrapper as the
-GPU facts; a driver too old for one of its fields answers with an error, and the health is then
-reported as not read. Both give the same readings, named as nvidia-smi names them. Status only:
+The values come from NVML: rigbook's probe (rigbook/rigside/gpus.py, `--probe`) run by the tools
+venv's python, which holds nvidia-ml-py (rigbook/core/tools.py). Where there is no tools venv or
+NVML does not load there, from `nvidia-smi --query-gpu` (NVML's own command line) with the same
+wrapper as the GPU facts; a driver too old for one of its fields answers with an error, and the
+health is then reported as not read. Both give the same readings, named as nvidia-smi names them.
+Status only:
 no deploy refuses a rig on these (a throttling card still serves; a failing one is the Xid
 watch's).
 """
@@ -26,12 +27,12 @@ from typing import Any
 from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook.checks import Check, Facts, Finding, Read, warn
-from rigbook.facts import SMI_TIMEOUT_S, smi_answer, smi_attempts, smi_script
-from rigbook.gpus import csv_header, na, number, parse_fields
-from rigbook.spec import Rig
-from rigbook.tools import TOOLS_PYTHON
-from rigbook.types import JsonValue
+from rigbook.core.checks import Check, Facts, Finding, Read, warn
+from rigbook.core.facts import SMI_TIMEOUT_S, smi_answer, smi_attempts, smi_script
+from rigbook.core.spec import Rig
+from rigbook.core.tools import TOOLS_PYTHON
+from rigbook.core.types import JsonValue
+from rigbook.rigside.gpus import csv_header, na, number, parse_fields
 
 #: The fields read, in order (nvidia-smi --help-query-gpu names them; driver 535 and newer).
 HEALTH_FIELDS = (
@@ -95,7 +96,7 @@ class GpuHealth(JsonValue):
 
 class GpuHealthReadings(FactBase[list[GpuHealth] | None]):
     """
-    The NVML probe's JSON from the tools venv (roles/gpus.py), else `nvidia-smi
+    The NVML probe's JSON from the tools venv (rigbook/rigside/gpus.py), else `nvidia-smi
     --query-gpu=<HEALTH_FIELDS> --format=csv,nounits`, per GPU; None without either. The CSV
     (H200, tests/fixtures/nvidia-h200/health.csv)::
 

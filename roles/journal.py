@@ -21,7 +21,7 @@ import re
 from pyinfra.api import FactBase, StringCommand
 from pyinfra.api.command import QuoteString
 
-from rigbook.spec import Rig
+from rigbook.core.spec import Rig
 
 DEVICE_NOT_READY = "CUDA driver error: device not ready"
 STALE_HANDLES = "!handles_.at(i) INTERNAL ASSERT FAILED"

@@ -32,14 +32,14 @@ from pyinfra.api import FactBase, QuoteString, StringCommand, operation
 from pyinfra.facts.apt import noninteractive_apt
 
 from rigbook import FILES
-from rigbook.checks import Facts, Finding, Read, drift, error, warn
-from rigbook.managed import absent_commands, put_commands
-from rigbook.messages import notice, refuse
-from rigbook.reboot import RebootMarker, record_reboot
-from rigbook.render import template_commands
-from rigbook.runfacts import once
-from rigbook.spec import Rig
-from rigbook.types import JsonValue
+from rigbook.core.checks import Facts, Finding, Read, drift, error, warn
+from rigbook.core.managed import absent_commands, put_commands
+from rigbook.core.messages import notice, refuse
+from rigbook.core.reboot import RebootMarker, record_reboot
+from rigbook.core.render import template_commands
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
 
 TEMPLATES = FILES / "driver"
 
@@ -753,7 +753,8 @@ def enroll_dkms_key(rig: Rig):
 def blacklist_nouveau():
     """
     Blacklist nouveau (NOUVEAU_CONF), rebuild the initramfs when the file changed, and record a
-    pending reboot (rigbook.reboot's REBOOT_MARKER) while nouveau is still loaded (NouveauFact).
+    pending reboot (rigbook.core.reboot's REBOOT_MARKER) while nouveau is still loaded
+    (NouveauFact).
 
     The initramfs is rebuilt with update-initramfs where the rig has it (Debian, Ubuntu);
     the reboot itself is the driver role's reboot gate (allow_reboot).

@@ -17,7 +17,7 @@ snapshot:
   missing bytes plus models_disk_margin_gib do not fit on the cache's filesystem, downloads only
   what is missing, checks sizes and hashes, and writes the manifest only when the snapshot is
   complete. A partial snapshot fails the rig with the files that are missing or wrong. While it
-  runs, its bytes and rates show in pyinfra's output every few seconds (rigbook.progress).
+  runs, its bytes and rates show in pyinfra's output every few seconds (rigbook.core.progress).
 - Tokens reach the rig as root-only 0600 files, never in a command, an argument, a diff or a
   log line (roles/tokens.py), and only where they are used: the HF token (the operator's
   HF_TOKEN or models_token_file) where the rig pulls from the hub, the fleet's mirror token
@@ -49,27 +49,27 @@ from pyinfra.facts.files import File
 from pyinfra.operations import systemd
 
 from rigbook import FILES
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
-from rigbook.errors import RigbookError
-from rigbook.managed import absent, directory, put
-from rigbook.messages import GIB, notice, refused, warn_once
-from rigbook.messages import connector_arguments as _connector_arguments  # model_snapshot's
-from rigbook.progress import EVERY_DEFAULT, progress_every, run_watched
-from rigbook.recipes import (
+from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.core.errors import RigbookError
+from rigbook.core.managed import absent, directory, put
+from rigbook.core.messages import GIB, notice, refused, warn_once
+from rigbook.core.messages import connector_arguments as _connector_arguments  # model_snapshot's
+from rigbook.core.progress import EVERY_DEFAULT, progress_every, run_watched
+from rigbook.core.render import template
+from rigbook.core.runfacts import once
+from rigbook.core.secrets import Secret
+from rigbook.core.spec import ModelSpec, Rig
+from rigbook.core.tools import TOOLS_PYTHON, tools_venv
+from rigbook.core.types import JsonValue, ip_address
+from rigbook.core.units import SYSTEMD_READ, booted, service
+from rigbook.roles.recipes import (
     PLACEHOLDER_REVISION,
     placeholder_text,
     recipe_for,
     recipe_pins,
     rig_models,
 )
-from rigbook.render import template
-from rigbook.runfacts import once
-from rigbook.secrets import Secret
-from rigbook.spec import ModelSpec, Rig
-from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH, SecretFile, hf_token, rig_tokens
-from rigbook.tools import TOOLS_PYTHON, tools_venv
-from rigbook.types import JsonValue, ip_address
-from rigbook.units import SYSTEMD_READ, booted, service
+from rigbook.roles.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH, SecretFile, hf_token, rig_tokens
 
 #: Where pull.py lives on the rig (run by the tools venv's python).
 MODELS_DIR = "/opt/rigbook/models"
@@ -554,7 +554,7 @@ def prune_models(cache: str, keep: tuple[str, ...], prune: bool = False) -> Iter
 
 def selected(rig: Rig) -> tuple[ModelSpec, ...]:
     """The models this run pulls: all of them, or only models_only (a GGUF recipe's repo
-    narrowed to its file: rigbook.recipes.rig_models)."""
+    narrowed to its file: rigbook.roles.recipes.rig_models)."""
     if rig.models_only is None:
         return rig_models(rig)
     return tuple(spec for spec in rig_models(rig) if spec.repo == rig.models_only)

@@ -24,28 +24,26 @@ from pyinfra.facts.server import Groups, Users
 from pyinfra.operations import server, systemd
 from pyinfra.operations.util import any_changed
 
-from rigbook import (
-    apt,
+from rigbook.core import apt, runfacts, tools
+from rigbook.core.apt import DpkgInstalled
+from rigbook.core.managed import expect, state_of
+from rigbook.core.messages import notice
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig
+from rigbook.core.units import booted, service
+from rigbook.roles import (
     driver,
     guards,
     kernel,
     models,
     power,
-    runfacts,
     serving,
     sweep,
     tokens,
-    tools,
     tuning,
     venvs,
     wsl,
 )
-from rigbook.apt import DpkgInstalled
-from rigbook.managed import expect, state_of
-from rigbook.messages import notice
-from rigbook.runfacts import once
-from rigbook.spec import Rig
-from rigbook.units import booted, service
 
 #: Folders rigbook makes that may hold what is kept (or, for the drop-in folder, the operator's
 #: own drop-ins): removed last, and only once nothing is left in them.

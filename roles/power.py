@@ -38,20 +38,21 @@ from pyinfra.operations import systemd
 from rich.console import Console
 from rich.table import Table
 
-from rigbook import FILES, runfacts
-from rigbook.cap_check import LINE as CAP_LINE
-from rigbook.capadvice import CHECKS as PSU_CHECKS
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
-from rigbook.errors import RigbookError
-from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
-from rigbook.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
-from rigbook.managed import expect
-from rigbook.messages import warn_once
-from rigbook.render import render, template_commands
-from rigbook.runfacts import once
-from rigbook.spec import Rig
-from rigbook.types import JsonValue
-from rigbook.units import SYSTEMD_READ, booted, service_commands
+from rigbook import FILES
+from rigbook.core import runfacts
+from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
+from rigbook.core.managed import expect
+from rigbook.core.messages import warn_once
+from rigbook.core.render import render, template_commands
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
+from rigbook.core.units import SYSTEMD_READ, booted, service_commands
+from rigbook.rigside.cap_check import LINE as CAP_LINE
+from rigbook.rigside.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
+from rigbook.roles.capadvice import CHECKS as PSU_CHECKS
 
 UNIT_NAME = "nvidia-power-limit.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
@@ -496,7 +497,7 @@ def power_unit(rig: Rig):
     """
     Write the boot unit that caps every GPU, reload systemd when it changed, enable it.
 
-    + rig: the rig's validated host data (``rigbook.spec.Rig``)
+    + rig: the rig's validated host data (``rigbook.core.spec.Rig``)
 
     The unit (``/etc/systemd/system/nvidia-power-limit.service``) is a oneshot that runs after
     and requires ``nvidia-persistenced.service``, with one
@@ -549,7 +550,7 @@ def live_power_caps(rig: Rig):
     """
     Set each GPU's live power cap where it differs from the rig's cap, then read it back.
 
-    + rig: the rig's validated host data (``rigbook.spec.Rig``)
+    + rig: the rig's validated host data (``rigbook.core.spec.Rig``)
 
     Runs ``nvidia-smi -i <UUID> -pl <W>`` only for GPUs whose live ``power.limit`` differs from
     the cap by more than 0.5 W, then re-reads every GPU and fails the rig if a card did not take

@@ -13,7 +13,7 @@ Facts from the source documents that the catalogue encodes (docs/sources.md quot
   MTP declares `speculative.mtp_head` and a quantised head is refused.
 - 20 GB cards: --gpu-memory-utilization 0.82 and fp8_e5m2 KV (24 GB cards ship 0.95).
 - WSL2 and NVLink rigs: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
-  (rigbook.wsl.serving_environment).
+  (rigbook.roles.wsl.serving_environment).
 - vLLM drains for --shutdown-timeout 30 seconds on SIGTERM (and unlinks its /dev/shm buffer
   only then); the unit's TimeoutStopSec=120 stays above it.
 
@@ -36,12 +36,12 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rigbook import FILES
-from rigbook.envvars import env_problems
-from rigbook.errors import RigbookError
-from rigbook.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
-from rigbook.types import IpAddress, Line, LocalPath, StrictModel, Word
-from rigbook.venvs import engine_pins, engine_venv, venv_link
-from rigbook.wsl import serving_environment
+from rigbook.core.envvars import env_problems
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
+from rigbook.core.types import IpAddress, Line, LocalPath, StrictModel, Word
+from rigbook.roles.venvs import engine_pins, engine_venv, venv_link
+from rigbook.roles.wsl import serving_environment
 
 RECIPES_DIR = FILES / "recipes"
 
@@ -311,13 +311,13 @@ class Recipe(StrictModel):
         None,
         description="The engine's parser of the model's tool calls (vLLM "
         "`--enable-auto-tool-choice --tool-call-parser`, SGLang `--tool-call-parser`, "
-        "llama-cpp-python `--chat_format`), one of `rigbook.recipes.TOOL_PARSERS` for its "
+        "llama-cpp-python `--chat_format`), one of `rigbook.roles.recipes.TOOL_PARSERS` for its "
         "engine; set, verify runs the tool-call steps. None: the engine parses no tool calls.",
     )
     reasoning_parser: Word | None = Field(
         None,
         description="The engine's parser of the model's thinking (vLLM and SGLang "
-        "`--reasoning-parser`), one of `rigbook.recipes.REASONING_PARSERS` for its engine: the "
+        "`--reasoning-parser`), one of `rigbook.roles.recipes.REASONING_PARSERS` for its engine: the "
         "model thinks, and its reasoning comes apart from the answer (`reasoning_content` / "
         "`reasoning`); set, verify runs the `thinking` step and streams the tool call with "
         "thinking on. None: the model does not think, or its thinking stays in the text.",
@@ -326,7 +326,7 @@ class Recipe(StrictModel):
         (),
         description="More engine arguments, verbatim. Each item that starts with `-` is a flag; "
         "a flag rigbook sets (model, address, key, context, memory, parallelism, a config file: "
-        "`rigbook.recipes.OWN_FLAGS`) is refused in every spelling the engine's parser takes "
+        "`rigbook.roles.recipes.OWN_FLAGS`) is refused in every spelling the engine's parser takes "
         "for it: an abbreviation (`--hos`), vLLM's `_` for `-` and `--flag.key` (docs/sources.md, "
         "Engine flags).",
     )
@@ -559,7 +559,7 @@ def shm_offload_problem(recipe: Recipe, shm_size: str | None,
                         mem_total_bytes: int = 0) -> str | None:
     """The rig's shm_size against the recipe's KV-offload buffer (None: it holds it, or
     nothing to compare: no buffer, no shm_size, or a percentage without the host's RAM)."""
-    from rigbook.tuning import size_bytes  # tuning imports the roles this module feeds
+    from rigbook.roles.tuning import size_bytes  # tuning imports the roles this module feeds
 
     size = kv_offload_gib(recipe)
     if size is None or shm_size is None or (shm_size.endswith("%") and not mem_total_bytes):
@@ -660,7 +660,7 @@ def _gdn_problems(r: Recipe) -> list[str]:
 
 def gdn_fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     """The GDN trap that needs the rig's host data: a venv whose CUDA is known (a shipped pin
-    set) and is not 13.0. The card's own GDN limits are rigbook.cards'."""
+    set) and is not 13.0. The card's own GDN limits are rigbook.roles.cards'."""
     if not any(pin.gdn for pin in recipe.models):
         return []
     problems = []
@@ -845,7 +845,7 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     if fits.nvlink == "forbidden" and rig.nvlink:
         problems.append("the recipe is for rigs without NVLink (this rig has nvlink: true)")
     problems += gdn_fit_problems(recipe, rig) + override_problems(recipe, rig)
-    from rigbook.cards import card_problems, class_card  # cards reads recipes: imported here
+    from rigbook.roles.cards import card_problems, class_card  # cards reads recipes: imported here
 
     card = class_card(rig.gpu_class)
     if card is not None:

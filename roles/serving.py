@@ -41,13 +41,23 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.facts.files import File, FileContents, FindInFile
 from pyinfra.operations import server
 
-from rigbook import FILES, cap_check, power, venv_check
-from rigbook.cards import Card, card_problems, card_warnings, facts_card
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, refusal, warn
-from rigbook.errors import RigbookError
-from rigbook.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
-from rigbook.gpus import GpuProbe
-from rigbook.guards import (
+from rigbook import FILES
+from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, refusal, warn
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
+from rigbook.core.managed import put_commands
+from rigbook.core.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
+from rigbook.core.render import env_line, render, systemd_word
+from rigbook.core.runfacts import once
+from rigbook.core.secrets import Secret, read_secret_file
+from rigbook.core.spec import ModelSpec, Rig
+from rigbook.core.types import JsonValue
+from rigbook.core.units import booted, start_command, state_of
+from rigbook.rigside import cap_check, venv_check
+from rigbook.rigside.gpus import GpuProbe
+from rigbook.roles import power
+from rigbook.roles.cards import Card, card_problems, card_warnings, facts_card
+from rigbook.roles.guards import (
     GPU_LOST_MARK,
     REAPER,
     GpuLostMark,
@@ -56,11 +66,9 @@ from rigbook.guards import (
     gpu_lost_reason,
     p2p_disable_problem,
 )
-from rigbook.journal import SpecAcceptance, acceptance_warning, journal_hints
-from rigbook.managed import put_commands
-from rigbook.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
-from rigbook.models import CacheState, ModelCache, snapshot_status
-from rigbook.recipes import (
+from rigbook.roles.journal import SpecAcceptance, acceptance_warning, journal_hints
+from rigbook.roles.models import CacheState, ModelCache, snapshot_status
+from rigbook.roles.recipes import (
     GDN_CUDA,
     VRAM_MARGIN_GIB,
     WEIGHT_INDEX,
@@ -79,14 +87,8 @@ from rigbook.recipes import (
     shm_offload_problem,
     vram_need_gib,
 )
-from rigbook.render import env_line, render, systemd_word
-from rigbook.runfacts import once
-from rigbook.secrets import Secret, read_secret_file
-from rigbook.spec import ModelSpec, Rig
-from rigbook.tokens import secret_upload
-from rigbook.types import JsonValue
-from rigbook.units import booted, start_command, state_of
-from rigbook.venvs import (
+from rigbook.roles.tokens import secret_upload
+from rigbook.roles.venvs import (
     VenvBuilds,
     VenvState,
     incompatibility,
@@ -94,7 +96,7 @@ from rigbook.venvs import (
     staleness,
     venv_link,
 )
-from rigbook.wsl import serving_environment
+from rigbook.roles.wsl import serving_environment
 
 UNIT_NAME = "rigbook-serve.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
@@ -191,8 +193,9 @@ def read_api_key(path: str) -> str:
 
 def engine_environment(recipe: Recipe, rig: Rig) -> dict[str, str]:
     """The recipe's, the platform's and rigbook's variables (the venv's own come first, read
-    from the rig when the operation executes: `rigbook.venvs.launcher_environment`). A cpu_only
-    recipe's engine is shown no GPU (an empty CUDA_VISIBLE_DEVICES), as its unit allows none."""
+    from the rig when the operation executes: `rigbook.roles.venvs.launcher_environment`). A
+    cpu_only recipe's engine is shown no GPU (an empty CUDA_VISIBLE_DEVICES), as its unit allows
+    none."""
     env = dict(recipe.env)
     env.update(serving_environment(rig))
     env.update(rig.serving_env)

@@ -19,8 +19,8 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
    verify_bench_concurrency where the engine allows it), and cold prefills of one frozen long
    prompt with a new salt at its very start each time (no cached prefix to hit);
 4. the restore is read back and the run stored as JSON beside the verify results
-   (rigbook.sweepresult: each window's evidence and intervals, the suggestion, the diagnosis),
-   with a chart per workload class (rigbook.charts).
+   (rigbook.roles.sweepresult: each window's evidence and intervals, the suggestion, the diagnosis),
+   with a chart per workload class (rigbook.core.charts).
 """
 
 from __future__ import annotations
@@ -43,12 +43,16 @@ from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.operations import files
 
-from rigbook import FILES, cap_check
-from rigbook.checks import Check, Facts, Finding, Read, error, warn
-from rigbook.errors import RigbookError
-from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
-from rigbook.messages import refused, warn_once
-from rigbook.power import (
+from rigbook import FILES
+from rigbook.core.checks import Check, Facts, Finding, Read, error, warn
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
+from rigbook.core.messages import refused, warn_once
+from rigbook.core.spec import Rig
+from rigbook.core.tools import TOOLS_PYTHON
+from rigbook.core.units import SYSTEMD_READ, outside_login
+from rigbook.rigside import cap_check
+from rigbook.roles.power import (
     UNIT_NAME,
     UNIT_PATH,
     UNIT_READ,
@@ -58,10 +62,9 @@ from rigbook.power import (
     same_w,
     unit_caps,
 )
-from rigbook.power import watts as w
-from rigbook.serving import UNIT_NAME as SERVE_UNIT
-from rigbook.spec import Rig
-from rigbook.sweepresult import (
+from rigbook.roles.power import watts as w
+from rigbook.roles.serving import UNIT_NAME as SERVE_UNIT
+from rigbook.roles.sweepresult import (
     Rigs,
     Sample,
     SweepPoint,
@@ -75,9 +78,7 @@ from rigbook.sweepresult import (
     suggestions,
     summary_rows,
 )
-from rigbook.tools import TOOLS_PYTHON
-from rigbook.units import SYSTEMD_READ, outside_login
-from rigbook.verify import (
+from rigbook.roles.verify import (
     BENCH_PROMPTS,
     Client,
     Ladder,
@@ -266,7 +267,7 @@ def _reads(rig: Rig, rig_name: str) -> list[Read]:
 SWEEP_CHECKS = (GPUS, Check("power sweep", _reads, sweep_findings, gpus=True))
 
 
-# --- what a sweep stores: rigbook.sweepresult ----------------------------------------------------
+# --- what a sweep stores: rigbook.roles.sweepresult -----------------------------------------------
 
 
 def apply_command(rig: str, cap_w: float) -> str:
@@ -610,7 +611,7 @@ def report_lines(run: SweepRun) -> list[str]:
 
 def setup_of(rig: Rig, rig_name: str, target: Target, probe) -> Rigs:
     """The columns that set this sweep beside other rigs' (the hardware notes' anchor rows)."""
-    from rigbook.recipes import recipe_for
+    from rigbook.roles.recipes import recipe_for
 
     recipe = recipe_for(rig, rig_name)
     return Rigs(gpu_models=tuple(g.name for g in probe.gpus), cooling=rig.cooling,
@@ -624,11 +625,11 @@ def sweep_caps(rig: Rig, target: Target, settings: Settings, root: str | None = 
     Sweep the live power cap over ``rig.sweep_watts`` and bench each step; restore the caps.
 
     + rig: the rig's validated host data (``sweep_watts``, the verify_* bench settings)
-    + target: the running recipe as this machine reaches it (``rigbook.verify.verify_plan``)
+    + target: the running recipe as this machine reaches it (``rigbook.roles.verify.verify_plan``)
     + settings: the bench settings
-    + root: results folder; none = ``rigbook.verify.results_dir()``
+    + root: results folder; none = ``rigbook.roles.verify.results_dir()``
 
-    Copies the guard and meter (files/power/sweep_rig.py, with roles/cap_check.py) to
+    Copies the guard and meter (files/power/sweep_rig.py, with rigbook/rigside/cap_check.py) to
     /run/rigbook-sweep, then, when the deploy executes: starts the guard detached, sets each
     cap live (never the unit), benches it while the meter samples the draw, and releases the
     guard, which sets every live cap back to nvidia-power-limit.service's and is read back.
@@ -649,7 +650,7 @@ def sweep_caps(rig: Rig, target: Target, settings: Settings, root: str | None = 
 @deploy("Power sweep")
 def power_sweep(rig: Rig) -> None:
     """Sweep the rig's live cap over sweep_watts with the verify bench; the caps restored."""
-    from rigbook.verify import verify_plan
+    from rigbook.roles.verify import verify_plan
 
     if rig.recipe is None:
         refused(name="Check the serving recipe",

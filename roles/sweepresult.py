@@ -4,7 +4,7 @@ A window is one workload class and prompt at one cap, bounded by time (decode: t
 first token; prefill: the cold prefills' own spans). What the meter sampled inside it becomes its
 evidence (docs/sweep.md lists every field); the token rate binned on the same 0.5 s grid as the
 draw gives tok/s and tok/s per W with intervals that count the series' autocorrelation
-(rigbook.sweepstats). The suggestion per class names the cap with the best tok/s per W and the
+(rigbook.roles.sweepstats). The suggestion per class names the cap with the best tok/s per W and the
 caps indistinguishable from it; caps whose draw stays below them get a diagnosis line, after the
 hardware notes' "draw plateaued below cap" table.
 """
@@ -21,11 +21,11 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from rigbook.errors import RigbookError
-from rigbook.power import watts as w
-from rigbook.sweepstats import Estimate, estimate, indistinguishable, ratio, resolvable
-from rigbook.types import StrictModel
-from rigbook.verify import _part, results_dir, truncate
+from rigbook.core.errors import RigbookError
+from rigbook.core.types import StrictModel
+from rigbook.roles.power import watts as w
+from rigbook.roles.sweepstats import Estimate, estimate, indistinguishable, ratio, resolvable
+from rigbook.roles.verify import _part, results_dir, truncate
 
 Workload = Literal["decode-single", "decode-concurrent", "prefill-heavy"]
 #: The grid (s) the token rate and the draw are binned on: the sources' sampling interval.
@@ -150,7 +150,7 @@ def sweep_path(run: SweepRun, root: Path | None = None) -> Path:
 
 def save_sweep(run: SweepRun, root: Path | None = None) -> tuple[Path, list[Path] | str]:
     """The JSON and, beside it, a chart per workload class (or why there are none)."""
-    from rigbook.charts import write_charts
+    from rigbook.core.charts import write_charts
 
     path = sweep_path(run, root)
     path.parent.mkdir(parents=True, exist_ok=True)

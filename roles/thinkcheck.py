@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from rigbook.toolcheck import ToolProblem as ThinkProblem  # one evidence shape for the steps
+from rigbook.roles.toolcheck import ToolProblem as ThinkProblem  # one evidence shape for the steps
 
 PROMPT = "What is 12 + 30? Think it through briefly, then answer with the number."
 #: Room for a thinking model's reasoning before the answer.
@@ -93,7 +93,7 @@ def check_answer(data: dict) -> str:
 
 
 def check_stream(chunks: Iterable[dict]) -> str:
-    """A streamed answer, its chunks as rigbook.verify.sse_chunks reads them."""
+    """A streamed answer, its chunks as rigbook.roles.verify.sse_chunks reads them."""
     reasoning, content, finish = [], [], None
     for chunk in chunks:
         choices = chunk.get("choices") if isinstance(chunk, dict) else None

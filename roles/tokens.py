@@ -1,7 +1,7 @@
 """Tokens and other secrets on a rig: where each comes from, where it goes, how it is placed.
 
 The HF token (the operator's HF_TOKEN or models_token_file) and the fleet's mirror token
-(models_mirror_token_file) are read on the operator's machine (roles/secrets.py reads the
+(models_mirror_token_file) are read on the operator's machine (rigbook/core/secrets.py reads the
 files), and each reaches a rig only where the rig uses it (`rig_tokens`). `hf_token` places one
 as a root-only 0600 file, compared by sha256 (`SecretFile`), never by content; `secret_upload`
 writes any secret (a token, the serving API key) without it ever being readable by anyone else
@@ -23,10 +23,10 @@ from pyinfra.api import FactBase, QuoteString, StringCommand, operation
 from pyinfra.api.command import FileUploadCommand
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook.errors import RigbookError
-from rigbook.secrets import Secret, read_secret_file
-from rigbook.spec import Rig
-from rigbook.types import JsonValue
+from rigbook.core.errors import RigbookError
+from rigbook.core.secrets import Secret, read_secret_file
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
 
 #: The HF token on the rig: root-only, read by huggingface_hub through HF_TOKEN_PATH.
 SECRETS_DIR = "/etc/rigbook/secrets"

@@ -146,7 +146,7 @@ def check_answer(data: dict) -> str:
 
 
 def check_stream(chunks: Iterable[dict]) -> str:
-    """A streamed answer, its chunks as rigbook.verify.sse_chunks reads them: delta.tool_calls
+    """A streamed answer, its chunks as rigbook.roles.verify.sse_chunks reads them: delta.tool_calls
     carry the call (name, then argument fragments, per index) and the last finish_reason is
     "tool_calls"."""
     calls: dict[int, Call] = {}

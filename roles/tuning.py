@@ -33,13 +33,13 @@ from pyinfra.facts.files import FileContents
 from pyinfra.operations import files
 
 from rigbook import FILES
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
-from rigbook.managed import absent
-from rigbook.messages import gib, refuse, warn_once
-from rigbook.render import template
-from rigbook.runfacts import once
-from rigbook.spec import Rig
-from rigbook.types import JsonValue
+from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.core.managed import absent
+from rigbook.core.messages import gib, refuse, warn_once
+from rigbook.core.render import template
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
 
 SYSCTL_TEMPLATE = FILES / "tuning" / "90-rigbook.conf.j2"
 SYSCTL_CONF = "/etc/sysctl.d/90-rigbook.conf"
@@ -308,7 +308,7 @@ FSTAB_SHM_LINE = r"^[^#[:space:]]+[[:space:]]+/dev/shm[[:space:]]"
 def fstab_shm_size(size: str) -> Iterator:
     """
     The /dev/shm line of /etc/fstab with ``size``: pyinfra's files.line, run only when the
-    fstab the preflight read (rigbook.runfacts) does not have exactly that line already.
+    fstab the preflight read (rigbook.core.runfacts) does not have exactly that line already.
 
     + size: tmpfs size (``2G``, ``512M``, ``50%``)
     """

@@ -16,7 +16,7 @@ fails must not take the working venv away. So:
 - a failure at any step removes the half-built directory and fails the rig with the output
   tail; the symlink, the old build and running services are untouched;
 - while it runs, its phases and uv's counts show in pyinfra's output (BuildProgress, read from
-  the build log every few seconds by rigbook.progress).
+  the build log every few seconds by rigbook.core.progress).
 
 A kept build whose spec matches again (a pin reverted in the inventory) and that is current
 for the driver is swapped back in without building. The converge (deploys/rig.py) builds missing
@@ -44,24 +44,24 @@ from pyinfra.api import FactBase, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.exceptions import FactProcessError
 
 from rigbook import FILES
-from rigbook.checks import Check, Facts, Finding, Read, drift, error
-from rigbook.cuda import (
+from rigbook.core.checks import Check, Facts, Finding, Read, drift, error
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, smi_attempts, smi_script
+from rigbook.core.managed import expect
+from rigbook.core.messages import notice, refuse, warn_once
+from rigbook.core.progress import WatchedBuild, progress_every
+from rigbook.core.render import render, template_commands
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig, VenvSpec
+from rigbook.core.tools import UV, package_source_args, tools_venv
+from rigbook.core.units import start_shell
+from rigbook.roles.cuda import (
     DRIVER_FOR_CUDA,
     check_driver,
     driver_problem,
     required_driver,
     version_tuple,
 )
-from rigbook.errors import RigbookError
-from rigbook.facts import GPUS, GPUS_READ, NvidiaGpus, smi_attempts, smi_script
-from rigbook.managed import expect
-from rigbook.messages import notice, refuse, warn_once
-from rigbook.progress import WatchedBuild, progress_every
-from rigbook.render import render, template_commands
-from rigbook.runfacts import once
-from rigbook.spec import Rig, VenvSpec
-from rigbook.tools import UV, package_source_args, tools_venv
-from rigbook.units import start_shell
 
 VENVS_DIR = "/opt/rigbook/venvs"
 MANIFEST = "rigbook-manifest.json"
@@ -593,7 +593,7 @@ def cuda_build(spec: VenvSpec, rig: Rig) -> bool:
     except the venv of the rig's recipe when that recipe is cpu_only."""
     if spec.engine != "llama-cpp-python":
         return False
-    from rigbook.recipes import catalogue  # recipes imports this module
+    from rigbook.roles.recipes import catalogue  # recipes imports this module
 
     try:
         recipe = catalogue(rig.serving_recipe_dirs).get(rig.recipe) if rig.recipe else None
@@ -803,8 +803,8 @@ def venv_build(rig: Rig, spec: VenvSpec, rebuild_stale: bool = False):
     """
     Build one serving venv when it is missing or its spec changed, smoke-test it, swap it in.
 
-    + rig: the rig's validated host data (``rigbook.spec.Rig``)
-    + spec: the venv (``rigbook.spec.VenvSpec``, one of ``rig.venvs``)
+    + rig: the rig's validated host data (``rigbook.core.spec.Rig``)
+    + spec: the venv (``rigbook.core.spec.VenvSpec``, one of ``rig.venvs``)
     + rebuild_stale: also rebuild a venv built for another driver (deploys/venvs.py); with
       ``rig.rebuild_all`` rebuild it even when it is current
 
@@ -879,8 +879,8 @@ def venv_env_file(rig: Rig, spec: VenvSpec):
     """
     Write the launcher environment of a venv, /opt/rigbook/venvs/<name>.env.
 
-    + rig: the rig's validated host data (``rigbook.spec.Rig``)
-    + spec: the venv (``rigbook.spec.VenvSpec``)
+    + rig: the rig's validated host data (``rigbook.core.spec.Rig``)
+    + spec: the venv (``rigbook.core.spec.VenvSpec``)
 
     ``KEY=value`` lines (a systemd ``EnvironmentFile=``, or ``set -a; . FILE; set +a``) from
     ``venv_environment``: CUDA_HOME in the venv's nvidia/cu13, PATH with the venv's bin first,

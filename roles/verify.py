@@ -5,7 +5,7 @@ back, and a hint of what to do): `health` (/health when the engine has it, then 
 the recipe's served name), `chat` (one short chat completion with an OpenAI answer shape),
 `tools` and `tools-stream` (when the recipe has a tool_parser: one tool called, its name and JSON
 arguments in tool_calls and no call markup in the text; streamed, delta.tool_calls and
-finish_reason "tool_calls", with thinking on where the model thinks; rigbook.toolcheck),
+finish_reason "tool_calls", with thinking on where the model thinks; rigbook.roles.toolcheck),
 `thinking` (when the recipe has a reasoning_parser: the reasoning present and apart from the
 answer, plain and streamed; rigbook.thinkcheck), `long-generation` (a ~2K-token essay without a
 repeated-line cascade and with lexical variety; rigbook.degeneration), `prefill` (a prompt of
@@ -46,9 +46,10 @@ from pydantic import ValidationError
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
-from rigbook import degeneration, specmetrics, thinkcheck, toolcheck
-from rigbook.errors import RigbookError
-from rigbook.types import StrictModel
+from rigbook import degeneration, specmetrics, thinkcheck
+from rigbook.core.errors import RigbookError
+from rigbook.core.types import StrictModel
+from rigbook.roles import toolcheck
 
 #: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
 CONTEXT_ERROR = re.compile(
@@ -815,7 +816,7 @@ def size_problems(rig, recipe, keys=SIZE_KEYS) -> list[str]:
     an answer. Before connecting only the keys the operator set are checked (the defaults are
     verify's run options, not a contradiction); verify_plan checks all. verify_context_len
     itself is a claim the needle step tests against the engine, not a size."""
-    from rigbook.recipes import max_model_len_of
+    from rigbook.roles.recipes import max_model_len_of
 
     context = rig.verify_context_len or max_model_len_of(recipe, rig)
     problems = []
@@ -828,8 +829,8 @@ def size_problems(rig, recipe, keys=SIZE_KEYS) -> list[str]:
 
 def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
     """The target and settings of a rig with a recipe; RigbookError names the field and range."""
-    from rigbook.recipes import bind_of, max_model_len_of, port_of, recipe_for
-    from rigbook.serving import read_api_key
+    from rigbook.roles.recipes import bind_of, max_model_len_of, port_of, recipe_for
+    from rigbook.roles.serving import read_api_key
 
     recipe = recipe_for(rig, rig_name)
     settings = settings_of(rig)
@@ -853,7 +854,7 @@ def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
 
 def _hardware(host) -> tuple[str | None, tuple[float, ...]]:
     """Driver version and enforced power caps as the rig reports them now (none: no GPUs)."""
-    from rigbook.facts import NvidiaGpus
+    from rigbook.core.facts import NvidiaGpus
 
     probe = host.get_fact(NvidiaGpus)
     if probe is None or not probe.ok:
@@ -894,7 +895,7 @@ def verify_serving(target: Target, settings: Settings, root: str | None = None):
 @deploy("Verify")
 def verify(rig) -> None:
     """Verify the rig's running recipe (deploy-level: plans one operation for this host)."""
-    from rigbook.messages import refused
+    from rigbook.core.messages import refused
 
     if rig.recipe is None:
         refused(name="Check the serving recipe",

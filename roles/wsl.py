@@ -32,16 +32,16 @@ from pyinfra.api.command import QuoteString
 from pyinfra.api.exceptions import FactProcessError
 
 from rigbook import FILES
-from rigbook.checks import Check, Facts, Finding, Read, drift, error, warn
-from rigbook.errors import RigbookError
-from rigbook.managed import put_commands
-from rigbook.messages import gib, notice, refuse, warn_once
-from rigbook.render import render_crlf, template
-from rigbook.runfacts import once
-from rigbook.spec import Rig
-from rigbook.tuning import SHM_READ, Shm
-from rigbook.types import JsonValue
-from rigbook.units import SYSTEMD_READ
+from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, warn
+from rigbook.core.errors import RigbookError
+from rigbook.core.managed import put_commands
+from rigbook.core.messages import gib, notice, refuse, warn_once
+from rigbook.core.render import render_crlf, template
+from rigbook.core.runfacts import once
+from rigbook.core.spec import Rig
+from rigbook.core.types import JsonValue
+from rigbook.core.units import SYSTEMD_READ
+from rigbook.roles.tuning import SHM_READ, Shm
 
 REG_EXE = "/mnt/c/Windows/System32/reg.exe"
 GRAPHICS_DRIVERS = r"HKLM\System\CurrentControlSet\Control\GraphicsDrivers"

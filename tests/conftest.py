@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import messages
+from rigbook.core import messages
 
 ROOT = Path(__file__).resolve().parent.parent
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))

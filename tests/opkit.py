@@ -13,7 +13,7 @@ from pyinfra.api import Config, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.api.command import FileUploadCommand
 from pyinfra.context import ctx_host, ctx_state
 
-from rigbook.managed import FileState
+from rigbook.core.managed import FileState
 
 
 class Calls(list):
@@ -54,7 +54,7 @@ class FakeHost:
 
 
 def file_states(files: dict | None = None, mode: int = 0o644, dirs: dict | None = None):
-    """A fake rigbook.managed.FileStates: each file's content (str or bytes) and each folder's
+    """A fake rigbook.core.managed.FileStates: each file's content (str or bytes) and each folder's
     mode by path; any other path is absent."""
     files, dirs = files or {}, dirs or {}
 

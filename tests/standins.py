@@ -28,9 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rigbook.recipes import gguf_patterns, snapshot_dir
+from rigbook.core.tools import TOOLS_PINS
+from rigbook.roles.recipes import gguf_patterns, snapshot_dir
 from rigbook.sandbox import rigs, wheelhouse
-from rigbook.tools import TOOLS_PINS
 from tests.tinymodel import FILE, REPO, cache_layout, revision_of, write_tiny_gguf
 
 LLAMA = "llama-cpp-python==0.3.36"

@@ -30,11 +30,11 @@ def test_pull_timing_from_the_lines_that_start_and_end_the_pull():
 
 
 def test_roles_come_from_the_outermost_rigbook_module():
-    assert role_of("rigbook.driver") == "driver"
-    assert role_of("rigbook.venvs") == "venvs"
+    assert role_of("rigbook.roles.driver") == "driver"
+    assert role_of("rigbook.roles.venvs") == "venvs"
     # What the deploy script calls outside the roles is the preflight (validation, checks).
     assert role_of("rigbook.preflight") == PREFLIGHT
-    assert role_of("rigbook.spec") == PREFLIGHT
+    assert role_of("rigbook.core.spec") == PREFLIGHT
     assert role_of(None) == PYINFRA  # no rigbook module asked for it
     assert set(ROLES) >= {"driver", "tuning", "wsl", "guards", "power", "venvs", "models",
                           "serving"}
@@ -44,15 +44,15 @@ def test_per_role_sums_commands_operations_and_seconds():
     events = [
         {"kind": "plan", "seconds": 2.0},
         {"kind": "command", "module": "rigbook.preflight", "phase": "plan", "seconds": 0.25},
-        {"kind": "deploy", "module": "rigbook.driver", "seconds": 0.5},
-        {"kind": "command", "module": "rigbook.driver", "phase": "plan", "seconds": 0.1},
-        {"kind": "op_added", "module": "rigbook.driver", "op": "a"},
-        {"kind": "op_added", "module": "rigbook.driver", "op": "b"},
-        {"kind": "deploy", "module": "rigbook.models", "seconds": 0.75},
-        {"kind": "op_added", "module": "rigbook.models", "op": "c"},
-        {"kind": "op", "module": "rigbook.driver", "op": "a", "seconds": 0.125},
-        {"kind": "command", "module": "rigbook.driver", "phase": "exec", "seconds": 0.1},
-        {"kind": "op", "module": "rigbook.models", "op": "c", "seconds": 0.375},
+        {"kind": "deploy", "module": "rigbook.roles.driver", "seconds": 0.5},
+        {"kind": "command", "module": "rigbook.roles.driver", "phase": "plan", "seconds": 0.1},
+        {"kind": "op_added", "module": "rigbook.roles.driver", "op": "a"},
+        {"kind": "op_added", "module": "rigbook.roles.driver", "op": "b"},
+        {"kind": "deploy", "module": "rigbook.roles.models", "seconds": 0.75},
+        {"kind": "op_added", "module": "rigbook.roles.models", "op": "c"},
+        {"kind": "op", "module": "rigbook.roles.driver", "op": "a", "seconds": 0.125},
+        {"kind": "command", "module": "rigbook.roles.driver", "phase": "exec", "seconds": 0.1},
+        {"kind": "op", "module": "rigbook.roles.models", "op": "c", "seconds": 0.375},
     ]
     rows = {row["role"]: row for row in per_role(events, wall=3.0)}
     assert [row["role"] for row in per_role(events, 3.0)] == [PREFLIGHT, *ROLES, PYINFRA]
@@ -72,7 +72,7 @@ def test_per_role_sums_commands_operations_and_seconds():
 
 def test_breakdown_table_has_a_row_per_role_and_the_totals():
     events = [{"kind": "plan", "seconds": 1.0},
-              {"kind": "command", "module": "rigbook.power", "phase": "plan", "seconds": 0.5}]
+              {"kind": "command", "module": "rigbook.roles.power", "phase": "plan", "seconds": 0.5}]
     result = {"deploy": "deploys/rig.py", "rig": "rig1", "seconds": 1.5, "runs": [1.4, 1.5, 1.6],
               "median_of": 3, "changes": 0, "roles": per_role(events, 1.5),
               "slowest_operations": [{"operation": "Power limits | Power unit", "role": "power",
@@ -92,9 +92,9 @@ def test_breakdown_table_has_a_row_per_role_and_the_totals():
 
 def test_slowest_operations_with_their_commands_at_execution():
     events = [
-        {"kind": "op", "op": "a", "module": "rigbook.driver", "names": ["NVIDIA driver | Hold"],
+        {"kind": "op", "op": "a", "module": "rigbook.roles.driver", "names": ["NVIDIA driver | Hold"],
          "seconds": 0.1},
-        {"kind": "op", "op": "b", "module": "rigbook.power", "names": ["Power limits | Unit"],
+        {"kind": "op", "op": "b", "module": "rigbook.roles.power", "names": ["Power limits | Unit"],
          "seconds": 0.3},
         {"kind": "command", "op": "b", "phase": "exec", "seconds": 0.1},
         {"kind": "command", "op": "b", "phase": "exec", "seconds": 0.1},

@@ -9,9 +9,9 @@ import pytest
 from bench.__main__ import _converge
 from bench.peers import ansible, table
 from bench.peers.render import render, sim_packages
-from rigbook.render import render as render_template
-from rigbook.spec import Rig
-from rigbook.tuning import SYSCTL_TEMPLATE
+from rigbook.core.render import render as render_template
+from rigbook.core.spec import Rig
+from rigbook.roles.tuning import SYSCTL_TEMPLATE
 
 RECAP = """
 TASK [Services enabled and running] ********************************************

@@ -1,16 +1,16 @@
-"""rigbook.capadvice: the PSU against the caps plus the host, and a 3090 capped near 230 W, with
-the hardware notes' own numbers (docs/power.md, Power supply and Caps that cost)."""
+"""rigbook.roles.capadvice: the PSU against the caps plus the host, and a 3090 capped near 230 W,
+with the hardware notes' own numbers (docs/power.md, Power supply and Caps that cost)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rigbook.capadvice import cap_warnings, psu_findings, psu_inventory_problem
-from rigbook.checks import Facts
-from rigbook.errors import RigbookError
-from rigbook.gpus import Gpu, GpuProbe
+from rigbook.core.checks import Facts
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import Rig, parse_rig
 from rigbook.inventory import rig_problems, rig_warnings
-from rigbook.spec import Rig, parse_rig
+from rigbook.rigside.gpus import Gpu, GpuProbe
+from rigbook.roles.capadvice import cap_warnings, psu_findings, psu_inventory_problem
 
 
 def dual(**data) -> Rig:

@@ -1,5 +1,5 @@
-"""rigbook.cards: the rules keyed on what the card is (compute capability, VRAM), read from the
-class before connecting and from nvidia-smi once facts are read, with the sources' own cards and
+"""rigbook.roles.cards: the rules keyed on what the card is (compute capability, VRAM), read from
+the class before connecting and from nvidia-smi once facts are read, with the sources' own cards and
 numbers (docs/sources.md, Rules keyed on the card)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from rigbook.cards import Card, card_problems, card_warnings, class_card, facts_card
-from rigbook.gpus import Gpu, GpuProbe, parse_query_csv
-from rigbook.recipes import Recipe, fit_problems
-from rigbook.serving import fit_problems as serving_fit_problems
-from rigbook.serving import serve_plan
-from rigbook.spec import Rig
+from rigbook.core.spec import Rig
+from rigbook.rigside.gpus import Gpu, GpuProbe, parse_query_csv
+from rigbook.roles.cards import Card, card_problems, card_warnings, class_card, facts_card
+from rigbook.roles.recipes import Recipe, fit_problems
+from rigbook.roles.serving import fit_problems as serving_fit_problems
+from rigbook.roles.serving import serve_plan
 from tests.conftest import ROOT
 from tests.test_recipes import MAIN, recipe_data
 from tests.test_serving import state

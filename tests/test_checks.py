@@ -1,4 +1,4 @@
-"""rigbook.checks and rigbook.preflight: facts read in one round trip, findings, what refuses.
+"""rigbook.core.checks and rigbook.preflight: facts read in one round trip, findings, what refuses.
 
 The batched command runs for real here (sh on this machine), with rigbook's and pyinfra's own
 facts, so a fact whose command breaks the shell around it, keeps state between command() and
@@ -14,8 +14,7 @@ import pytest
 from pyinfra.api import FactBase
 from pyinfra.facts.files import FileContents
 
-from rigbook import driver, guards, models, power, serving, tuning, venvs, wsl
-from rigbook.checks import (
+from rigbook.core.checks import (
     Check,
     Facts,
     Read,
@@ -27,10 +26,11 @@ from rigbook.checks import (
     refusal,
     run_checks,
 )
-from rigbook.errors import RigbookError
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import Rig
 from rigbook.preflight import no_prompt_mid_run, refusal_text
-from rigbook.spec import Rig
-from rigbook.tuning import PresentPaths
+from rigbook.roles import driver, guards, models, power, serving, tuning, venvs, wsl
+from rigbook.roles.tuning import PresentPaths
 
 
 class Fails(FactBase):
@@ -129,11 +129,11 @@ def test_no_prompt_between_operations_when_a_rig_fails():
 
 def test_a_batch_that_brings_nothing_back_is_read_once_more(monkeypatch):
     """A dropped SSH channel on a loaded rig gives no output at all: the read is tried again,
-    and what it read is kept for the run's operations (rigbook.runfacts)."""
+    and what it read is kept for the run's operations (rigbook.core.runfacts)."""
     from pyinfra.api import Config, Inventory, State
     from pyinfra.facts.server import Arch
 
-    from rigbook import checks, runfacts
+    from rigbook.core import checks, runfacts
 
     state = State(Inventory((["rig1"], {})), Config())
     (host,) = list(state.inventory)

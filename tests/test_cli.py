@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from rigbook import cli
-from rigbook.errors import EXIT_USAGE
+from rigbook.core.errors import EXIT_USAGE
 from tests.conftest import rigbook
 
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from rigbook.errors import RigbookError
-from rigbook.venvs import (
+from rigbook.core.errors import RigbookError
+from rigbook.roles.venvs import (
     TOOLKIT_WHEELS,
     BuildPlan,
     LiveDriver,
@@ -204,7 +204,7 @@ def test_the_smoke_test_proves_torch_sees_the_rigs_gpus():
 
 
 def test_the_h200_proof_recipe_is_a_gpu_recipe_of_one_card():
-    from rigbook.recipes import load_recipe
+    from rigbook.roles.recipes import load_recipe
 
     recipe = load_recipe(H200 / "recipes" / "tiny-h200.toml")
     assert not recipe.cpu_only and recipe.fits.gpu_count == 1 and recipe.venv == "llamacpp-cuda"

@@ -1,4 +1,5 @@
-"""rigbook.driver and rigbook.apt: package selection, holds, blacklist, pin, persistence, reboot.
+"""rigbook.roles.driver and rigbook.core.apt: package selection, holds, blacklist, pin, persistence,
+reboot.
 
 Parsers are fed real captured output (the H200 host's apt-mark showhold, dpkg-query and
 /proc/driver/nvidia/version, this Debian machine's os-release, apt's own madison output).
@@ -26,9 +27,8 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.server import LinuxDistribution
 
-from rigbook import driver as drv
-from rigbook import reboot
-from rigbook.apt import (
+from rigbook.core import reboot
+from rigbook.core.apt import (
     AptHolds,
     AptVersions,
     DpkgInstalled,
@@ -39,13 +39,14 @@ from rigbook.apt import (
     parse_dpkg_audit,
     upstream_version,
 )
-from rigbook.checks import Facts
-from rigbook.errors import RigbookError
-from rigbook.gpus import GpuProbe, parse_query_csv
-from rigbook.kernel import parse_apt_policy
-from rigbook.render import render as render_template
-from rigbook.spec import Rig
-from rigbook.wsl import WslSignals
+from rigbook.core.checks import Facts
+from rigbook.core.errors import RigbookError
+from rigbook.core.render import render as render_template
+from rigbook.core.spec import Rig
+from rigbook.rigside.gpus import GpuProbe, parse_query_csv
+from rigbook.roles import driver as drv
+from rigbook.roles.kernel import parse_apt_policy
+from rigbook.roles.wsl import WslSignals
 from tests.opkit import Calls, FakeHost, describe, file_states, shell
 from tests.test_real_fixtures import REAL, readings
 
@@ -382,7 +383,7 @@ def test_hold_driver_holds_every_installed_driver_package_once():
 
 
 def render(name: str, cfg) -> str:
-    """A template as the driver role renders it (rigbook.render)."""
+    """A template as the driver role renders it (rigbook.core.render)."""
     return render_template(TEMPLATES / name, cfg=cfg)
 
 

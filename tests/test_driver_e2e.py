@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from rigbook.driver import (
+from rigbook.roles.driver import (
     BLACKLIST,
     BUMP_LOGS,
     BUMP_SCRIPT,
@@ -354,7 +354,7 @@ def test_the_keyring_is_installed_only_when_its_sha256_matches(sandbox, tmp_path
 
     def deploy(sha256: str):
         path = tmp_path / f"keyring-{sha256[:8]}.py"
-        path.write_text("from rigbook.driver import cuda_keyring\n"
+        path.write_text("from rigbook.roles.driver import cuda_keyring\n"
                         f"cuda_keyring(name='NVIDIA repository key', url={url!r}, "
                         f"sha256={sha256!r})\n")
         return run_pyinfra(SANDBOX_INVENTORY, str(path), "--limit", "rig2")

@@ -11,17 +11,17 @@ import subprocess
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook.checks import Facts
-from rigbook.driver import driver_findings, driver_pending, foreign_of
-from rigbook.driver_source import (
+from rigbook.core.checks import Facts
+from rigbook.core.reboot import LoadedDriverVersion
+from rigbook.core.spec import Rig
+from rigbook.roles.driver import driver_findings, driver_pending, foreign_of
+from rigbook.roles.driver_source import (
     DriverFile,
     DriverSource,
     DriverSourceFact,
     foreign_driver,
 )
-from rigbook.kernel import parse_apt_policy
-from rigbook.reboot import LoadedDriverVersion
-from rigbook.spec import Rig
+from rigbook.roles.kernel import parse_apt_policy
 from tests.test_status import H200, ROOT, h200_probe
 
 H200_FACT = (H200 / "driver-source-fact.txt").read_text().splitlines()

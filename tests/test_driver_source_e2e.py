@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from rigbook.driver import BLACKLIST, PERSISTENCED_DROPIN, PREFERENCES, SOURCES
-from rigbook.reboot import SIM_LOADED_VERSION
+from rigbook.core.reboot import SIM_LOADED_VERSION
+from rigbook.roles.driver import BLACKLIST, PERSISTENCED_DROPIN, PREFERENCES, SOURCES
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 from tests.test_driver_e2e import NEW, OLD, forget_driver
 

@@ -1,6 +1,6 @@
 """Every rigbook fact through pyinfra's own fact CLI (`pyinfra INVENTORY fact rigbook.M.F
 key=value`), which prints each value as JSON with pyinfra_cli's encoder: sets, paths and dates,
-and otherwise the value's `to_json()` (rigbook.types.JsonValue). Run once on @local (this
+and otherwise the value's `to_json()` (rigbook.core.types.JsonValue). Run once on @local (this
 machine: most GPU facts are empty here) and once on the dual-3090 sandbox rig, whose simulated
 GPU layer gives the GPU facts values."""
 
@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from pyinfra.api import FactBase
 
 import rigbook
-from rigbook.reboot import SIM_LOADED_VERSION
-from rigbook.serving import probe_args, serve_plan
+from rigbook.core.reboot import SIM_LOADED_VERSION
+from rigbook.roles.serving import probe_args, serve_plan
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh
 from tests.test_driver_e2e import forget_driver
 from tests.test_driver_source_e2e import unowned_install
@@ -50,7 +50,7 @@ ARGS = {
     "RegistryValues": ["key=HKLM\\System", 'names=["TdrDelay"]'],
     "SpecAcceptance": ["unit=rigbook-serve.service", "log=/var/log/rigbook/serve.log"],
 }
-#: Not for the CLI: the one-round-trip batch of other facts' commands (rigbook.checks).
+#: Not for the CLI: the one-round-trip batch of other facts' commands (rigbook.core.checks).
 INTERNAL = {"FactBatch"}
 
 

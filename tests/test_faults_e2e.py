@@ -26,11 +26,11 @@ import time
 
 import pytest
 
-from rigbook.runlock import LOCK
+from rigbook.core.runlock import LOCK
+from rigbook.core.tools import TOOLS_PINS
+from rigbook.core.units import start_shell
+from rigbook.roles.venvs import VENVS_DIR, restart_marker
 from rigbook.sandbox import wheelhouse
-from rigbook.tools import TOOLS_PINS
-from rigbook.units import start_shell
-from rigbook.venvs import VENVS_DIR, restart_marker
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.test_models import ensure_wheels
 from tests.test_venvs import make_wheel

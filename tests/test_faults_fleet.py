@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rigbook.models import pull_message
-from rigbook.spec import ModelSpec
+from rigbook.core.spec import ModelSpec
+from rigbook.roles.models import pull_message
 from tests.hubstub import mirror, tiny_repo
 from tests.test_models import COMMIT, Recording, load_pull, requests, resolve_url
 
@@ -88,7 +88,7 @@ def test_a_pull_that_fills_the_disk_stops_and_says_what_to_free(hub_url, tmp_pat
     assert "dropped" not in line and "run again to finish" not in line
 
 
-# --- connections that cannot hang (roles/link.py) -----------------------------------------------
+# --- connections that cannot hang (rigbook/core/link.py) ------------------------------------------
 
 
 RIG = {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1}
@@ -118,8 +118,8 @@ def test_a_rigs_connection_gets_keepalives_and_a_bound_on_silence(tmp_path):
     import paramiko
     from pyinfra.api import Config, Inventory, State
 
-    from rigbook import link
-    from rigbook.spec import parse_rig
+    from rigbook.core import link
+    from rigbook.core.spec import parse_rig
 
     server = socket.create_server(("127.0.0.1", 0))
     sock = socket.create_connection(server.getsockname())
@@ -150,8 +150,8 @@ def test_a_rigs_connection_gets_keepalives_and_a_bound_on_silence(tmp_path):
     ({"link_lost_after": 3601}, "link_lost_after"), ({"link_keepalive": True}, "link_keepalive"),
 ])
 def test_link_bounds_outside_their_ranges_are_refused(data, problem):
-    from rigbook.errors import RigbookError
-    from rigbook.spec import parse_rig
+    from rigbook.core.errors import RigbookError
+    from rigbook.core.spec import parse_rig
 
     with pytest.raises(RigbookError, match=problem):
         parse_rig("rig1", {**RIG, **data})
@@ -191,7 +191,7 @@ def test_a_rigs_own_connect_timeout_bounds_a_rig_that_never_answers(tmp_path):
     assert took < 8, took  # 2 s, and the CLI's start; not CONNECT_TIMEOUT's 10 s
 
 
-# --- the table that ends a fleet run (roles/fleet.py) -------------------------------------------
+# --- the table that ends a fleet run (rigbook/fleet.py) -------------------------------------------
 
 
 def test_the_retry_command_is_the_run_for_the_failed_rigs_only():
@@ -210,7 +210,7 @@ def test_the_closing_table_names_each_failed_rig_with_its_reason():
     from pyinfra.api import Config, Inventory, State
 
     from rigbook import fleet
-    from rigbook.checks import error
+    from rigbook.core.checks import error
     from rigbook.preflight import refusal_reason
 
     state = State(Inventory((["rig1", "rig2", "rig3", "rig4"], {})), Config())

@@ -28,10 +28,10 @@ import signal
 
 import pytest
 
-from rigbook.models import repo_folder
-from rigbook.power import UNIT_PATH
+from rigbook.roles.models import repo_folder
+from rigbook.roles.power import UNIT_PATH
+from rigbook.roles.venvs import MANIFEST, VENVS_DIR
 from rigbook.sandbox import wheelhouse
-from rigbook.venvs import MANIFEST, VENVS_DIR
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.hubstub import big_repo
 from tests.test_faults_e2e import (

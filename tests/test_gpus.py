@@ -1,4 +1,5 @@
-"""rigbook.gpus and the GPU facts, on output captured from a real H200 host (tests/fixtures).
+"""rigbook.rigside.gpus and the GPU facts, on output captured from a real H200 host
+(tests/fixtures).
 
 The error messages below are nvidia-smi's own, verbatim: the facts must carry them to the
 operator instead of failing the deploy.
@@ -16,15 +17,15 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook import gpus
-from rigbook.facts import (
+from rigbook.core.facts import (
     NVIDIA_SMI_PATHS,
     LoadedNvidiaModule,
     NvidiaDriverVersion,
     NvidiaGpus,
 )
-from rigbook.gpus import QUERY_FIELDS, Gpu, GpuProbe, parse_query_csv, query_args
-from rigbook.health import health_from_probe
+from rigbook.rigside import gpus
+from rigbook.rigside.gpus import QUERY_FIELDS, Gpu, GpuProbe, parse_query_csv, query_args
+from rigbook.roles.health import health_from_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = Path(__file__).parent / "fixtures" / "nvidia-h200"
@@ -213,7 +214,7 @@ def test_probe_without_nvml_prints_error_and_exits_3(monkeypatch, capsys):
 
 def test_probe_command_line_on_this_machine():
     """The real entry point: a probe with a driver, or the error object and 3 without one."""
-    proc = subprocess.run([sys.executable, "-m", "rigbook.gpus", "--probe"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "rigbook.rigside.gpus", "--probe"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     data = json.loads(proc.stdout)
     if proc.returncode == 0:
@@ -388,9 +389,9 @@ def _probe_of(fixture: str) -> GpuProbe:
 def test_a_known_card_declared_other_is_refused(fixture, known):
     """Issue 33 (1): `gpu_class: other` skipped the card-name, SM86 and VRAM checks of a card
     rigbook knows; the rig's nvidia-smi says what it is, and the preflight refuses."""
-    from rigbook.checks import Facts
-    from rigbook.facts import gpu_findings
-    from rigbook.spec import Rig
+    from rigbook.core.checks import Facts
+    from rigbook.core.facts import gpu_findings
+    from rigbook.core.spec import Rig
 
     probe = _probe_of(fixture)
     rig = Rig(platform="ubuntu", gpu_class="other", gpu_count=len(probe.gpus),
@@ -405,9 +406,9 @@ def test_a_known_card_declared_other_is_refused(fixture, known):
 
 
 def test_a_card_rigbook_has_no_class_for_may_be_other():
-    from rigbook.checks import Facts
-    from rigbook.facts import gpu_findings
-    from rigbook.spec import Rig
+    from rigbook.core.checks import Facts
+    from rigbook.core.facts import gpu_findings
+    from rigbook.core.spec import Rig
 
     probe = _probe_of("smi-csv/noheader-27fields-many-na-rtx3080.txt")
     rig = Rig(platform="ubuntu", gpu_class="other", gpu_count=1, gpu_limits_watts=(100, 320),

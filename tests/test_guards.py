@@ -1,9 +1,9 @@
 """Rig guards: the /dev/shm reaper's decisions, the Xid watch, GPU topology, the NCCL P2P rule.
 
 The reaper and the watch are the scripts a rig runs (files/guards/), loaded or run from a copy
-laid out as on the rig (the watch beside a copy of roles/xid.py, the reaper beside a copy of
-roles/shmglob.py). The reaper decides on fake /proc trees here, on this machine's real /proc
-for a file this test maps itself, and reaps with real processes holding real files: a /proc
+laid out as on the rig (the watch beside a copy of rigbook/rigside/xid.py, the reaper beside a copy
+of rigbook/rigside/shmglob.py). The reaper decides on fake /proc trees here, on this machine's real
+/proc for a file this test maps itself, and reaps with real processes holding real files: a /proc
 of links to their /proc/PID folders (this machine's PID 1 cannot be read even by root, which
 would make every real run refuse).
 Topology parsers read the real H200 captures (tests/fixtures/nvidia-h200: one GPU, no NVLink);
@@ -33,11 +33,13 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FunctionCommand
 
-from rigbook import guards
-from rigbook.checks import Facts
-from rigbook.errors import RigbookError
-from rigbook.gpus import Gpu, GpuProbe
-from rigbook.guards import (
+from rigbook.core.checks import Facts
+from rigbook.core.errors import RigbookError
+from rigbook.core.render import render
+from rigbook.core.spec import Rig, parse_rig
+from rigbook.rigside.gpus import Gpu, GpuProbe
+from rigbook.roles import guards
+from rigbook.roles.guards import (
     GpuLostMark,
     NvLinks,
     ReapPlan,
@@ -57,9 +59,7 @@ from rigbook.guards import (
     topology_summary,
     topology_warnings,
 )
-from rigbook.recipes import catalogue
-from rigbook.render import render
-from rigbook.spec import Rig, parse_rig
+from rigbook.roles.recipes import catalogue
 from rigbook.status import build_rig_status
 from tests.opkit import execute, local_fact, run_op, shell
 
@@ -78,9 +78,9 @@ def load_script(path: Path, name: str):
     return module
 
 
-#: The reaper as installed on a rig: the script with a copy of roles/shmglob.py beside it.
+#: The reaper as installed on a rig: the script with a copy of rigbook/rigside/shmglob.py beside it.
 _REAPER_DIR = tempfile.TemporaryDirectory(prefix="rigbook-guards-")
-for _source in (GUARDS / "rigbook-shm-reaper", ROOT / "roles" / "shmglob.py"):
+for _source in (GUARDS / "rigbook-shm-reaper", ROOT / "rigbook" / "rigside" / "shmglob.py"):
     shutil.copy(_source, _REAPER_DIR.name)
 REAPER = Path(_REAPER_DIR.name) / "rigbook-shm-reaper"
 reaper = load_script(REAPER, "rigbook_shm_reaper")
@@ -893,11 +893,11 @@ def test_reap_plan_parses_a_missing_reaper_and_an_error():
 
 @pytest.fixture
 def watch_dir(tmp_path) -> Path:
-    """The watch as installed on a rig: the script with a copy of roles/xid.py beside it."""
+    """The watch as installed on a rig: the script with a copy of rigbook/rigside/xid.py beside it."""
     folder = tmp_path / "guards"
     folder.mkdir()
     shutil.copy(GUARDS / "rigbook-xid-watch", folder)
-    shutil.copy(ROOT / "roles" / "xid.py", folder)
+    shutil.copy(ROOT / "rigbook" / "rigside" / "xid.py", folder)
     return folder
 
 
@@ -1117,7 +1117,7 @@ def test_constructed_nvlink_status():
 
 
 def smi_block(path: str, lines: list[str], rc: int = 0) -> list[str]:
-    """What rigbook.facts.smi_script prints for one nvidia-smi run."""
+    """What rigbook.core.facts.smi_script prints for one nvidia-smi run."""
     return [f"##RIGBOOK_SMI## {path}", *lines, "", f"##RIGBOOK_RC## {rc}"]
 
 
@@ -1291,7 +1291,7 @@ def test_an_empty_mark_is_a_mark_all_the_same(watch_dir, tmp_path):
 
 
 def test_the_topology_check_reads_with_the_preflight_and_warns_as_the_report_does():
-    from rigbook.checks import reads_of
+    from rigbook.core.checks import reads_of
 
     names = [read.name for read in reads_of(rig(nvlink=False), "rig1", [guards.TOPOLOGY])]
     assert names == ["probe", "topology"] and guards.TOPOLOGY.gpus

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from rigbook.guards import (
+from rigbook.roles.guards import (
     ENGINE_FAULTS_LOG,
     GPU_LOST_MARK,
     REAPER,
@@ -138,8 +138,8 @@ def guarded(sandbox, tmp_path_factory):
     """rig2 with the guards deployed (twice: the second run changes nothing); the deploy file."""
     RIGS.update(sandbox)
     deploy = tmp_path_factory.mktemp("deploy") / "guards_only.py"
-    deploy.write_text("from pyinfra import host\nfrom rigbook.guards import guards\n"
-                      "from rigbook.spec import rig_of\nguards(rig_of(host))\n")
+    deploy.write_text("from pyinfra import host\nfrom rigbook.roles.guards import guards\n"
+                      "from rigbook.core.spec import rig_of\nguards(rig_of(host))\n")
     first = run_pyinfra(SANDBOX_INVENTORY, str(deploy), "--limit", RIG)
     assert first.returncode == 0, first.explain()
     assert first.changed(), first.explain()

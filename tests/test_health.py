@@ -1,7 +1,8 @@
-"""rigbook.health: the health query read from a real H200 (tests/fixtures/nvidia-h200/health.csv),
-and the findings each fault gives, on that same row with one value changed at a time; the NVML
-probe's answer and nvidia-smi's, captured one after the other on another H200, read the same;
-the fact's shell takes NVML when the tools venv answers and nvidia-smi otherwise.
+"""rigbook.roles.health: the health query read from a real H200
+(tests/fixtures/nvidia-h200/health.csv), and the findings each fault gives, on that same row with
+one value changed at a time; the NVML probe's answer and nvidia-smi's, captured one after the other
+on another H200, read the same; the fact's shell takes NVML when the tools venv answers and
+nvidia-smi otherwise.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from rigbook.checks import Facts
-from rigbook.facts import _NO_SMI, _RC, _SMI
-from rigbook.health import (
+from rigbook.core.checks import Facts
+from rigbook.core.facts import _NO_SMI, _RC, _SMI
+from rigbook.core.spec import Rig
+from rigbook.core.tools import TOOLS_PYTHON
+from rigbook.roles.health import (
     HEALTH_FIELDS,
     GpuHealthReadings,
     health_findings,
     health_from_probe,
     parse_health,
 )
-from rigbook.spec import Rig
-from rigbook.tools import TOOLS_PYTHON
 from tests.conftest import ROOT
 
 H200 = ROOT / "tests" / "fixtures" / "nvidia-h200"
@@ -198,7 +199,7 @@ def test_the_fact_takes_nvml_from_the_tools_venv_and_nvidia_smi_without_it(tmp_p
 def test_the_real_probe_answers_or_nvidia_smi_does(tmp_path):
     """The real probe run by this python (nvidia-ml-py installed): without a driver here it
     exits 3 and the stand-in nvidia-smi answers; with one, NVML answers."""
-    probe = subprocess.run([sys.executable, str(ROOT / "roles" / "gpus.py"), "--probe"],
+    probe = subprocess.run([sys.executable, str(ROOT / "rigbook" / "rigside" / "gpus.py"), "--probe"],
                            capture_output=True, text=True)
     out = fact_output(tmp_path, sys.executable)
     if probe.returncode == 0:

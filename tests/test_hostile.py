@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from rigbook.render import env_line, one_line, systemd_word, unit_text
-from rigbook.spec import parse_rig
+from rigbook.core.render import env_line, one_line, systemd_word, unit_text
+from rigbook.core.spec import parse_rig
 from tests.conftest import PYINFRA, ROOT
 from tests.test_spec import GOOD, listener  # noqa: F401  (the counting loopback listener)
 
@@ -188,7 +188,7 @@ def test_a_control_character_never_reaches_a_file(value):
 
 def test_the_refused_table_is_refused_by_the_models_themselves():
     """The same values, one by one, through parse_rig and the checks that need no rig."""
-    from rigbook.errors import RigbookError
+    from rigbook.core.errors import RigbookError
     from rigbook.inventory import rig_problems
 
     for key, value in REFUSED:
@@ -203,8 +203,8 @@ def test_the_refused_table_is_refused_by_the_models_themselves():
 
 
 def test_a_hostile_recipe_file_is_refused_with_its_file_and_field(tmp_path):
-    from rigbook.errors import RigbookError
-    from rigbook.recipes import load_recipe
+    from rigbook.core.errors import RigbookError
+    from rigbook.roles.recipes import load_recipe
 
     good = (ROOT / "tests" / "recipes" / "tiny-cpu-a.toml").read_text()
     hostile = {
@@ -275,8 +275,8 @@ def recipe_text(engine: str, extra_args: list[str]) -> str:
 
 @pytest.mark.parametrize(("engine", "extra_args", "owned"), OWNED_SPELLINGS)
 def test_an_owned_flag_in_another_spelling_is_refused(tmp_path, engine, extra_args, owned):
-    from rigbook.errors import RigbookError
-    from rigbook.recipes import load_recipe
+    from rigbook.core.errors import RigbookError
+    from rigbook.roles.recipes import load_recipe
 
     path = tmp_path / "tiny-cpu-a.toml"
     path.write_text(recipe_text(engine, extra_args))
@@ -288,7 +288,7 @@ def test_an_owned_flag_in_another_spelling_is_refused(tmp_path, engine, extra_ar
 @pytest.mark.parametrize(("engine", "extra_args"), NOT_OWNED_SPELLINGS)
 def test_a_spelling_the_engine_does_not_take_for_an_owned_flag_is_not_refused_as_one(
         tmp_path, engine, extra_args):
-    from rigbook.recipes import load_recipe
+    from rigbook.roles.recipes import load_recipe
 
     path = tmp_path / "tiny-cpu-a.toml"
     path.write_text(recipe_text(engine, extra_args))
@@ -301,7 +301,7 @@ def test_argparse_itself_takes_each_refused_spelling_for_the_owned_flag():
     add no normalisation of their own); the not-owned ones land on none."""
     import argparse
 
-    from rigbook.recipes import OWN_FLAGS
+    from rigbook.roles.recipes import OWN_FLAGS
 
     for engine in ("llama.cpp", "sglang"):
         parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
@@ -319,7 +319,7 @@ def test_argparse_itself_takes_each_refused_spelling_for_the_owned_flag():
 
 def hostile_cpu_rig(recipe_dir):
     """A rig serving the recipe `hostile-cpu` from recipe_dir (the tiny CPU engine's venv)."""
-    from rigbook.spec import Rig
+    from rigbook.core.spec import Rig
 
     return Rig.model_validate({
         "platform": "debian", "gpu_class": "rtx3090", "gpu_count": 2, "recipe": "hostile-cpu",
@@ -333,8 +333,8 @@ def hostile_cpu_rig(recipe_dir):
 def test_a_wide_bind_through_a_prefix_is_refused_before_the_plan(tmp_path):
     """The issue's case: `--hos=0.0.0.0` in a serving_recipe_dirs recipe; the plan reported bind
     127.0.0.1 and asked for no key while the engine listened everywhere."""
-    from rigbook.errors import RigbookError
-    from rigbook.serving import serve_plan
+    from rigbook.core.errors import RigbookError
+    from rigbook.roles.serving import serve_plan
 
     (tmp_path / "hostile-cpu.toml").write_text(
         recipe_text("llama.cpp", ["--hos=0.0.0.0"]).replace('"tiny-cpu-a"', '"hostile-cpu"'))

@@ -27,12 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from rigbook.driver import TEMPLATES, AptSource, ModprobeConf
-from rigbook.guards import REAPER, REAPER_UNIT
-from rigbook.guards import SOURCES as GUARD_FILES
-from rigbook.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
-from rigbook.render import render, systemd_word
-from rigbook.serving import (
+from rigbook.core.render import render, systemd_word
+from rigbook.core.spec import Rig
+from rigbook.roles.driver import TEMPLATES, AptSource, ModprobeConf
+from rigbook.roles.guards import REAPER, REAPER_UNIT
+from rigbook.roles.guards import SOURCES as GUARD_FILES
+from rigbook.roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
+from rigbook.roles.serving import (
     ENV_PATH,
     SERVE_HOME,
     SERVE_USER,
@@ -42,8 +43,7 @@ from rigbook.serving import (
     render_unit,
     serve_plan,
 )
-from rigbook.spec import Rig
-from rigbook.tokens import MIRROR_TOKEN_PATH
+from rigbook.roles.tokens import MIRROR_TOKEN_PATH
 from tests.conftest import ROOT, rig_ssh
 from tests.test_hostile import ACCEPTED_ARGS, hostile_cpu_rig
 
@@ -129,7 +129,8 @@ def test_accepted_hostile_values_are_inert_in_the_real_unit_and_env_file(sandbox
             rig_ssh(rig, f"rm -f {VENV_CHECK_PATH}", check=False)
 
 
-#: Accepted by the types (roles/types.py, roles/spec.py), and as hostile as they allow.
+#: Accepted by the types (rigbook/core/types.py, rigbook/core/spec.py), and as hostile as they
+#: allow.
 GLOBS = ("x-_.[a-z]*?.mmap", "_.-a*", "abcd[b]c")
 CACHE = "/srv/hf:cache=a,b+c@d"
 APT_URL = "https://mirror.lan:8080/nv/$(id);#%41?x=1&y=$HOME,a+b"

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from rigbook.cli import main
-from rigbook.errors import EXIT_USAGE
+from rigbook.core.errors import EXIT_USAGE
 from tests.hubstub import Hub, big_repo, serve, tiny_repo
 
 

@@ -1,4 +1,4 @@
-"""rigbook.journal: a failed start's journal read for the signatures the sources name, on
+"""rigbook.roles.journal: a failed start's journal read for the signatures the sources name, on
 published logs (tests/fixtures/real/SOURCES.md: journal/, their readings in expected.json)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rigbook.journal import journal_hints
-from rigbook.spec import Rig
+from rigbook.core.spec import Rig
+from rigbook.roles.journal import journal_hints
 from tests.conftest import ROOT
 
 REAL = ROOT / "tests" / "fixtures" / "real"
@@ -66,7 +66,7 @@ def test_no_signature_no_hint():
 @pytest.mark.parametrize("name", sorted(ACCEPTANCE))
 def test_the_engines_acceptance_length_is_read_from_its_log(name):
     """vLLM's "SpecDecoding metrics: ... Mean acceptance length: N" as published."""
-    from rigbook.journal import SpecAcceptance
+    from rigbook.roles.journal import SpecAcceptance
 
     assert SpecAcceptance().process(journal(name).splitlines()) == ACCEPTANCE[name]
     assert journal_hints(journal(name), WSL2) == []
@@ -75,7 +75,7 @@ def test_the_engines_acceptance_length_is_read_from_its_log(name):
 def test_a_low_acceptance_is_the_failure_logs_quantised_head():
     """Failure log: the quantised head's "acceptance sat at 1.07-1.27" and bought nothing;
     the draft model reached 3.7-4.2."""
-    from rigbook.journal import acceptance_warning, last_acceptance
+    from rigbook.roles.journal import acceptance_warning, last_acceptance
 
     log = ("SpecDecoding metrics: Mean acceptance length: 1.07,\n"
            "SpecDecoding metrics: Mean acceptance length: 1.27,\n")

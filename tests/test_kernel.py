@@ -1,4 +1,5 @@
-"""rigbook.kernel: nouveau, Secure Boot and the DKMS key, headers, DKMS per kernel, other sources.
+"""rigbook.roles.kernel: nouveau, Secure Boot and the DKMS key, headers, DKMS per kernel, other
+sources.
 
 Every parser reads the published outputs of tests/fixtures/real/ (SOURCES.md gives each URL)
 against the reading a person wrote in expected.json; the findings and the operations run on
@@ -16,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import driver as drv
-from rigbook import kernel as kern
-from rigbook import reboot
-from rigbook.checks import Facts, batch_command, process_output
-from rigbook.render import render
-from rigbook.spec import Rig
-from rigbook.wsl import WslSignals
+from rigbook.core import reboot
+from rigbook.core.checks import Facts, batch_command, process_output
+from rigbook.core.render import render
+from rigbook.core.spec import Rig
+from rigbook.roles import driver as drv
+from rigbook.roles import kernel as kern
+from rigbook.roles.wsl import WslSignals
 from tests.opkit import describe, file_states, run_op, shell
 from tests.test_real_fixtures import REAL, readings
 

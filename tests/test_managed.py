@@ -1,4 +1,4 @@
-"""rigbook.managed: one read of every managed file, run against real files in a shell."""
+"""rigbook.core.managed: one read of every managed file, run against real files in a shell."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from pyinfra.api import Config, Inventory, OperationError, State
 from pyinfra.context import ctx_host, ctx_state
 
-from rigbook import managed, runfacts
+from rigbook.core import managed, runfacts
 from tests.opkit import FakeHost, describe, file_states
 
 
@@ -161,7 +161,7 @@ def test_a_regular_file_is_removed_by_the_command(tmp_path):
 
 
 def test_a_fact_the_preflight_read_is_not_read_again_until_the_rig_changed(monkeypatch):
-    """rigbook.runfacts: the preflight's batch seeds the run; a change by another operation
+    """rigbook.core.runfacts: the preflight's batch seeds the run; a change by another operation
     sends the next read to the rig."""
     changes = [0]
     monkeypatch.setattr(runfacts, "_changes", lambda *_: (changes[0], changes[0]))
@@ -180,7 +180,7 @@ def test_a_fact_the_preflight_read_is_not_read_again_until_the_rig_changed(monke
 
 
 def test_a_write_of_this_module_keeps_the_file_states_but_not_the_facts(monkeypatch):
-    """A file rigbook.managed wrote is known as written; a fact may depend on it (an apt pin
+    """A file rigbook.core.managed wrote is known as written; a fact may depend on it (an apt pin
     changes what apt-cache policy says), so facts are read again."""
     changes = [(0, 0)]
     monkeypatch.setattr(runfacts, "_changes", lambda *_: changes[0])

@@ -27,9 +27,11 @@ from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.command import FileUploadCommand
 
 from rigbook import FILES
-from rigbook.checks import Facts
-from rigbook.errors import RigbookError
-from rigbook.models import (
+from rigbook.core.checks import Facts
+from rigbook.core.errors import RigbookError
+from rigbook.core.secrets import Secret
+from rigbook.core.spec import ModelSpec, Rig, parse_rig
+from rigbook.roles.models import (
     CacheState,
     ModelCache,
     model_findings,
@@ -48,9 +50,7 @@ from rigbook.models import (
     unreferenced,
     wanted_models,
 )
-from rigbook.secrets import Secret
-from rigbook.spec import ModelSpec, Rig, parse_rig
-from rigbook.tokens import (
+from rigbook.roles.tokens import (
     MIRROR_TOKEN_PATH,
     TOKEN_PATH,
     SecretFile,
@@ -748,7 +748,7 @@ def test_hf_token_under_sudo_creates_the_temporary_file_0600_first():
 
 
 def _wheel_requirements() -> list[str]:
-    from rigbook.tools import TOOLS_PINS
+    from rigbook.core.tools import TOOLS_PINS
 
     return [f"huggingface_hub=={TOOLS_PINS['huggingface_hub']}"]
 
@@ -1469,8 +1469,8 @@ def test_mirror_script_refuses_to_start_without_a_token_and_serves_with_one(tmp_
 
 
 def test_mirror_unit_template():
-    from rigbook.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
-    from rigbook.render import render
+    from rigbook.core.render import render
+    from rigbook.roles.models import MIRROR_SCRIPT, MIRROR_TEMPLATE
 
     text = render(MIRROR_TEMPLATE, cache="/var/lib/rigbook/hf/hub", bind="10.0.0.5", port=8090,
                   script=MIRROR_SCRIPT, token_path=MIRROR_TOKEN_PATH)
@@ -1484,8 +1484,8 @@ def test_mirror_unit_template():
 
 
 def test_ssh_address_fact_and_the_mirror_check():
-    from rigbook.checks import Facts, run_checks
-    from rigbook.models import CHECKS, NO_MIRROR_ADDRESS, SshAddress, parse_ssh_address
+    from rigbook.core.checks import Facts, run_checks
+    from rigbook.roles.models import CHECKS, NO_MIRROR_ADDRESS, SshAddress, parse_ssh_address
 
     assert parse_ssh_address(["10.0.3.1 51234 10.0.3.7 22"]) == "10.0.3.7"
     assert parse_ssh_address(["::1 51234 ::ffff:10.0.3.7 22"]) == "10.0.3.7"
@@ -1576,8 +1576,8 @@ def test_the_preflight_refuses_a_cache_the_engines_user_can_write(tmp_path):
 
 
 def test_a_cache_in_a_users_folder_is_refused_before_connecting():
-    from rigbook.serving import SERVE_HOME
-    from rigbook.spec import USER_WRITABLE
+    from rigbook.core.spec import USER_WRITABLE
+    from rigbook.roles.serving import SERVE_HOME
 
     assert SERVE_HOME in USER_WRITABLE
     for path in (f"{SERVE_HOME}/hub", "/home/alice/hf", "/run/user/1000/hub"):
@@ -1589,7 +1589,7 @@ def test_a_cache_in_a_users_folder_is_refused_before_connecting():
 def test_a_gguf_recipes_repo_is_pulled_for_its_file_only():
     """Issue 33 (2): unsloth/Qwen3.6-27B-GGUF holds every quantisation; the llama.cpp recipe
     serves one file, and the models role pulls only that one (the rig's own patterns win)."""
-    from rigbook.venvs import engine_venv
+    from rigbook.roles.venvs import engine_venv
 
     gguf = "unsloth/Qwen3.6-27B-GGUF"
     cfg = rig(platform="ubuntu", gpu_class="rtx3090", gpu_count=1, recipe="qwen36-27b-llamacpp",

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-from rigbook.models import repo_folder
+from rigbook.core.tools import TOOLS_PINS
+from rigbook.roles.models import repo_folder
+from rigbook.roles.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH
 from rigbook.sandbox import WHEELS_MOUNT, wheelhouse
-from rigbook.tokens import MIRROR_TOKEN_PATH, TOKEN_PATH
-from rigbook.tools import TOOLS_PINS
 from tests.conftest import (
     PYINFRA,
     ROOT,

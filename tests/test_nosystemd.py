@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import models, power, serving
-from rigbook.checks import Facts
-from rigbook.gpus import GpuProbe
-from rigbook.guards import GPU_LOST_MARK, REAPER
-from rigbook.serving import (
+from rigbook.core.checks import Facts
+from rigbook.core.spec import Rig
+from rigbook.core.units import NO_SYSTEMD, SYSTEMD, SYSTEMD_READ, SystemdBooted
+from rigbook.rigside.gpus import GpuProbe
+from rigbook.roles import models, power, serving
+from rigbook.roles.guards import GPU_LOST_MARK, REAPER
+from rigbook.roles.serving import (
     CAP_CHECK_PATH,
     CAP_CHECK_SOURCE,
     ENV_PATH,
@@ -43,8 +45,6 @@ from rigbook.serving import (
     serve_recipe,
     serving_findings,
 )
-from rigbook.spec import Rig
-from rigbook.units import NO_SYSTEMD, SYSTEMD, SYSTEMD_READ, SystemdBooted
 from tests.opkit import describe, run_op
 from tests.test_serving import (
     GPUS,
@@ -95,8 +95,8 @@ def test_systemd_booted_needs_pid1_systemd_and_systemctl():
 
 
 def test_no_systemd_is_said_once_by_every_preflight_and_shown_by_status():
-    from rigbook.checks import reads_of
-    from rigbook.guards import CHECKS as GUARDS
+    from rigbook.core.checks import reads_of
+    from rigbook.roles.guards import CHECKS as GUARDS
 
     assert [(r.name, r.fact) for r in reads_of(None, "rig1", [SYSTEMD])] == [
         ("systemd", SystemdBooted)]
@@ -170,7 +170,7 @@ def supervised(plan, caps=None) -> dict:
 
 
 def launcher_of_default() -> dict:
-    from rigbook.venvs import VenvLayout
+    from rigbook.roles.venvs import VenvLayout
 
     return launcher_of(VenvLayout(LAUNCHER["VIRTUAL_ENV"], "x", None, False, None))
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from pyinfra_cli.util import parse_cli_arg
 
-from rigbook.serving import PIDFILE, SERVE_LOG, SUPERVISE_CONF, SUPERVISE_PATH
-from rigbook.sweep import NO_UNIT_HERE
-from rigbook.units import NO_SYSTEMD
+from rigbook.core.units import NO_SYSTEMD
+from rigbook.roles.serving import PIDFILE, SERVE_LOG, SUPERVISE_CONF, SUPERVISE_PATH
+from rigbook.roles.sweep import NO_UNIT_HERE
 from tests.conftest import ROOT, SANDBOX_INVENTORY, added_rig, rig_ssh, rigbook, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
 from tests.test_serving_e2e import engines, tiny_cpu_args

@@ -10,7 +10,7 @@ import pytest
 
 import rigbook
 from rigbook.inventory import parse_rig
-from rigbook.offboard import (
+from rigbook.roles.offboard import (
     FOOTPRINT,
     MODELS_CACHE,
     RIGBOOK_SHM_ERE,
@@ -19,7 +19,7 @@ from rigbook.offboard import (
     footprint,
     kept,
 )
-from rigbook.tuning import fstab_line
+from rigbook.roles.tuning import fstab_line
 
 #: Where rigbook writes; a path constant of a role under one of these is rigbook's.
 WRITES_UNDER = ("/etc/", "/opt/rigbook", "/var/lib/rigbook", "/var/log/rigbook", "/run/rigbook",
@@ -68,7 +68,7 @@ def test_kept_by_default_and_removed_when_asked():
 
 @pytest.mark.parametrize("value", [["all"], ["venvs", "/"], "venvs"])
 def test_offboard_remove_takes_only_what_it_names(value):
-    with pytest.raises(rigbook.errors.RigbookError, match="offboard_remove"):
+    with pytest.raises(rigbook.core.errors.RigbookError, match="offboard_remove"):
         parse_rig("r", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
                         "offboard_remove": value})
 

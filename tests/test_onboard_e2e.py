@@ -20,7 +20,8 @@ import base64
 
 import pytest
 
-from rigbook.kernel import (
+from rigbook.core.reboot import REBOOT_MARKER
+from rigbook.roles.kernel import (
     CONSOLE_STEP,
     MOK_PASSWORD,
     NOUVEAU_CONF,
@@ -28,7 +29,6 @@ from rigbook.kernel import (
     SIGNING_KEYS,
     SIM_MODULES,
 )
-from rigbook.reboot import REBOOT_MARKER
 from rigbook.sandbox import SIM_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 from tests.test_driver_e2e import forget_driver

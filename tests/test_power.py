@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rigbook.errors import RigbookError
-from rigbook.gpus import SMI_ADVICE, Gpu, GpuProbe, parse_query_csv
-from rigbook.power import (
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import Rig
+from rigbook.core.units import UnitState
+from rigbook.rigside.gpus import SMI_ADVICE, Gpu, GpuProbe, parse_query_csv
+from rigbook.roles.power import (
     UNIT_NAME,
     UNIT_PATH,
     CapRow,
@@ -28,8 +30,6 @@ from rigbook.power import (
     power_unit,
     render_unit,
 )
-from rigbook.spec import Rig
-from rigbook.units import UnitState
 from tests.opkit import FakeHost, describe, file_states, run_op
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,7 +278,7 @@ def test_unit_op_refuses_500_w_before_writing_anything():
     assert [describe(c) for c in commands] == ["call _refuse"]
     message = commands[0].args[0]
     assert "asks 500 W (power_cap_watts); allowed: the card's range 100-400 W" in message
-    assert host.logged == []  # the preflight says it before any operation (roles/preflight.py)
+    assert host.logged == []  # the preflight says it before any operation (rigbook/preflight.py)
 
 
 def test_refusal_fails_the_rig_and_records_unchanged_rows():
@@ -342,7 +342,7 @@ def test_read_back_fails_loudly_when_a_card_did_not_take_its_cap():
 
 
 def test_read_back_records_the_real_old_and_new_values():
-    from rigbook.power import _ROWS, recorded_rows
+    from rigbook.roles.power import _ROWS, recorded_rows
 
     _ROWS.clear()
     commands, _ = power_op(live_power_caps, dual_3090(power_cap_watts=300),

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from rigbook.gpus import Gpu, parse_query_csv, query_args
-from rigbook.guards import (
+from rigbook.rigside.gpus import Gpu, parse_query_csv, query_args
+from rigbook.roles.guards import (
     GPU_LOST_HEADLINE,
     GPU_LOST_MARK,
     GUARDS_DIR,
@@ -28,8 +28,8 @@ from rigbook.guards import (
     WATCH,
     XID_COPY,
 )
-from rigbook.power import UNIT_NAME, UNIT_PATH
-from rigbook.serving import (
+from rigbook.roles.power import UNIT_NAME, UNIT_PATH
+from rigbook.roles.serving import (
     CAP_CHECK_PATH,
     CAP_CHECK_SOURCE,
     SERVE_HOME,

@@ -22,8 +22,8 @@ import subprocess
 
 import pytest
 
-from rigbook.power import UNIT_PATH
-from rigbook.tuning import SYSCTL_CONF
+from rigbook.roles.power import UNIT_PATH
+from rigbook.roles.tuning import SYSCTL_CONF
 from tests.conftest import PYINFRA, ROOT, PyinfraRun, rig_ssh, rigbook
 
 pytestmark = pytest.mark.sandbox

@@ -1,7 +1,7 @@
 """The serving unit's pre-start checks cannot be switched off by the engine's user (issue 29, 2).
 
-The cap check (roles/cap_check.py), the venv check (roles/venv_check.py) and the GPU-lost check
-(rigbook-xid-watch --check) run before
+The cap check (rigbook/rigside/cap_check.py), the venv check (rigbook/rigside/venv_check.py) and the
+GPU-lost check (rigbook-xid-watch --check) run before
 every start of rigbook-serve.service. The engine's user writes its home (the unit's HOME and
 WorkingDirectory) and a recipe sets the unit's environment: a `.pth` file in that user's site
 folder, or a PYTHONPATH with a sitecustomize.py, runs before either check and can make it exit 0.
@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import FILES, power
-from rigbook.envvars import LOADER_ENV
-from rigbook.errors import RigbookError
-from rigbook.guards import GPU_LOST_HEADLINE, WATCH, XID_SOURCE
-from rigbook.recipes import Recipe, load_recipe
-from rigbook.serving import (
+from rigbook import FILES
+from rigbook.core.envvars import LOADER_ENV
+from rigbook.core.errors import RigbookError
+from rigbook.roles import power
+from rigbook.roles.guards import GPU_LOST_HEADLINE, WATCH, XID_SOURCE
+from rigbook.roles.recipes import Recipe, load_recipe
+from rigbook.roles.serving import (
     CAP_CHECK_PATH,
     CAP_CHECK_SOURCE,
     SERVE_USER,
@@ -34,7 +35,7 @@ from rigbook.serving import (
     render_unit,
     serve_plan,
 )
-from rigbook.venvs import BASE_PATH, MANIFEST, venv_link
+from rigbook.roles.venvs import BASE_PATH, MANIFEST, venv_link
 from tests.test_recipes import _toml, recipe_data
 from tests.test_serving import SMI, dual_rig
 

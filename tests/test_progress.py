@@ -1,4 +1,4 @@
-"""rigbook.progress: a command's progress file read while the command runs, against a fake rig
+"""rigbook.core.progress: a command's progress file read while the command runs, against a fake rig
 that writes the file in gevent time (the reads and the command share one connection there)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gevent
 from pyinfra.api import StringCommand
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
-from rigbook.progress import FileTail, progress_every, run_watched
+from rigbook.core.progress import FileTail, progress_every, run_watched
 
 
 def stdout(*lines: str) -> CommandOutput:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from rigbook.guards import QUARANTINE_TMPFILES, REAPER_UNIT
+from rigbook.roles.guards import QUARANTINE_TMPFILES, REAPER_UNIT
 from tests.conftest import SANDBOX_INVENTORY, rigbook, run_pyinfra
 from tests.test_guards_e2e import QUARANTINE, RIG, exists, guarded, journal, ssh
 

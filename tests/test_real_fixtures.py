@@ -13,10 +13,8 @@ import re
 
 import pytest
 
-from rigbook.gpus import csv_header, pl_range, smi_failure
-from rigbook.venvs import parse_smi_header
-from rigbook.wsl import WslSignals, platform_problem
-from rigbook.xid import (
+from rigbook.rigside.gpus import csv_header, pl_range, smi_failure
+from rigbook.rigside.xid import (
     GONE_ACTIONS,
     parse_boot,
     parse_cards,
@@ -25,6 +23,8 @@ from rigbook.xid import (
     parse_xid_lines,
     split_prefix,
 )
+from rigbook.roles.venvs import parse_smi_header
+from rigbook.roles.wsl import WslSignals, platform_problem
 from tests.conftest import ROOT
 
 REAL = ROOT / "tests" / "fixtures" / "real"

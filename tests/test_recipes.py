@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rigbook.errors import RigbookError
-from rigbook.recipes import (
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import Rig
+from rigbook.roles.recipes import (
     FIGURE,
     PLACEHOLDER_REVISION,
     RECIPES_DIR,
@@ -25,9 +26,8 @@ from rigbook.recipes import (
     recipe_for,
     recipes_markdown,
 )
-from rigbook.serving import engine_environment
-from rigbook.spec import Rig
-from rigbook.venvs import engine_pins, engine_venv
+from rigbook.roles.serving import engine_environment
+from rigbook.roles.venvs import engine_pins, engine_venv
 from tests.conftest import ROOT
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")
@@ -136,7 +136,7 @@ def recipe_data(**changes) -> dict:
 def test_every_shipped_recipe_names_the_sources_it_follows():
     """docs/recipes.md shows each recipe's source and section; each topic is a section of
     docs/sources.md, which quotes it."""
-    from rigbook.recipes import anchor
+    from rigbook.roles.recipes import anchor
 
     sources = (ROOT / "docs" / "sources.md").read_text()
     headings = {anchor(line[3:]) for line in sources.splitlines() if line.startswith("## ")}
@@ -265,7 +265,7 @@ def test_a_placeholder_pin_needs_the_rigs_models_entry():
 
 def test_a_gguf_pin_is_asked_for_with_its_file_and_pulls_only_that():
     """Issue 33 (2): a GGUF repo holds every quantisation; the recipe serves one file."""
-    from rigbook.recipes import gguf_patterns, recipe_pins, rig_models
+    from rigbook.roles.recipes import gguf_patterns, recipe_pins, rig_models
 
     recipe = catalogue()["qwen36-27b-llamacpp"]
     with pytest.raises(RigbookError) as error:
@@ -345,7 +345,7 @@ def test_the_recipe_to_start_with_fits_each_card_class(gpu_class, count, platfor
 def test_every_card_class_has_a_recipe_to_start_with():
     from typing import get_args
 
-    from rigbook.spec import GpuClass
+    from rigbook.core.spec import GpuClass
 
     assert {row[0] for row in START_WITH} == set(get_args(GpuClass))
 
@@ -471,7 +471,7 @@ def test_mtp_follows_the_head_not_the_topology():
 
 
 def test_mtp_head_is_read_from_the_checkpoint_index():
-    from rigbook.recipes import mtp_head_of_index
+    from rigbook.roles.recipes import mtp_head_of_index
 
     half = {"weight_map": {
         "model.layers.0.mlp.down_proj.weight_packed": "a.safetensors",
@@ -498,7 +498,7 @@ def gdn_rig(gpu_class="rtx3090", packages=("vllm==0.33.0", "torch==2.14.0")) -> 
 
 
 def test_gdn_models_need_a_cuda_13_0_venv(monkeypatch):
-    from rigbook import recipes
+    from rigbook.roles import recipes
 
     assert recipes.venv_cuda(("vllm==0.33.0", "torch==2.14.0")) == "13.0"
     assert fit_problems(gdn_recipe(), gdn_rig()) == []
@@ -517,7 +517,7 @@ def test_a_rig_can_lower_context_and_memory_share_for_a_display():
     """Hardware notes: a 4090 driving a display has ~23.5 GB usable and needed
     MAX_MODEL_LEN=90000; the same overrides apply for other GPU consumers (docs/sources.md,
     VRAM margins)."""
-    from rigbook.recipes import vram_need_gib
+    from rigbook.roles.recipes import vram_need_gib
 
     recipe = catalogue()["single-24g-long"]
     rig = pinned_rig(recipe, serving_max_model_len=90000, serving_gpu_memory_utilization=0.9)
@@ -626,7 +626,7 @@ def test_figures_measured_on_another_engine_build_are_shown_as_the_sources():
     docs show them as the source's; a recipe measured on the build it installs shows its own."""
     import tomllib
 
-    from rigbook.recipes import figures_text, measured_on_its_build
+    from rigbook.roles.recipes import figures_text, measured_on_its_build
 
     docs = (ROOT / "docs" / "recipes.md").read_text()
     for name in ("qwen36-27b-dual-20g", "qwen36-27b-5090", "qwen36-27b-llamacpp"):
@@ -654,7 +654,7 @@ def test_the_kv_offload_buffer_counts_against_host_ram_and_shm_size():
     """Runbook: /dev/shm "holds vllm_offload_<uuid>.mmap, 42,945,576,960 bytes (40.0 GiB) —
     vLLM's CPU KV-offload region, sized by --kv-offloading-size", on a host whose free -g read
     "182 total" and whose /dev/shm is "a 92 G tmpfs"."""
-    from rigbook.recipes import kv_offload_gib, shm_offload_problem
+    from rigbook.roles.recipes import kv_offload_gib, shm_offload_problem
 
     args = ["--kv-offloading-backend", "native", "--kv-offloading-size", "40"]
     data = recipe_data(extra_args=args, estimate={"kv_gib": 1, "host_ram_gib": 24})
@@ -686,7 +686,7 @@ def test_weight_offload_and_a_small_chunk_for_one_long_sequence_are_said():
     pay" below FreeToken's 2.0x. Failure log: a 2048 chunk "quadrupled prefill iterations on
     single-request 50-90K contexts"."""
     from rigbook.inventory import rig_warnings
-    from rigbook.recipes import recipe_warnings
+    from rigbook.roles.recipes import recipe_warnings
 
     rig = Rig(platform="debian", gpu_class="rtx4090", gpu_count=2)
     (text,) = recipe_warnings(Recipe.model_validate(recipe_data(
@@ -708,8 +708,8 @@ def test_weight_offload_and_a_small_chunk_for_one_long_sequence_are_said():
 def test_an_sglang_gdn_checkpoint_with_half_quantised_linear_attention_is_refused():
     """Failure log: SGLang hung loading a checkpoint "half-quantized, with the MTP head and some
     linear-attention layers stored as plain `weight` rather than `weight_packed`"."""
-    from rigbook.recipes import gdn_index_problem, mixed_linear_attention
-    from rigbook.serving import reads_weight_index
+    from rigbook.roles.recipes import gdn_index_problem, mixed_linear_attention
+    from rigbook.roles.serving import reads_weight_index
 
     def index(plain_layers: range, layers: int = 4) -> str:
         names = {}

@@ -30,9 +30,9 @@ import pytest
 from pydantic import ValidationError
 
 from rigbook import sandbox
-from rigbook.driver import BLACKLIST, is_driver_package, plan_driver, upstream_version
-from rigbook.spec import DRIVER_BRANCHES, Rig
-from rigbook.wsl import WslSignals
+from rigbook.core.spec import DRIVER_BRANCHES, Rig
+from rigbook.roles.driver import BLACKLIST, is_driver_package, plan_driver, upstream_version
+from rigbook.roles.wsl import WslSignals
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 
 pytestmark = pytest.mark.sandbox

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from rigbook.core.spec import parse_rig
 from rigbook.report import Redactor, report_markdown
-from rigbook.spec import parse_rig
 from rigbook.status import unreachable_status
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh
 

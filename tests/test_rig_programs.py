@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import FILES, models, serving
-from rigbook.models import ModelCache, parse_cache
-from rigbook.serving import ServeProbe, parse_probe, probe_args, serve_plan
+from rigbook import FILES
+from rigbook.roles import models, serving
+from rigbook.roles.models import ModelCache, parse_cache
+from rigbook.roles.serving import ServeProbe, parse_probe, probe_args, serve_plan
 from tests.opkit import local_fact
 from tests.test_serving import cpu_rig
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from rigbook.runlock import RunLock, holder_text, this_run
+from rigbook.core.runlock import RunLock, holder_text, this_run
 
 
 def take(lock: Path, taker: str | None = None) -> dict:

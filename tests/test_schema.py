@@ -16,7 +16,7 @@ from pyinfra.api import State
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory_from_files
 
-from rigbook.recipes import RECIPES_DIR
+from rigbook.roles.recipes import RECIPES_DIR
 from tests.conftest import ROOT
 
 

@@ -13,13 +13,15 @@ import gguf
 import pytest
 from pyinfra.api import FunctionCommand
 
-from rigbook.errors import RigbookError
-from rigbook.gpus import Gpu, GpuProbe
-from rigbook.guards import GpuLost, Topology, parse_topo_matrix
-from rigbook.models import parse_cache
-from rigbook.power import UNIT_PATH as POWER_UNIT
-from rigbook.recipes import vram_need_gib
-from rigbook.serving import (
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import Rig
+from rigbook.core.units import start_shell
+from rigbook.rigside.gpus import Gpu, GpuProbe
+from rigbook.roles.guards import GpuLost, Topology, parse_topo_matrix
+from rigbook.roles.models import parse_cache
+from rigbook.roles.power import UNIT_PATH as POWER_UNIT
+from rigbook.roles.recipes import vram_need_gib
+from rigbook.roles.serving import (
     CAP_CHECK_PATH,
     CAP_CHECK_SOURCE,
     ENV_PATH,
@@ -46,9 +48,7 @@ from rigbook.serving import (
     serve_recipe,
     systemd_word,
 )
-from rigbook.spec import Rig
-from rigbook.units import start_shell
-from rigbook.venvs import VenvLayout, VenvState
+from rigbook.roles.venvs import VenvLayout, VenvState
 from tests.conftest import ROOT
 from tests.opkit import FakeHost, describe, execute, file_states, local_fact, run_op
 from tests.tinymodel import N_LAYER, cache_layout, revision_of, vocabulary, write_tiny_gguf
@@ -230,7 +230,7 @@ def test_a_rig_sets_an_engine_variable_without_a_copied_recipe():
     ({"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz012345"}, "HF_TOKEN reads as a secret"),
 ])
 def test_serving_env_refuses_what_a_recipe_env_may_not_set(env, refused):
-    from rigbook.spec import parse_rig
+    from rigbook.core.spec import parse_rig
 
     data = {**dual_rig().model_dump(exclude_defaults=True), "serving_env": env}
     with pytest.raises(RigbookError, match=re.escape(refused)) as error:
@@ -384,7 +384,7 @@ def test_the_served_checkpoints_index_overrules_an_unquantised_mtp_declaration()
     (docs/sources.md, MTP): the preflight reads it from the snapshot and refuses weight_packed."""
     from dataclasses import replace
 
-    from rigbook.recipes import Speculative
+    from rigbook.roles.recipes import Speculative
 
     plan = serve_plan(dual_rig(), "rig1")
     spec = Speculative(method="mtp", num_speculative_tokens=3, mtp_head="unquantised")
@@ -500,7 +500,7 @@ def op_facts(probe: ServeState, gpus=GPUS, cache=FULL_CACHE, venv=VENV_OK, dirs=
 
 
 def launcher_of(layout: VenvLayout) -> dict:
-    from rigbook.venvs import venv_environment
+    from rigbook.roles.venvs import venv_environment
 
     return venv_environment(layout)
 
@@ -693,7 +693,7 @@ def test_a_failed_start_on_wsl2_says_a_tdr_reset_is_not_oom():
     assert "\nWhat it shows: Windows reset the GPU mid-kernel (TDR" in message
 
 
-# --- caps that fail closed (roles/cap_check.py) -------------------------------------------------
+# --- caps that fail closed (rigbook/rigside/cap_check.py) -----------------------------------------
 
 H200_CAPS = ROOT / "tests" / "fixtures" / "nvidia-h200" / "uuid-power-limit.csv"
 H200_UUID = H200_CAPS.read_text().split(",")[0]
@@ -775,8 +775,8 @@ def test_a_cpu_only_unit_gets_no_gpu_device_and_its_engine_sees_no_gpu():
 
 
 def test_status_warns_when_a_speculating_recipe_accepts_too_little():
-    from rigbook.checks import Facts
-    from rigbook.serving import speculation_findings
+    from rigbook.core.checks import Facts
+    from rigbook.roles.serving import speculation_findings
 
     rig = dual_rig()  # dual-3090-draft speculates with a draft model
     [finding] = speculation_findings(rig, Facts(acceptance=1.2), "rig1")

@@ -4,7 +4,8 @@ starts the recipe and waits for its health; a converge leaves a held rig be."""
 
 from __future__ import annotations
 
-from rigbook.serving import (
+from rigbook.core.units import UnitState
+from rigbook.roles.serving import (
     HOLD_PATH,
     UNIT_NAME,
     UNIT_PATH,
@@ -15,7 +16,6 @@ from rigbook.serving import (
     serve_plan,
     serve_recipe,
 )
-from rigbook.units import UnitState
 from tests.opkit import describe, file_states, run_op
 from tests.test_serving import SMI, cpu_rig, deployed, dual_rig, op_facts, state
 
@@ -80,8 +80,8 @@ def test_the_rebuild_removes_the_hold_starts_serving_and_waits_for_it():
 
 
 def test_status_says_a_held_rig_waits_for_the_rebuild():
-    from rigbook.checks import Facts
-    from rigbook.serving import serving_findings
+    from rigbook.core.checks import Facts
+    from rigbook.roles.serving import serving_findings
 
     rig = dual_rig()
     plan = serve_plan(rig, "rig1")
@@ -95,7 +95,7 @@ def test_status_says_a_held_rig_waits_for_the_rebuild():
 def test_before_the_rebuild_a_held_unit_that_systemd_retries_is_stopped():
     """After the bump's reboot systemd retries the start the check refused (auto-restart): the
     venv swap's try-restart would start it again, fail, and fail the rebuild."""
-    from rigbook.serving import stop_held
+    from rigbook.roles.serving import stop_held
 
     plan = serve_plan(cpu_rig(), "rig1")
     held = {**deployed(plan), HOLD_PATH: "1" * 64}

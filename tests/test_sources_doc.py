@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from rigbook.cards import card_warnings, class_card
-from rigbook.recipes import (
+from rigbook.roles.cards import card_warnings, class_card
+from rigbook.roles.recipes import (
     Recipe,
     catalogue,
     example_rig,
@@ -28,7 +28,7 @@ def gdn(name: str) -> bool:
 
 
 def no_figure(name: str) -> bool:
-    from rigbook.recipes import FIGURE
+    from rigbook.roles.recipes import FIGURE
 
     return not C[name].measured and not FIGURE.findall(C[name].description)
 
@@ -147,7 +147,7 @@ def seed_rows() -> list[list[str]]:
 
 
 def test_the_seed_table_names_where_rigbook_acts_or_why_not_and_its_counts_hold():
-    from rigbook.recipes import anchor
+    from rigbook.roles.recipes import anchor
 
     rows = seed_rows()
     assert [int(row[0]) for row in rows] == list(range(1, len(rows) + 1))

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import parse_rig
 from rigbook.docs import host_data_markdown
-from rigbook.errors import RigbookError
 from rigbook.inventory import cli_override_data, load_inventory, load_rigs
-from rigbook.spec import parse_rig
 from tests.conftest import PYINFRA, ROOT
 
 GOOD = {"platform": "ubuntu", "gpu_class": "rtx3090", "gpu_count": 2}
@@ -270,7 +270,7 @@ def test_a_value_no_rig_can_take_or_keys_that_disagree_are_refused(data, expecte
 
 
 def test_every_numeric_key_has_an_upper_and_a_lower_bound():
-    from rigbook.spec import Rig, range_of
+    from rigbook.core.spec import Rig, range_of
 
     numeric = [name for name, field in Rig.model_fields.items()
                if any(word in str(field.annotation) for word in ("int", "float"))]

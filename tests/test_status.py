@@ -24,15 +24,20 @@ from pyinfra.api import Inventory
 from pyinfra.facts.files import FindInFile
 from rich.console import Console
 
-from rigbook import venvs as venvs_role
-from rigbook.apt import AptHolds, DpkgInstalled
-from rigbook.checks import REFUSING, Facts, every_check, reads_of, run_checks
-from rigbook.disks import FreeDisk
-from rigbook.driver_source import DriverSourceFact
-from rigbook.errors import RigbookError
-from rigbook.facts import GPUS, NvidiaGpus, RunningDriverFact, mismatch_finding
-from rigbook.gpus import Gpu, GpuProbe
-from rigbook.guards import (
+from rigbook.core.apt import AptHolds, DpkgInstalled
+from rigbook.core.checks import REFUSING, Facts, every_check, reads_of, run_checks
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import GPUS, NvidiaGpus, RunningDriverFact, mismatch_finding
+from rigbook.core.reboot import LoadedDriverVersion
+from rigbook.core.render import render as render_template
+from rigbook.core.spec import Rig
+from rigbook.inventory import select_hosts as limit_hosts
+from rigbook.preflight import refusal_text
+from rigbook.rigside.gpus import Gpu, GpuProbe
+from rigbook.roles import venvs as venvs_role
+from rigbook.roles.disks import FreeDisk
+from rigbook.roles.driver_source import DriverSourceFact
+from rigbook.roles.guards import (
     KernelXids,
     fault_findings,
     gpu_lost_reason,
@@ -40,16 +45,28 @@ from rigbook.guards import (
     parse_gpu_lost,
     parse_kernel_log,
 )
-from rigbook.inventory import select_hosts as limit_hosts
-from rigbook.models import ModelCache
-from rigbook.power import PowerUnitFile, desired_caps, render_unit, unit_caps
-from rigbook.preflight import refusal_text
-from rigbook.reboot import LoadedDriverVersion
-from rigbook.render import render as render_template
-from rigbook.serving import ENV_PATH as SERVE_ENV_PATH
-from rigbook.serving import HEALTH_PATH, KEY_PATH, ServeProbe, probe_args, render_env, serve_plan
-from rigbook.serving import UNIT_PATH as SERVE_UNIT_PATH
-from rigbook.spec import Rig
+from rigbook.roles.models import ModelCache
+from rigbook.roles.power import PowerUnitFile, desired_caps, render_unit, unit_caps
+from rigbook.roles.serving import ENV_PATH as SERVE_ENV_PATH
+from rigbook.roles.serving import (
+    HEALTH_PATH,
+    KEY_PATH,
+    ServeProbe,
+    probe_args,
+    render_env,
+    serve_plan,
+)
+from rigbook.roles.serving import UNIT_PATH as SERVE_UNIT_PATH
+from rigbook.roles.tuning import (
+    SYSCTL_TEMPLATE,
+    PresentPaths,
+    fstab_line,
+    parse_live_sysctls,
+    parse_shm,
+    parse_sysctl_conf,
+)
+from rigbook.roles.venvs import MANIFEST, LiveDriver, VenvBuilds, build_name, smoke_input, spec_hash
+from rigbook.roles.wsl import RegProbe, WindowsProfile, WslSignals
 from rigbook.status import (
     FleetStatus,
     RigStatus,
@@ -59,16 +76,6 @@ from rigbook.status import (
     unreachable_status,
 )
 from rigbook.status_table import render
-from rigbook.tuning import (
-    SYSCTL_TEMPLATE,
-    PresentPaths,
-    fstab_line,
-    parse_live_sysctls,
-    parse_shm,
-    parse_sysctl_conf,
-)
-from rigbook.venvs import MANIFEST, LiveDriver, VenvBuilds, build_name, smoke_input, spec_hash
-from rigbook.wsl import RegProbe, WindowsProfile, WslSignals
 from tests.opkit import local_fact
 from tests.test_models import FILES_A, make_repo
 from tests.test_real_fixtures import REAL

@@ -22,9 +22,9 @@ import sys
 
 import pytest
 
-from rigbook.spec import Rig
+from rigbook.core.spec import Rig
+from rigbook.roles.venvs import MANIFEST, VENVS_DIR
 from rigbook.status import FleetStatus
-from rigbook.venvs import MANIFEST, VENVS_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import fill_wheelhouse
 

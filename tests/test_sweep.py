@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from rigbook import cli
-from rigbook.checks import Facts
-from rigbook.errors import RigbookError
-from rigbook.gpus import GpuProbe
-from rigbook.power import PowerUnit
-from rigbook.spec import parse_rig
-from rigbook.sweep import (
+from rigbook.core.checks import Facts
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import parse_rig
+from rigbook.rigside.gpus import GpuProbe
+from rigbook.roles.power import PowerUnit
+from rigbook.roles.sweep import (
     MAX_CAPS,
     NO_UNIT_HERE,
     RIG_PROGRAM,
@@ -32,7 +32,7 @@ from rigbook.sweep import (
     report_lines,
     sweep_findings,
 )
-from rigbook.sweepresult import (
+from rigbook.roles.sweepresult import (
     Evidence,
     Interval,
     Rigs,
@@ -50,7 +50,7 @@ from rigbook.sweepresult import (
     suggestions,
     summary_rows,
 )
-from rigbook.sweepstats import Estimate
+from rigbook.roles.sweepstats import Estimate
 from tests.test_power import DUAL, SMI, UUID0, UUID1, rtx3090
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -362,7 +362,7 @@ def test_stored_sweeps_and_the_bench_sweep_command(tmp_path, monkeypatch, capsys
 
 def test_without_matplotlib_the_sweep_stores_json_and_says_how_to_get_charts(
         tmp_path, monkeypatch):
-    from rigbook import charts
+    from rigbook.core import charts
 
     monkeypatch.setattr(charts, "_pyplot", lambda: None)
     path, said = save_sweep(sample_run(), tmp_path)
@@ -384,7 +384,7 @@ def test_an_estimate_round_trips_through_the_stored_interval():
 def rigside(tmp_path):
     """A sweep folder with the program and cap_check.py, a unit, and an nvidia-smi that logs
     its arguments and reports two cards' draw."""
-    from rigbook import cap_check
+    from rigbook.rigside import cap_check
 
     folder = tmp_path / "sweep"
     folder.mkdir()
@@ -502,7 +502,7 @@ def test_the_simulated_draw_follows_the_documented_model(tmp_path):
 def test_the_h200_dry_run_refused_and_planned_as_the_code_says():
     """The card as that host's nvidia-smi listed it, through rigbook's parser and the sweep's
     checks: the refusal the capture shows is the one the code words, and 500-700 W passes."""
-    from rigbook.gpus import Gpu, csv_header, number, parse_fields
+    from rigbook.rigside.gpus import Gpu, csv_header, number, parse_fields
 
     capture = (ROOT / "tests" / "fixtures" / "nvidia-h200" / "power-sweep-dry.txt").read_text()
     head, row = capture.splitlines()[:2]
@@ -535,7 +535,7 @@ def test_a_lease_is_not_renewed_once_the_guard_has_closed(tmp_path):
     import json
     import subprocess
 
-    from rigbook.sweep import lease_command
+    from rigbook.roles.sweep import lease_command
 
     def run(seconds):
         return subprocess.run(["sh", "-c", lease_command(seconds, str(tmp_path))]).returncode
@@ -603,7 +603,7 @@ class Rig:
 
 
 def release(record: str) -> tuple[Rig, tuple[bool, str], str | None]:
-    from rigbook.sweep import _Sweep
+    from rigbook.roles.sweep import _Sweep
 
     unit = {UUID0: 290.0, UUID1: 300.0}
     try:  # what the guard says it restored is at the unit's cap, the rest at the swept 250 W
@@ -650,7 +650,7 @@ def test_a_complete_restore_sets_nothing_from_the_operator():
 def test_the_guard_is_started_as_a_unit_of_its_own_not_in_the_ssh_login():
     """Issue 29, finding 7: `setsid -f` left the guard in the login's session scope, which
     logind stops (killing the guard) when the login ends where KillUserProcesses=yes."""
-    from rigbook.sweep import GUARD_UNIT, guard_command
+    from rigbook.roles.sweep import GUARD_UNIT, guard_command
 
     command = guard_command().get_raw_value()
     assert "setsid" not in command

@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 
 from rigbook import cli
-from rigbook.cap_check import unit_caps
-from rigbook.gpus import parse_query_csv, query_args
-from rigbook.power import UNIT_PATH
-from rigbook.serving import UNIT_NAME as SERVE_UNIT
-from rigbook.sweep import (
+from rigbook.rigside.cap_check import unit_caps
+from rigbook.rigside.gpus import parse_query_csv, query_args
+from rigbook.roles.power import UNIT_PATH
+from rigbook.roles.serving import UNIT_NAME as SERVE_UNIT
+from rigbook.roles.sweep import (
     GUARD_UNIT,
     LEASE_MARGIN_S,
     RIG_PROGRAM,
@@ -42,7 +42,7 @@ from rigbook.sweep import (
     guard_command,
     lease_command,
 )
-from rigbook.sweepresult import Evidence, load_sweeps
+from rigbook.roles.sweepresult import Evidence, load_sweeps
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import place_model, ssh_with_input, wheelhouse_for_llama
 from tests.test_sandbox import OLD, install_driver
@@ -229,7 +229,7 @@ def test_the_guard_outlives_the_ssh_login_where_logind_kills_its_processes(sandb
     dies with it and writes no record; started as the sweep starts it now (a unit of its own),
     it lives on, and restores when the lease is released. No cap is touched: the unit it reads
     does not exist, so its record says so."""
-    from rigbook import cap_check
+    from rigbook.rigside import cap_check
 
     rig, scope = sandbox["rig1"], "rigbook-test-login.scope"
     # A folder of its own: a sweep's folder may hold its `closed` (no lease is taken then).

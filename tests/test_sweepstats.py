@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from rigbook.sweepresult import evidence, samples_of
-from rigbook.sweepstats import (
+from rigbook.roles.sweepresult import evidence, samples_of
+from rigbook.roles.sweepstats import (
     autocorrelation_time,
     estimate,
     indistinguishable,

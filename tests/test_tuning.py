@@ -1,4 +1,4 @@
-"""rigbook.tuning: the sysctl file and its live step, /dev/shm, leftovers.
+"""rigbook.roles.tuning: the sysctl file and its live step, /dev/shm, leftovers.
 
 Facts are run for real on this machine (their commands read /proc and /dev/shm here), so the
 parsers are tested on real output; operations are run with facts given by the test and the
@@ -17,10 +17,10 @@ from pyinfra.api import FunctionCommand
 from pyinfra.facts.files import FindInFile
 from pyinfra.operations import files
 
-from rigbook.checks import Facts
-from rigbook.errors import RigbookError
-from rigbook.spec import Rig
-from rigbook.tuning import (
+from rigbook.core.checks import Facts
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import Rig
+from rigbook.roles.tuning import (
     FSTAB_SHM_LINE,
     READ_ONLY_NOTE,
     SYSCTL_CONF,
@@ -61,7 +61,7 @@ def rig(**data) -> Rig:
 
 
 def render(cfg: Rig) -> str:
-    from rigbook.render import render as render_template
+    from rigbook.core.render import render as render_template
 
     return render_template(SYSCTL_TEMPLATE, cfg=cfg)
 
@@ -101,7 +101,7 @@ def test_template_matches_what_the_live_step_compares():
     ],
 )
 def test_bad_sysctl_extra_is_refused_at_load(extra, message):
-    from rigbook.spec import parse_rig
+    from rigbook.core.spec import parse_rig
 
     with pytest.raises(RigbookError, match=re.escape(message)) as error:
         parse_rig("rig1", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
@@ -387,7 +387,7 @@ def test_the_check_refuses_with_every_reason():
 def test_a_leftover_that_is_not_a_regular_file_refuses_the_rig_before_any_change(tmp_path):
     """Check first: the preflight reads what each leftover is; a folder, a link, a FIFO there
     refuses the rig before the driver (or anything) changes, instead of failing mid-run."""
-    from rigbook.tuning import PresentPaths
+    from rigbook.roles.tuning import PresentPaths
 
     (tmp_path / "99-vllm-swap.conf").write_text("vm.swappiness = 10\n")
     (tmp_path / "a folder.conf").mkdir()
@@ -422,7 +422,7 @@ def test_inotify_watches_are_counted_per_process_on_this_machine(tmp_path):
     import ctypes
     import os
 
-    from rigbook.tuning import InotifyWatches
+    from rigbook.roles.tuning import InotifyWatches
 
     libc = ctypes.CDLL(None, use_errno=True)
     fd = libc.inotify_init()
@@ -441,7 +441,7 @@ def test_inotify_watches_are_counted_per_process_on_this_machine(tmp_path):
 
 
 def test_inotify_near_the_limit_names_the_holders():
-    from rigbook.tuning import inotify_findings, parse_inotify
+    from rigbook.roles.tuning import inotify_findings, parse_inotify
 
     holders = parse_inotify(["12 812 0 systemd", "59628 4242 1000 code", "junk", "5 99 1000 x y"])
     assert [(h.comm, h.watches) for h in holders] == [("code", 59628), ("systemd", 12), ("x y", 5)]
@@ -458,7 +458,7 @@ def test_inotify_near_the_limit_names_the_holders():
 
 
 def test_the_fstab_line_is_left_alone_when_the_preflight_read_it_as_wanted():
-    from rigbook.tuning import fstab_line, fstab_shm_size
+    from rigbook.roles.tuning import fstab_line, fstab_shm_size
 
     there = ["# /etc/fstab", "UUID=1 / ext4 defaults 0 1", fstab_line("16G")]
     commands, fake = run_op(fstab_shm_size, {"FileContents": there}, size="16G")
@@ -473,7 +473,7 @@ def test_a_swappiness_leftover_on_a_box_without_swap_is_said():
     """Runbook: "/etc/sysctl.d/99-vllm-swap.conf is a leftover setting vm.swappiness = 10 on a
     box with no swap, so it is inert" ("swapon --show prints nothing"). /proc/swaps as published
     (tests/fixtures/real/swap/); its header alone is a box without swap."""
-    from rigbook.tuning import _SWAPPINESS, SwapLeftovers, swap_leftover_findings
+    from rigbook.roles.tuning import _SWAPPINESS, SwapLeftovers, swap_leftover_findings
 
     real = (ROOT / "tests/fixtures/real/swap/proc-swaps-one-partition.txt").read_text()
     header = real.splitlines()[:1]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from rigbook.inventory import load_rigs
-from rigbook.tuning import READ_ONLY_NOTE, SYSCTL_CONF, size_bytes
-from rigbook.wsl import GRAPHICS_DRIVERS, REG_EXE
+from rigbook.roles.tuning import READ_ONLY_NOTE, SYSCTL_CONF, size_bytes
+from rigbook.roles.wsl import GRAPHICS_DRIVERS, REG_EXE
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 
 DEPLOY = "tests/deploys/tuning_host.py"

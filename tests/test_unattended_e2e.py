@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import pytest
 
-from rigbook.driver import BLACKLIST, PREFERENCES
-from rigbook.serving import (
+from rigbook.core.spec import Rig
+from rigbook.roles.driver import BLACKLIST, PREFERENCES
+from rigbook.roles.serving import (
     CONF_DIR,
     ENV_PATH,
     UNIT_NAME,
@@ -34,7 +35,6 @@ from rigbook.serving import (
     render_unit,
     serve_plan,
 )
-from rigbook.spec import Rig
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import debian_subset, ssh_with_input
 from tests.test_driver_e2e import (

@@ -1,12 +1,12 @@
-"""rigbook.units: every unit rigbook runs, read in one `systemctl show`."""
+"""rigbook.core.units: every unit rigbook runs, read in one `systemctl show`."""
 
 from __future__ import annotations
 
 from pyinfra.api import Config, Inventory, State
 from pyinfra.context import ctx_host, ctx_state
 
-from rigbook import units
-from rigbook.units import UnitState
+from rigbook.core import units
+from rigbook.core.units import UnitState
 from tests.conftest import ROOT
 from tests.opkit import FakeHost, describe
 

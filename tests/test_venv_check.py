@@ -1,5 +1,5 @@
-"""The serving unit's venv check (roles/venv_check.py): the driver bump's hold, then the live
-venv's manifest against the driver nvidia-smi reports; one line, and a refusal whenever either
+"""The serving unit's venv check (rigbook/rigside/venv_check.py): the driver bump's hold, then the
+live venv's manifest against the driver nvidia-smi reports; one line, and a refusal whenever either
 cannot be read."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import venv_check, venvs
+from rigbook.rigside import venv_check
+from rigbook.roles import venvs
 
 CHECK = Path(venv_check.__file__)
 

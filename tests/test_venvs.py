@@ -22,16 +22,16 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FunctionCommand, StringCommand
 
-from rigbook.cuda import DRIVER_FOR_CUDA, check_driver, required_driver, spec_cuda
-from rigbook.errors import RigbookError
-from rigbook.facts import _RC, _SMI
-from rigbook.gpus import Gpu, GpuProbe
-from rigbook.progress import BuildProgress, WatchedBuild
-from rigbook.recipes import VENV_ENGINE
-from rigbook.render import render
-from rigbook.spec import Rig, VenvSpec, parse_rig
-from rigbook.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
-from rigbook.venvs import (
+from rigbook.core.errors import RigbookError
+from rigbook.core.facts import _RC, _SMI
+from rigbook.core.progress import BuildProgress, WatchedBuild
+from rigbook.core.render import render
+from rigbook.core.spec import Rig, VenvSpec, parse_rig
+from rigbook.core.tools import TOOLS_PINS, TOOLS_VENV, ToolsVersions, differing_pins, tools_packages
+from rigbook.rigside.gpus import Gpu, GpuProbe
+from rigbook.roles.cuda import DRIVER_FOR_CUDA, check_driver, required_driver, spec_cuda
+from rigbook.roles.recipes import VENV_ENGINE
+from rigbook.roles.venvs import (
     ENV_TEMPLATE,
     BuildPlan,
     LiveDriver,
@@ -306,7 +306,7 @@ def test_layout_fact_reads_the_release_of_the_nvcc_on_path(tmp_path):
 
 
 def render_env(name: str, env: dict[str, str]) -> list[str]:
-    """The env file as venv_env_file writes it (rigbook.render, the same template)."""
+    """The env file as venv_env_file writes it (rigbook.core.render, the same template)."""
     return render(ENV_TEMPLATE, name=name, env=env).splitlines()
 
 

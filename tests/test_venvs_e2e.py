@@ -22,10 +22,10 @@ import time
 
 import pytest
 
+from rigbook.core.tools import TOOLS_PINS, TOOLS_VENV
 from rigbook.inventory import load_rigs
+from rigbook.roles.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
 from rigbook.sandbox import wheelhouse
-from rigbook.tools import TOOLS_PINS, TOOLS_VENV
-from rigbook.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import fill_wheelhouse
 from tests.test_models import ensure_wheels

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import cli, degeneration, toolcheck
-from rigbook.errors import RigbookError
-from rigbook.spec import parse_rig
-from rigbook.verify import (
+from rigbook import cli, degeneration
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import parse_rig
+from rigbook.roles import toolcheck
+from rigbook.roles.verify import (
     Settings,
     Target,
     VerifyRun,

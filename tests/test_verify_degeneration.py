@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rigbook import degeneration
-from rigbook.verify import run_ladder
+from rigbook.roles.verify import run_ladder
 from tests.test_verify import SMALL, server, step, target  # noqa: F401
 
 FIXTURES = Path(__file__).parent / "fixtures" / "degeneration"

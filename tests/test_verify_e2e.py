@@ -23,8 +23,8 @@ import pytest
 import requests
 
 from rigbook import cli, degeneration
-from rigbook.serving import UNIT_NAME
-from rigbook.verify import load_runs
+from rigbook.roles.serving import UNIT_NAME
+from rigbook.roles.verify import load_runs
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
 from tests.test_serving_e2e import (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rigbook import specmetrics
-from rigbook.verify import Target, failure_message, run_ladder, verify_plan
+from rigbook.roles.verify import Target, failure_message, run_ladder, verify_plan
 from tests.test_verify import SMALL, rig, server, step, target  # noqa: F401
 
 CAPTURE = (Path(__file__).parent / "fixtures" / "metrics" / "vllm-41916-spec-decode.prom") \

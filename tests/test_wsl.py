@@ -1,4 +1,4 @@
-"""rigbook.wsl: WSL2 detection, the TDR registry values through reg.exe, .wslconfig memory.
+"""rigbook.roles.wsl: WSL2 detection, the TDR registry values through reg.exe, .wslconfig memory.
 
 reg.exe is exercised through the sandbox's stand-in (sandbox/simulated/reg.exe), which prints
 the real tool's format (CRLF line ends, four-space columns, hex REG_DWORD) and refuses HKLM
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from pyinfra.api import FunctionCommand
 
-from rigbook import wsl
-from rigbook.checks import Facts
-from rigbook.errors import RigbookError
-from rigbook.spec import Rig
-from rigbook.wsl import (
+from rigbook.core.checks import Facts
+from rigbook.core.errors import RigbookError
+from rigbook.core.spec import Rig
+from rigbook.roles import wsl
+from rigbook.roles.wsl import (
     GRAPHICS_DRIVERS,
     RegistryValues,
     RegProbe,
@@ -71,7 +71,7 @@ def test_serving_environment_on_wsl2_and_on_nvlink_rigs():
 
 
 def test_profile_script_exports_it(tmp_path):
-    from rigbook.render import render
+    from rigbook.core.render import render
 
     text = render(wsl.FILES / "wsl" / "rigbook-wsl.sh.j2", cfg=rig(),
                   env=serving_environment(rig()))
@@ -422,7 +422,7 @@ def test_memory_not_set_reports_the_default():
 
 
 def test_memory_operation_only_reports(caplog):
-    from rigbook.tuning import ShmState
+    from rigbook.roles.tuning import ShmState
 
     facts = {"WindowsProfiles": profile("[wsl2]\nmemory=8GB\n"),
              "Shm": ShmState("tmpfs", "", 0, 0, 8 * GIB)}
@@ -435,7 +435,7 @@ def test_memory_operation_only_reports(caplog):
 def test_wsl2_without_systemd_is_refused_with_the_wsl_conf_lines():
     """Issue 33 (5): WSL2 starts a distribution without systemd unless /etc/wsl.conf says
     `[boot] systemd=true`; rigbook's units need it, so the preflight refuses and says the fix."""
-    from rigbook.wsl import RegProbe, wsl2_findings
+    from rigbook.roles.wsl import RegProbe, wsl2_findings
 
     rig = Rig(platform="wsl2", gpu_class="rtx3090", gpu_count=1)
     values = {"TdrDelay": 60, "TdrDdiDelay": 60}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from rigbook.xid import Xid, parse_xid_line, parse_xid_lines, same_device
+from rigbook.rigside.xid import Xid, parse_xid_line, parse_xid_lines, same_device
 
 DMESG_79 = (
     "[12345.678901] NVRM: Xid (PCI:0000:01:00): 79, pid=1234, name=python3, "

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
-from rigbook import driver, guards, power, tuning
-from rigbook.gpus import Gpu
-from rigbook.render import render as render_template
+from rigbook.core.render import render as render_template
+from rigbook.core.spec import Rig, parse_rig
+from rigbook.rigside.gpus import Gpu
+from rigbook.roles import driver, guards, power, tuning
 from rigbook.sandbox import SIM_DIR, state_dir
-from rigbook.spec import Rig, parse_rig
 
 INVENTORY = Path(__file__).resolve().parents[2] / "inventory" / "sandbox.py"
 #: Where the stand-in driver's nvidia-smi lands on a rig (what rigbook's GPU fact finds there).

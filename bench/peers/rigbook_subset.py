@@ -9,9 +9,9 @@ checks, onboarding, persistence mode, live caps, topology report).
 
 from pyinfra import host
 
-from rigbook import driver, guards, power, tuning
+from rigbook.core.spec import rig_of
 from rigbook.preflight import deferred_checks, preflight
-from rigbook.spec import rig_of
+from rigbook.roles import driver, guards, power, tuning
 
 rig = rig_of(host)
 

@@ -1,4 +1,5 @@
-"""rigbook's run lock, taken on the rig by the preflight (roles/runlock.py): one operator a rig.
+"""rigbook's run lock, taken on the rig by the preflight (rigbook/core/runlock.py): one operator a
+rig.
 
 argv[1] is the lock file, argv[2] the taker as JSON (operator, pid, started). The lock names the
 run's sshd session on the rig (its pid and start time): when that run's connection is gone,

@@ -11,9 +11,9 @@ import os
 from pyinfra import host
 from pyinfra.operations import server
 
+from rigbook.core.spec import rig_of
 from rigbook.preflight import preflight
-from rigbook.spec import rig_of
-from rigbook.wsl import PLATFORM
+from rigbook.roles.wsl import PLATFORM
 
 HOLDING = "/run/rigbook-test-holding"
 

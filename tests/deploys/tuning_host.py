@@ -5,9 +5,9 @@
 
 from pyinfra import host
 
-from rigbook import tuning, wsl
+from rigbook.core.spec import rig_of
 from rigbook.preflight import preflight
-from rigbook.spec import rig_of
+from rigbook.roles import tuning, wsl
 
 rig = rig_of(host)
 

@@ -2,9 +2,9 @@
 
 from pyinfra import host
 
-from rigbook.serving import serving
-from rigbook.spec import rig_of
-from rigbook.venvs import venvs
+from rigbook.core.spec import rig_of
+from rigbook.roles.serving import serving
+from rigbook.roles.venvs import venvs
 
 rig = rig_of(host)
 venvs(rig)
