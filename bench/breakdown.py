@@ -26,13 +26,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rigbook.registry import CONVERGED, role_of_module
+
 ROOT = Path(__file__).resolve().parent.parent
 INVENTORY = "inventory/sandbox.py"
 LOCK = Path("/run/lock/rigbook-sandbox.lock")
 DEPLOY = "deploys/rig.py"
-#: The roles deploys/rig.py calls, in its order; every other rigbook module the deploy script
-#: calls directly (rigbook.preflight, rigbook.core.spec) is the preflight.
-ROLES = ("driver", "tuning", "wsl", "guards", "power", "venvs", "models", "serving")
+#: The roles deploys/rig.py runs, in its order (rigbook/registry.py); every other rigbook module
+#: the deploy script calls directly (rigbook.jobs, rigbook.preflight) is the preflight.
+ROLES = tuple(role.name for role in CONVERGED)
 PREFLIGHT = "preflight"
 #: Work no rigbook module asked for, and the wall time outside planning and execution.
 PYINFRA = "pyinfra"
@@ -69,8 +71,7 @@ def role_of(module: str | None) -> str:
     """The role a piece of work belongs to, from the outermost rigbook module that asked for it."""
     if module is None:
         return PYINFRA
-    name = module.split(".")[1] if module.startswith("rigbook.") else module
-    return name if name in ROLES else PREFLIGHT
+    return role_of_module(module) or PREFLIGHT
 
 
 def per_role(events: list[dict], wall: float) -> list[dict]:

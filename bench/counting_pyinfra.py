@@ -40,15 +40,18 @@ OP_MODULES: dict[str, str | None] = {}
 
 
 def _rigbook_module() -> str | None:
-    """The outermost `rigbook.*` module on the call stack: the role (or the preflight) that a
-    deploy script called, whatever helper module the work happens in."""
-    frame, outermost = sys._getframe(1), None
+    """The outermost role module on the call stack (rigbook.roles.*): the role a job called,
+    whatever helper module the work happens in; else the outermost `rigbook.*` module (the
+    job, its preflight)."""
+    frame, outermost, role = sys._getframe(1), None, None
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if name.startswith("rigbook."):
             outermost = name
+        if name.startswith("rigbook.roles."):
+            role = name
         frame = frame.f_back
-    return outermost
+    return role or outermost
 
 
 def _op_of(host) -> str | None:

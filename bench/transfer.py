@@ -41,8 +41,9 @@ from io import BytesIO
 from pathlib import Path
 
 from bench.breakdown import INVENTORY, ROOT, sandbox_rigs
+from rigbook.core.pins import VENVS_DIR
 from rigbook.core.tools import UV
-from rigbook.roles.venvs import UV_CACHE, VENVS_DIR
+from rigbook.roles.venvs import UV_CACHE
 from rigbook.sandbox import WHEELS_MOUNT, wheelhouse
 from tests.hubstub import big_repo
 

@@ -6,8 +6,8 @@ documented in docs/host-data.md. The addresses are documentation addresses (RFC 
 them with your rigs' before you run a deploy.
 """
 
+from rigbook.core.pins import engine_venv
 from rigbook.inventory import check_before_connecting
-from rigbook.roles.venvs import engine_venv
 
 #: The commit of Lorbus/Qwen3.6-27B-int4-AutoRound this fleet serves. The all-zeros value is
 #: no commit: every deploy refuses it before connecting, naming the command to run, until you

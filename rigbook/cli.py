@@ -106,7 +106,7 @@ def add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def show_status(args: argparse.Namespace) -> int:
-    from rigbook.status import status  # imports pyinfra_cli, which gevent-patches the process
+    from rigbook.status_table import status  # imports pyinfra_cli, which gevent-patches the process
 
     return status(args.inventory or the_inventory(Path.cwd()), args.limit, args.json)
 
@@ -184,7 +184,7 @@ def add_models_commands(commands: argparse._SubParsersAction) -> None:
 def bench_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rigbook.core.charts import MISSING, available, compare_png
+    from rigbook.roles.charts import MISSING, available, compare_png
     from rigbook.roles.verify import compare_rows, compare_table, load_runs, results_dir
 
     runs = load_runs()
@@ -210,7 +210,7 @@ def bench_sweep(args: argparse.Namespace) -> int:
     applies it (printed, never run)."""
     from rich.console import Console
 
-    from rigbook.core.charts import write_charts
+    from rigbook.roles.charts import write_charts
     from rigbook.roles.sweep import report_lines, rows
     from rigbook.roles.sweepresult import load_sweeps, sweep_table
     from rigbook.roles.verify import results_dir

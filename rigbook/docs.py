@@ -38,7 +38,8 @@ Keys of pyinfra itself (`ssh_*`, `_sudo` and the like) pass through untouched.
 
 
 def _type_name(annotation) -> str:
-    """A field's type as the docs name it: the constrained types of rigbook/core/types.py by name."""
+    """A field's type as the docs name it: the constrained types of rigbook/core/types.py by
+    name."""
     text = str(annotation).replace("typing.", "").replace("rigbook.core.spec.", "")
     text = text.replace("<class '", "").replace("'>", "")
     text = re.sub(r"Annotated\[str, AfterValidator\(func=<function (\w+) at 0x[0-9a-f]+>\)\]",

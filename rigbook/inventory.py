@@ -150,11 +150,11 @@ def rig_problems(rig: Rig, name: str) -> list[str]:
 
 def rig_warnings(rig: Rig, name: str) -> list[str]:
     """What the host data asks for that costs the rig, short of refusing it: the card's advice
-    for the recipe (from the class; rigbook.roles.cards), the recipe's own flags'
+    for the recipe (from the class; rigbook.core.cards), the recipe's own flags'
     (rigbook.roles.recipes.recipe_warnings) and the caps' (rigbook.roles.capadvice)."""
+    from rigbook.core.cards import class_card
     from rigbook.roles.capadvice import cap_warnings
-    from rigbook.roles.cards import card_warnings, class_card
-    from rigbook.roles.recipes import recipe_warnings
+    from rigbook.roles.recipes import card_warnings, recipe_warnings
     from rigbook.roles.serving import plan_of
 
     plan, _ = plan_of(rig, name)
@@ -261,3 +261,10 @@ def require_checked(name: str) -> None:
             "`from rigbook.inventory import check_before_connecting` and "
             "`check_before_connecting()` (docs/preflight.md, Before connecting)"
         )
+
+
+def rig_of(host) -> Rig:
+    """The validated Rig of a pyinfra host (deploys call this once, on their first line, then
+    pass the Rig on); a host whose data was not checked before connecting is refused here."""
+    require_checked(host.name)
+    return parse_rig(host.name, host.data.dict())

@@ -16,8 +16,9 @@ from __future__ import annotations
 from pyinfra import host, state
 
 from rigbook.core.messages import refused
-from rigbook.core.spec import rig_of
+from rigbook.inventory import rig_of
 from rigbook.preflight import deferred_checks, preflight
+from rigbook.registry import CONVERGED, checks_of
 from rigbook.roles import (
     driver,
     guards,
@@ -26,7 +27,6 @@ from rigbook.roles import (
     power,
     serving,
     sweep,
-    tuning,
     venvs,
     verify,
     wsl,
@@ -37,17 +37,12 @@ def converge() -> None:
     """The full converge (deploys/rig.py): driver first, so the power role finds its GPUs; the
     guards before the caps and anything that serves."""
     rig = rig_of(host)
-    if preflight(rig, driver.CHECKS, tuning.CHECKS, wsl.CHECKS, guards.CHECKS, power.CHECKS,
-                 venvs.CHECKS, models.CHECKS, serving.CHECKS):
-        driver.driver(rig)
+    if preflight(rig, *(role.checks for role in CONVERGED)):
+        first, *rest = CONVERGED  # the driver: the GPU checks it deferred run right after it
+        first.converge(rig)
         deferred_checks(rig)
-        tuning.host_tuning(rig)
-        wsl.wsl_host(rig)
-        guards.guards(rig)
-        power.power_limit(rig)
-        venvs.venvs(rig)
-        models.models(rig)
-        serving.serving(rig)
+        for role in rest:
+            role.converge(rig)
 
 
 def driver_bump() -> None:
@@ -61,7 +56,7 @@ def power_cap() -> None:
     """The fleet's power caps, and nothing else (deploys/power_cap.py)."""
     rig = rig_of(host)
     power.print_cap_table_at_end(state)
-    if preflight(rig, [wsl.PLATFORM], power.CHECKS):
+    if preflight(rig, [wsl.PLATFORM], checks_of("power")):
         power.power_limit(rig)
 
 
@@ -85,7 +80,7 @@ def venvs_rebuild() -> None:
 def pull_models() -> None:
     """The pinned models pulled into the HF cache, and nothing else (deploys/models.py)."""
     rig = rig_of(host)
-    if preflight(rig, [wsl.PLATFORM], models.CHECKS):
+    if preflight(rig, [wsl.PLATFORM], checks_of("models")):
         models.models(rig)
 
 
@@ -98,7 +93,7 @@ def serve() -> None:
             message=f"{host.name}: recipe: no recipe to serve; pass --data recipe=NAME "
             "(docs/recipes.md lists them)",
         )
-    elif preflight(rig, [wsl.PLATFORM], guards.CHECKS, serving.CHECKS):
+    elif preflight(rig, [wsl.PLATFORM], checks_of("guards", "serving")):
         serving.serving(rig)
 
 

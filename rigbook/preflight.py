@@ -1,9 +1,9 @@
 """The preflight: every check of a deploy's roles, before any operation changes the rig.
 
-Each deploy starts with it::
+Each job starts with it (rigbook/jobs.py; the roles' checks from rigbook/registry.py)::
 
     rig = rig_of(host)
-    if preflight(rig, driver.CHECKS, tuning.CHECKS, power.CHECKS):
+    if preflight(rig, checks_of("driver", "tuning", "power")):
         driver.driver(rig)
         deferred_checks(rig)
         tuning.host_tuning(rig)

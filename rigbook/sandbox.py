@@ -53,7 +53,7 @@ UBUNTU_INCLUDE = (*(p for p in INCLUDE if p != "python3-venv"), "unattended-upgr
 # Bump when _prepare_rootfs changes what goes into the cached tarball (UBUNTU_RECIPE: only
 # into Ubuntu's).
 ROOTFS_RECIPE = 1
-UBUNTU_RECIPE = 2
+UBUNTU_RECIPE = 3
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,10 @@ RELEASES = {
 UBUNTU_SCRIPT = "gutsy"
 #: Ubuntu's pockets and components whose real indexes an Ubuntu rig keeps (UBUNTU_LISTS).
 UBUNTU_POCKETS = ("", "-updates", "-security")
-UBUNTU_COMPONENTS = ("main", "restricted")
+#: universe too, as an Ubuntu install's own sources have it: on 2026-12-04 26.04's -updates/main
+#: libllvm22 (which the driver's mesa dependencies pull in) depended on universe's libz3-4, and
+#: nvidia-driver-580-open did not resolve from main and restricted alone.
+UBUNTU_COMPONENTS = ("main", "restricted", "universe")
 #: On an Ubuntu rig: Ubuntu's real package indexes of its release, read when the rootfs was
 #: built, and the source list they belong to; apt reads them only when told to (the rig has
 #: no route out, so its own sources hold only the local repository).

@@ -4,7 +4,7 @@ Operators look before they touch anything, so this reads and never changes. It l
 inventory the way a deploy does (rigbook/inventory.py: every host validated into a `Rig`),
 connects to every rig in parallel over the same pyinfra connectors (SSH, @local), reads the
 facts that every role's checks need in one round trip per rig, and runs those checks
-(rigbook/core/checks.py: each role's `CHECKS`, the same functions a deploy's preflight runs).
+(every role's checks as rigbook/registry.py lists them, the same a deploy's preflight runs).
 Nothing is decided here; a value a deploy would refuse shows as drift.
 
 Three layers, so tests feed real captured output to the same code:
@@ -27,9 +27,7 @@ from NVML through rigbook's probe where the tools venv can run it, else from nvi
 from __future__ import annotations
 
 import logging
-import os
 import re
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -44,13 +42,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.text import Text
 
-from rigbook.core.checks import Facts, Read, every_check, read_facts, reads_of, run_checks
+from rigbook.core.checks import Facts, Read, read_facts, reads_of, run_checks
 from rigbook.core.checks import Finding as CheckFinding
 from rigbook.core.errors import RigbookError
 from rigbook.core.reboot import reboot_reasons
 from rigbook.core.spec import Rig
 from rigbook.core.types import StrictModel
 from rigbook.inventory import load_inventory
+from rigbook.registry import checks_of
 from rigbook.rigside.gpus import Gpu
 from rigbook.roles.disks import by_mount
 from rigbook.roles.driver import driver_packages, driver_versions, foreign_of, wanted
@@ -62,7 +61,6 @@ from rigbook.roles.serving import health_text, plan_of, running_recipe
 from rigbook.roles.tuning import parse_sysctl_conf, shm_fstab, sysctl_values
 from rigbook.roles.venvs import spec_hash, venv_condition
 from rigbook.roles.wsl import RegProbe, memory_findings, tdr_values
-from rigbook.status_table import render
 
 #: Seconds the fact command may run on a rig (nvidia-smi has its own 60 s limit inside).
 FACT_TIMEOUT_S = 300
@@ -132,7 +130,7 @@ class DriverStatus(StrictModel):
     packages: list[str]
     unheld: list[str]
     reboot_pending: list[str]
-    source: str  # where the driver came from (rigbook.roles.driver_source): apt packages, a runfile...
+    source: str  # where the driver came from (rigbook.roles.driver_source): apt packages, a runfile
 
 
 class PowerUnitStatus(StrictModel):
@@ -528,11 +526,11 @@ def _serving_row(rig: Rig, facts: Facts, name: str) -> ServingStatus | None:
 def build_rig_status(name: str, rig: Rig, facts: Facts) -> RigStatus:
     """What one rig is doing and every way it differs from its host data.
 
-    The findings are the roles' own checks (rigbook/core/checks.py `every_check`); the rows show the
+    The findings are the roles' own checks (rigbook/registry.py `checks_of`); the rows show the
     facts they were decided on. Pure but for the serving plan, which reads the recipe catalogue
     (and the API key file) on this machine, as a deploy does.
     """
-    findings = [_finding(f) for f in run_checks(rig, name, every_check(), facts)]
+    findings = [_finding(f) for f in run_checks(rig, name, checks_of(), facts)]
     gpus = gpus_of(facts)
     unit = _unit_row(rig, facts)
     models, cache = _model_rows(rig, facts, name)
@@ -630,7 +628,7 @@ def gather(
             return
         state.activate_host(host)
         progress.update(task, description=f"{host.name}: reading facts", advance=1)
-        reads = [*reads_of(rig, host.name, every_check()), *extra]
+        reads = [*reads_of(rig, host.name, checks_of()), *extra]
         facts = read_facts(state, host, reads, timeout=FACT_TIMEOUT_S)
         if facts_of is not None:
             facts_of[host.name] = facts
@@ -648,22 +646,3 @@ def gather(
         disconnect_all(state)
     ordered = [results[host.name] for host in hosts]
     return FleetStatus(inventory=inventory_file, rigs=ordered, exit_code=fleet_exit_code(ordered))
-
-
-def status(inventory_file: str, limit: list[str] | None, as_json: bool) -> int:
-    """`rigbook status INVENTORY [--limit NAME ...] [--json]`; returns the exit status.
-
-    0: every rig as declared; 1: drift; 2: a rig unreachable or a GPU gone; 4: a driver
-    mismatch. Progress and one line per unreachable rig go to stderr; the table (or the JSON)
-    to stdout.
-    """
-    err = Console(stderr=True)
-    fleet = gather(inventory_file, limit, err)
-    if as_json:
-        sys.stdout.write(fleet.model_dump_json(indent=2) + "\n")
-    else:
-        # a terminal's width, or COLUMNS; piped without COLUMNS, wide enough for the table
-        wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
-        out = Console(width=None if wide else 200)
-        out.print(render(fleet))
-    return fleet.exit_code

@@ -1,15 +1,16 @@
-"""The `rigbook status` table: one row per rig (and per GPU after the first), drift red,
-warnings yellow, then every finding in words. It shows a `FleetStatus` (rigbook/status.py builds
-it); docs/status.md explains every column.
+"""`rigbook status` shown: one row per rig (and per GPU after the first), drift red, warnings
+yellow, then every finding in words. It shows a `FleetStatus` (rigbook/status.py builds it);
+docs/status.md explains every column.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
@@ -17,17 +18,16 @@ from rigbook.core.messages import gib
 from rigbook.roles.models import human
 from rigbook.roles.power import watts
 from rigbook.roles.tuning import same_sysctl
-
-if TYPE_CHECKING:  # rigbook/status.py imports this module
-    from rigbook.status import (
-        Finding,
-        FleetStatus,
-        KernelLogStatus,
-        ModelStatus,
-        RigStatus,
-        ServingStatus,
-        VenvStatus,
-    )
+from rigbook.status import (
+    Finding,
+    FleetStatus,
+    KernelLogStatus,
+    ModelStatus,
+    RigStatus,
+    ServingStatus,
+    VenvStatus,
+    gather,
+)
 
 _RANK = {"warn": 0, "drift": 1, "gone": 2, "mismatch": 3}
 _STYLE = {"warn": "yellow", "drift": "red", "gone": "bold red", "mismatch": "bold red"}
@@ -263,3 +263,22 @@ def status_table(fleet: FleetStatus) -> Table:
 def render(fleet: FleetStatus) -> Group:
     """The table, then the findings that colour it."""
     return Group(status_table(fleet), findings_text(fleet))
+
+
+def status(inventory_file: str, limit: list[str] | None, as_json: bool) -> int:
+    """`rigbook status INVENTORY [--limit NAME ...] [--json]`; returns the exit status.
+
+    0: every rig as declared; 1: drift; 2: a rig unreachable or a GPU gone; 4: a driver
+    mismatch. Progress and one line per unreachable rig go to stderr; the table (or the JSON)
+    to stdout.
+    """
+    err = Console(stderr=True)
+    fleet = gather(inventory_file, limit, err)
+    if as_json:
+        sys.stdout.write(fleet.model_dump_json(indent=2) + "\n")
+    else:
+        # a terminal's width, or COLUMNS; piped without COLUMNS, wide enough for the table
+        wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
+        out = Console(width=None if wide else 200)
+        out.print(render(fleet))
+    return fleet.exit_code

@@ -10,11 +10,14 @@ means a rebuild, not a restart. So rigbook owns the driver:
 - `driver_bump(rig)` (deploys/driver.py) is that deploy: unhold, install the target, hold
   again, reboot when allowed, and check that nvidia-smi reports the target.
 - WSL2 gets no Linux driver at all; the role checks the Windows driver's nvidia-smi instead.
+- On an Ubuntu rig with Secure Boot on, the kernel module is Ubuntu's prebuilt signed one where
+  the rig's sources offer it for the running kernel and the driver planned (`kernel_module`);
+  else DKMS, whose module needs the enrolled MOK.
 
 The platform branch is chosen once (`plan_driver`), from the host data cross-checked with the
 distribution the rig reports. Versions are pinned by their upstream part with an apt version
 glob (`nvidia-open=580.95.05-*`: apt resolves it against its own candidate list and fails when
-nothing matches, so Ubuntu's 580.178.04-0ubuntu0.24.04.1 and the NVIDIA repository's
+nothing matches, so Ubuntu's 580.196.07-0ubuntu0.24.04.1 and the NVIDIA repository's
 580.95.05-1 need no lookup table) plus an apt preferences pin with the same glob, so that the
 dependencies apt pulls in resolve to the same version instead of the newest one.
 docs/driver.md describes the whole role; docs/runbooks/driver-bump.md the bump.
@@ -75,9 +78,15 @@ from rigbook.roles.kernel import (
     OTHER_SOURCES_PREF,
     AptPolicy,
     AptPolicyFact,
+    SecureBoot,
+    SecureBootFact,
+    SignedModules,
+    SignedModulesFact,
     blacklist_nouveau,
     enroll_dkms_key,
     kernel_headers,
+    kernel_series,
+    modules_prefix,
     offers_driver,
     onboard_findings,
     onboard_reads,
@@ -218,12 +227,25 @@ class AptSource:
 
 @dataclass(frozen=True)
 class DriverPlan:
-    """What one rig's platform branch chose: packages, their version glob, their source."""
+    """What one rig's platform branch chose: packages, their version glob, their source.
+    `unpinned`: packages installed without the glob (Ubuntu's prebuilt signed modules carry the
+    kernel's version, not the driver's); `module`: where the kernel module comes from, in words."""
 
     platform: str
     packages: tuple[str, ...] = ()
     version: str = ""
     source: AptSource | None = None
+    unpinned: tuple[str, ...] = ()
+    module: str = ""
+
+
+@dataclass(frozen=True)
+class KernelModule:
+    """Where an Ubuntu rig's nvidia module comes from: `signed`, Ubuntu's prebuilt signed
+    modules (a package name), or None, DKMS; `says` is the choice in words, for the plan."""
+
+    signed: str | None
+    says: str
 
 
 def version_glob(rig: Rig) -> str:
@@ -231,11 +253,13 @@ def version_glob(rig: Rig) -> str:
     return f"{rig.driver_version}-*" if rig.driver_version else f"{rig.driver_branch}.*"
 
 
-def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -> DriverPlan:
+def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str,
+                module: KernelModule | None = None) -> DriverPlan:
     """Choose the platform branch once; RigbookError when the rig and the host disagree.
 
     `distro` is pyinfra's LinuxDistribution fact, `wsl` rigbook.roles.wsl.Wsl, `arch` Arch (uname
-    -m).
+    -m),
+    `module` on Ubuntu kernel_module()'s choice (None: DKMS).
     """
     check_platform(name, rig.platform, wsl)
     if rig.platform == "wsl2":
@@ -250,15 +274,19 @@ def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -
     if rig.platform == "ubuntu":  # which branches and versions: the rig's archive (offered)
         infix = "-server" if rig.driver_server else ""
         flavour = "-open" if rig.driver_open else ""
-        # The DKMS module named, not left to apt: on 26.04 the prebuilt linux-modules-nvidia-B-
+        # The kernel module named, not left to apt: on 26.04 the prebuilt linux-modules-nvidia-B-
         # open-FLAVOUR packages Provide nvidia-dkms-B-open, and apt 3 picked the aws one (with
         # its kernel) for nvidia-driver-595-open on a rig with no kernel package installed.
         packages = (
             f"nvidia-driver-{rig.driver_branch}{infix}{flavour}",
             f"nvidia-utils-{rig.driver_branch}{infix}",
-            f"nvidia-dkms-{rig.driver_branch}{infix}{flavour}",
         )
-        return DriverPlan("ubuntu", packages, version_glob(rig))
+        module = module or KernelModule(None, f"DKMS ({dkms_package(rig)})")
+        if module.signed:
+            return DriverPlan("ubuntu", packages, version_glob(rig), unpinned=(module.signed,),
+                              module=module.says)
+        return DriverPlan("ubuntu", (*packages, dkms_package(rig)), version_glob(rig),
+                          module=module.says)
     # debian
     if rig.driver_repo_uri is None:
         if distro.get("major") != 12 or arch != "x86_64":
@@ -272,6 +300,61 @@ def plan_driver(rig: Rig, name: str, distro: dict, wsl: WslSignals, arch: str) -
         source = AptSource(rig.driver_repo_uri, trusted=rig.driver_repo_trusted)
     meta = "nvidia-open" if rig.driver_open else "cuda-drivers"
     return DriverPlan("debian", (meta, "nvidia-persistenced"), version_glob(rig), source)
+
+
+def dkms_package(rig: Rig) -> str:
+    """Ubuntu's DKMS package of the driver: nvidia-dkms-580[-server][-open]."""
+    return (f"nvidia-dkms-{rig.driver_branch}{'-server' if rig.driver_server else ''}"
+            f"{'-open' if rig.driver_open else ''}")
+
+
+def signed_modules_args(rig: Rig) -> dict:
+    """SignedModulesFact's arguments for the rig's driver."""
+    return {"branch": rig.driver_branch, "server": rig.driver_server, "open_": rig.driver_open}
+
+
+def kernel_module(rig: Rig, secure_boot: SecureBoot | None, modules: SignedModules | None,
+                  policies: list[AptPolicy], installed: dict[str, str]) -> KernelModule:
+    """Ubuntu, Secure Boot on: Ubuntu's prebuilt signed modules for the running kernel's flavour
+    when the rig's sources offer them for the very driver version the plan installs and for a
+    kernel of the running one's series (signed by Ubuntu: no MOK enrolment); else DKMS, whose
+    module needs the enrolled key. An installed DKMS package stays: the converge never moves a
+    driver, nor do installed signed modules (with Secure Boot off since, too). The metapackage
+    carries the kernel's version, so it gets no version glob."""
+    dkms = dkms_package(rig)
+    prefix = modules_prefix(**signed_modules_args(rig))
+    kept = sorted((kernel_series(name.removeprefix(prefix)) is not None, name)
+                  for name in installed if name.startswith(prefix))
+    if kept:  # the flavour's metapackage before a kernel's own package
+        return KernelModule(kept[0][1], f"Ubuntu's prebuilt signed modules ({kept[0][1]}, "
+                                        "installed)")
+    if not (secure_boot and secure_boot.enabled):
+        return KernelModule(None, f"DKMS ({dkms})")
+    modules = modules or SignedModules()
+    why = None
+    driver = next((v for v in offered(rig, policies) if version_matches(rig, upstream_version(v))),
+                  None)
+    stands_in = modules.provides.get(dkms)
+    series = kernel_series(modules.running)
+    if dkms in installed:
+        why = f"{dkms} is installed"
+    elif not modules.package:
+        why = (f"the rig's sources offer no {prefix}FLAVOUR for the running kernel "
+               f"{modules.running or '?'}")
+    elif not stands_in or upstream_version(stands_in) != upstream_version(driver or ""):
+        why = (f"{modules.package} {modules.version} stands in for {dkms} {stands_in or '(none)'}"
+               f", not for the {driver or wanted(rig)} the plan installs")
+    elif series is None or kernel_series(modules.kernel) != series:
+        why = (f"{modules.package} is for kernel {modules.kernel or '?'}, not of the running "
+               f"kernel's series ({modules.running})")
+    if why:
+        return KernelModule(None, f"DKMS ({dkms}): Secure Boot is on, no prebuilt signed module "
+                                  f"({why}); the DKMS key must be enrolled")
+    after = "" if modules.kernel == modules.running else (
+        f", which it installs: the module loads once the rig boots it (it runs {modules.running})")
+    return KernelModule(modules.package, f"Ubuntu's prebuilt signed modules ({modules.package} "
+                                         f"for kernel {modules.kernel}{after}; Secure Boot: no "
+                                         f"MOK enrolment needed) instead of {dkms}")
 
 
 def refusal(rig: Rig, installed: set[str]) -> str | None:
@@ -293,13 +376,11 @@ def bump_refusal(target: str, running: str | None, installed: set[str]) -> str |
 
 
 def _plan(rig: Rig) -> DriverPlan:
-    return plan_driver(
-        rig,
-        host.name,
-        once(LinuxDistribution),
-        once(Wsl),
-        once(Arch),
-    )
+    module = kernel_module(
+        rig, once(SecureBootFact), once(SignedModulesFact, **signed_modules_args(rig)),
+        once(AptPolicyFact, packages=(main_package(rig),)), once(DpkgInstalled),
+    ) if rig.platform == "ubuntu" else None
+    return plan_driver(rig, host.name, once(LinuxDistribution), once(Wsl), once(Arch), module)
 
 
 # --- operations ----------------------------------------------------------------------------
@@ -327,24 +408,26 @@ def next_steps(message: str):
 
 
 @operation()
-def install_driver(packages: list[str] | tuple[str, ...], version: str):
+def install_driver(packages: list[str] | tuple[str, ...], version: str,
+                   unpinned: list[str] | tuple[str, ...] = ()):
     """
     Install the driver packages that are missing, each pinned to an apt version glob.
 
     + packages: the branch's packages (e.g. nvidia-open, nvidia-persistenced)
     + version: apt version glob, '580.95.05-*' or '580.*'
+    + unpinned: packages installed without the glob (Ubuntu's prebuilt signed modules, whose
+      version is the kernel's; what they depend on pins them to the driver's)
 
     Installed packages are left as they are: the converge never moves a driver.
     """
     installed = once(DpkgInstalled)
-    missing = [name for name in packages if name not in installed]
+    missing = [name for name in (*packages, *unpinned) if name not in installed]
     if not missing:
-        have = ", ".join(f"{name} {installed[name]}" for name in packages)
+        have = ", ".join(f"{name} {installed[name]}" for name in (*packages, *unpinned))
         host.noop(f"installed: {have}")
         return
-    yield StringCommand(
-        noninteractive_apt("install"), *(QuoteString(f"{name}={version}") for name in missing)
-    )
+    yield StringCommand(noninteractive_apt("install"), *(
+        QuoteString(name if name in unpinned else f"{name}={version}") for name in missing))
 
 
 @operation()
@@ -713,8 +796,10 @@ def driver(rig: Rig):
     _onboard(rig)
     _pin(rig, plan)
     install_driver(
-        name=f"Install the driver ({', '.join(plan.packages)} {plan.version})",
-        packages=plan.packages, version=plan.version,
+        name=f"Install the driver ({', '.join(plan.packages)} {plan.version}"
+             f"{''.join(f', {name}' for name in plan.unpinned)}"
+             f"{f'; kernel module: {plan.module}' if plan.module else ''})",
+        packages=plan.packages, version=plan.version, unpinned=plan.unpinned,
     )
     _hold()
     expect(MODPROBE_CONF)
@@ -932,7 +1017,10 @@ def _onboard_reads(rig: Rig, rig_name: str) -> list[Read]:
     if rig.platform == "wsl2":
         return []
     onboard = onboard_reads((main_package(rig),))
-    return [*onboard, *(read for read in source_reads(rig) if read not in onboard)]
+    signed = [Read("signed_modules", SignedModulesFact, "prebuilt signed nvidia modules "
+                   "(apt-cache show)", tuple(signed_modules_args(rig).items()))
+              ] if rig.platform == "ubuntu" else []
+    return [*onboard, *signed, *(read for read in source_reads(rig) if read not in onboard)]
 
 
 def offered(rig: Rig, policies: list[AptPolicy]) -> list[str]:
@@ -975,7 +1063,17 @@ def _onboard_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
     if foreign_of(rig, facts) is not None:
         return []
     archive = archive_finding(rig, facts)
-    return [*([archive] if archive else []), *onboard_findings(rig, facts, rig_name, CUDA_REPO)]
+    found = [archive] if archive else []
+    signed = False
+    if rig.platform == "ubuntu" and not facts.missing("signed_modules", "secure_boot"):
+        installed = facts.installed or {}
+        module = kernel_module(rig, facts.secure_boot, facts.signed_modules,
+                               facts.driver_policy or [], installed)
+        signed = bool(module.signed)
+        if module.signed and module.signed not in installed:
+            found.append(drift("driver", f"Secure Boot is on: the converge installs {module.says}",
+                               key="driver_secure_boot"))
+    return [*found, *onboard_findings(rig, facts, rig_name, CUDA_REPO, signed=signed)]
 
 
 def _onboard(rig: Rig):

@@ -41,6 +41,8 @@ from pyinfra.api.exceptions import FactProcessError
 from pyinfra.operations import server, systemd
 from pyinfra.operations.util import any_changed
 
+import rigbook.rigside.shmglob
+import rigbook.rigside.xid
 from rigbook import FILES
 from rigbook.core.checks import Check, Facts, Finding, Read, warn
 from rigbook.core.errors import RigbookError
@@ -64,8 +66,8 @@ from rigbook.rigside.xid import (
 )
 
 SOURCES = FILES / "guards"
-XID_SOURCE = Path(__file__).with_name("xid.py")
-SHMGLOB_SOURCE = Path(__file__).with_name("shmglob.py")
+XID_SOURCE = Path(rigbook.rigside.xid.__file__)
+SHMGLOB_SOURCE = Path(rigbook.rigside.shmglob.__file__)
 
 GUARDS_DIR = "/opt/rigbook/guards"
 REAPER = f"{GUARDS_DIR}/rigbook-shm-reaper"

@@ -32,6 +32,7 @@ from rigbook.core.facts import SMI_TIMEOUT_S, smi_answer, smi_attempts, smi_scri
 from rigbook.core.spec import Rig
 from rigbook.core.tools import TOOLS_PYTHON
 from rigbook.core.types import JsonValue
+from rigbook.rigside import gpus
 from rigbook.rigside.gpus import csv_header, na, number, parse_fields
 
 #: The fields read, in order (nvidia-smi --help-query-gpu names them; driver 535 and newer).
@@ -55,7 +56,7 @@ EVENT_BITS = {
 #: First line of the fact's output when the NVML probe answered.
 _NVML = "##RIGBOOK_NVML##"
 #: The probe's source, run with `python -c` on the rig: nothing of rigbook is installed there.
-_PROBE = Path(__file__).with_name("gpus.py")
+_PROBE = Path(gpus.__file__)
 #: Degrees below its T.Limit (temperature.gpu.tlimit: the throttling limit; the slowdown starts
 #: a few degrees earlier) under which a card is about to throttle.
 NEAR_SLOWDOWN_C = 5

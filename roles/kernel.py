@@ -522,6 +522,123 @@ class AptPolicyFact(FactBase[list[AptPolicy]]):
         return parse_apt_policy(output)
 
 
+#: A kernel release of Ubuntu's scheme, SERIES-ABI-FLAVOUR (6.8.0-51-generic, 6.8.0-1015-aws,
+#: 6.8.0-51-generic-64k): Ubuntu builds the prebuilt nvidia modules per flavour and per ABI.
+_UBUNTU_KERNEL = re.compile(
+    r"(?P<series>\d+\.\d+\.\d+)-(?P<abi>\d+)-(?P<flavour>[a-z0-9][a-z0-9.+-]*)")
+#: The same in sed -E, for the fact's command (what it matches goes into a package name).
+_FLAVOUR_SED = r"s/^[0-9]+\.[0-9]+\.[0-9]+-[0-9]+-([a-z0-9][a-z0-9.+-]*)$/\1/p"
+
+
+def kernel_series(release: str) -> str | None:
+    """6.8.0 of 6.8.0-51-generic; None for a kernel that is not of Ubuntu's scheme."""
+    found = _UBUNTU_KERNEL.fullmatch(release)
+    return found["series"] if found else None
+
+
+def modules_prefix(branch: int, server: bool, open_: bool) -> str:
+    """The name of Ubuntu's prebuilt signed modules of a driver branch, up to the flavour (or the
+    kernel release): linux-modules-nvidia-580[-server][-open]-."""
+    return f"linux-modules-nvidia-{branch}{'-server' if server else ''}{'-open' if open_ else ''}-"
+
+
+@dataclass(frozen=True)
+class SignedModules(JsonValue):
+    """What the rig's apt sources offer as Ubuntu's prebuilt signed nvidia modules for the running
+    kernel's flavour: the metapackage linux-modules-nvidia-B[-server][-open]-FLAVOUR, which
+    carries the kernel's version, stands in for the DKMS package (`provides`: name -> version)
+    and brings the module package of one kernel (`kernel`, its release). `package` is empty
+    when the sources offer none (or the kernel is not of Ubuntu's scheme)."""
+
+    running: str = ""
+    package: str = ""
+    version: str = ""
+    provides: dict[str, str] = field(default_factory=dict)
+    kernel: str = ""
+
+
+def parse_apt_show(lines: Iterable[str]) -> dict[str, str]:
+    """The first record of `apt-cache show`: field -> value, continuation lines joined."""
+    record: dict[str, str] = {}
+    name = None
+    for line in lines:
+        if not line.strip():
+            if record:
+                break
+            continue
+        if line[0].isspace() and name is not None:
+            record[name] += " " + line.strip()
+        elif ":" in line:
+            name, _, value = line.partition(":")
+            record[name] = value.strip()
+    return record
+
+
+def _relations(value: str) -> dict[str, str]:
+    """A Depends/Provides field: name -> version (the '=' one, else ''), alternatives flattened."""
+    found = {}
+    for part in re.split(r"[,|]", value):
+        relation = re.fullmatch(r"\s*([a-z0-9][a-z0-9+.-]+)(?::\S+)?\s*(?:\((\S+)\s*(\S+)\))?\s*",
+                                part)
+        if relation:
+            found.setdefault(relation[1], relation[3] if relation[2] == "=" else "")
+    return found
+
+
+class SignedModulesFact(FactBase[SignedModules]):
+    """
+    The running kernel and `apt-cache show` of the prebuilt signed modules for its flavour::
+
+        ##running 6.8.0-151-generic
+        ##show linux-modules-nvidia-580-open-generic
+        Package: linux-modules-nvidia-580-open-generic
+        Version: 6.8.0-151.151+1
+        Provides: nvidia-dkms-580-open (= 580.196.07-0ubuntu0.24.04.1), nvidia-prebuilt-kernel
+        Depends: linux-modules-nvidia-580-open-6.8.0-151-generic (= 6.8.0-151.151+1), ...
+
+    The package name is built here from the branch and the flavour sed keeps (letters, digits,
+    `.+-`), so nothing else reaches the shell.
+    """
+
+    def requires_command(self, branch: int, server: bool, open_: bool) -> str:
+        return "apt-cache"
+
+    def command(self, branch: int, server: bool, open_: bool) -> str:
+        prefix = modules_prefix(int(branch), bool(server), bool(open_))
+        return (
+            "r=$(uname -r); echo \"##running $r\"; "
+            f"f=$(printf '%s\\n' \"$r\" | sed -nE '{_FLAVOUR_SED}'); "
+            f"if [ -n \"$f\" ]; then echo \"##show {prefix}$f\"; "
+            f"LC_ALL=C apt-cache show --no-all-versions \"{prefix}$f\" 2>/dev/null; fi; true"
+        )
+
+    @staticmethod
+    def default() -> SignedModules:
+        return SignedModules()
+
+    def process(self, output: list[str]) -> SignedModules:
+        return signed_modules(output)
+
+
+def signed_modules(output: Iterable[str]) -> SignedModules:
+    """SignedModulesFact's output read: the record only when it is the package asked about, and
+    the kernel from its Depends on linux-modules-nvidia-...-KERNEL."""
+    parts = _sections(output)
+    running = next((name[len("running "):] for name in parts if name.startswith("running ")), "")
+    asked = next((name[len("show "):] for name in parts if name.startswith("show ")), "")
+    record = parse_apt_show(parts.get(f"show {asked}", []))
+    if not asked or record.get("Package") != asked:
+        return SignedModules(running=running)
+    running_kernel = _UBUNTU_KERNEL.fullmatch(running)
+    flavour = running_kernel["flavour"] if running_kernel else ""
+    prefix = asked.removesuffix(flavour) if flavour and asked.endswith("-" + flavour) else ""
+    kernel = next((name.removeprefix(prefix) for name in _relations(record.get("Depends", ""))
+                   if prefix and name.startswith(prefix)
+                   and _UBUNTU_KERNEL.fullmatch(name.removeprefix(prefix))), "")
+    return SignedModules(running=running, package=asked, version=record.get("Version", ""),
+                         provides=_relations(record.get("Provides", "")), kernel=kernel)
+
+
 # --- what the facts mean ----------------------------------------------------------------------
 
 
@@ -607,14 +724,16 @@ def secure_boot_steps(rig: Rig, key: str | None) -> str:
     )
 
 
-def onboard_findings(rig: Rig, facts: Facts, rig_name: str, default_repo: str) -> list[Finding]:
+def onboard_findings(rig: Rig, facts: Facts, rig_name: str, default_repo: str,
+                     signed: bool = False) -> list[Finding]:
     """nouveau, Secure Boot and the DKMS key, headers, DKMS per kernel, other driver sources.
 
     Refused (before any change): Secure Boot on and the DKMS signing key not enrolled nor
     queued, while no nvidia module is loaded (`loaded`, the driver role's LoadedDriverVersion:
     a loaded module was accepted, so then it is a warning). The rest is drift a converge
     fixes (nouveau, headers) or reports (a kernel without a module), or a warning (another
-    source offers the driver; DKMS errors).
+    source offers the driver; DKMS errors). `signed`: the module is Ubuntu's prebuilt signed
+    one (planned or installed), so the DKMS key does not matter.
     """
     if rig.platform == "wsl2":
         return []
@@ -623,7 +742,7 @@ def onboard_findings(rig: Rig, facts: Facts, rig_name: str, default_repo: str) -
         return facts.missing(*names)
     found: list[Finding] = []
     sb: SecureBoot = facts.secure_boot or SecureBoot()
-    if sb.enabled:
+    if sb.enabled and not signed:
         key, state = sb.key_state()
         if state == "queued":
             found.append(drift("driver", f"Secure Boot is on; the DKMS key {key} is queued for "

@@ -24,7 +24,7 @@ from pyinfra.facts.server import Groups, Users
 from pyinfra.operations import server, systemd
 from pyinfra.operations.util import any_changed
 
-from rigbook.core import apt, runfacts, tools
+from rigbook.core import apt, pins, runfacts, tools
 from rigbook.core.apt import DpkgInstalled
 from rigbook.core.managed import expect, state_of
 from rigbook.core.messages import notice
@@ -100,7 +100,7 @@ FOOTPRINT = (
     Item(sweep.SWEEP_DIR, "sweep", "the sweep's guard and meter (tmpfs)"),
     Item(wsl.PROFILE_D, "wsl", "the serving environment of WSL2 logins"),
     Item(tools.TOOLS_VENV, "tools", "rigbook's tools venv (huggingface_hub, uv)"),
-    Item(venvs.VENVS_DIR, "venvs", "the engine venvs, their builds and env files",
+    Item(pins.VENVS_DIR, "venvs", "the engine venvs, their builds and env files",
          kept_with="venvs"),
     Item(venvs.PYTHON_DIR, "venvs", "the Python builds the venvs run on", kept_with="venvs"),
     Item(venvs.UV_CACHE, "venvs", "uv's download cache", kept_with="venvs"),

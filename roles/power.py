@@ -52,7 +52,6 @@ from rigbook.core.types import JsonValue
 from rigbook.core.units import SYSTEMD_READ, booted, service_commands
 from rigbook.rigside.cap_check import LINE as CAP_LINE
 from rigbook.rigside.gpus import SMI_ADVICE, Gpu, GpuProbe, smi_failure
-from rigbook.roles.capadvice import CHECKS as PSU_CHECKS
 
 UNIT_NAME = "nvidia-power-limit.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
@@ -338,7 +337,7 @@ def _power_reads(rig: Rig, rig_name: str) -> list[Read]:
     return [GPUS_READ, UNIT_READ, SYSTEMD_READ]
 
 
-CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True), *PSU_CHECKS)
+CHECKS = (GPUS, Check("power caps", _power_reads, power_findings, gpus=True))
 
 
 # --- the rig's GPUs ------------------------------------------------------------------------

@@ -36,11 +36,21 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rigbook import FILES
+from rigbook.core.cards import (
+    CLIFF2_MAX_CONTEXT,
+    CLIFF2_VRAM_GIB,
+    SM86,
+    SM86_LONG_CONTEXT,
+    SM90,
+    SM90_KERNELS,
+    Card,
+    class_card,
+)
 from rigbook.core.envvars import env_problems
 from rigbook.core.errors import RigbookError
+from rigbook.core.pins import engine_pins, engine_venv, venv_link
 from rigbook.core.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
 from rigbook.core.types import IpAddress, Line, LocalPath, StrictModel, Word
-from rigbook.roles.venvs import engine_pins, engine_venv, venv_link
 from rigbook.roles.wsl import serving_environment
 
 RECIPES_DIR = FILES / "recipes"
@@ -660,7 +670,7 @@ def _gdn_problems(r: Recipe) -> list[str]:
 
 def gdn_fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     """The GDN trap that needs the rig's host data: a venv whose CUDA is known (a shipped pin
-    set) and is not 13.0. The card's own GDN limits are rigbook.roles.cards'."""
+    set) and is not 13.0. The card's own GDN limits are card_problems'."""
     if not any(pin.gdn for pin in recipe.models):
         return []
     problems = []
@@ -845,8 +855,6 @@ def fit_problems(recipe: Recipe, rig: Rig) -> list[str]:
     if fits.nvlink == "forbidden" and rig.nvlink:
         problems.append("the recipe is for rigs without NVLink (this rig has nvlink: true)")
     problems += gdn_fit_problems(recipe, rig) + override_problems(recipe, rig)
-    from rigbook.roles.cards import card_problems, class_card  # cards reads recipes: imported here
-
     card = class_card(rig.gpu_class)
     if card is not None:
         problems += card_problems(recipe, rig, card)
@@ -1293,3 +1301,53 @@ def recipes_markdown() -> str:
         parts += _schema_table(model, key)
     return "\n".join(parts) + "\n"
 
+
+# --- rules keyed on the card (rigbook.core.cards) -----------------------------------------------
+
+
+def _selected(recipe: Recipe) -> list[str]:
+    """Every word a recipe passes to its engine: extra_args items and env KEY=value pairs."""
+    return [*recipe.extra_args, *(f"{key}={value}" for key, value in recipe.env.items())]
+
+
+def card_problems(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
+    """Why the recipe cannot serve on this card (empty: nothing the card refuses)."""
+    if recipe.cpu_only:
+        return []
+    problems = []
+    gdn = any(pin.gdn for pin in recipe.models)
+    words = _selected(recipe)
+    if gdn and card.compute_cap < SM90 and any("flashinfer" in w.lower() for w in words):
+        problems.append(
+            f"extra_args or env select FlashInfer, whose GDN kernels need SM90+; this card is "
+            f"{card.sm} ({card.seen}), where only the Triton linear-attention backend runs (the "
+            "failure log; docs/sources.md, Rules keyed on the card)")
+    if card.compute_cap[0] != SM90[0]:
+        for word, kernel in SM90_KERNELS.items():
+            if any(word in w.upper() for w in words):
+                problems.append(
+                    f"{kernel} is built for SM90 (Hopper); this card is {card.sm} ({card.seen}), "
+                    "where kernels shipped for SM90 fail to select or assert (the runbook; "
+                    "docs/sources.md, Rules keyed on the card)")
+    context = max_model_len_of(recipe, rig)
+    if (gdn and recipe.engine != "llama.cpp" and recipe.tensor_parallel_size == 1
+            and card.vram_gib <= CLIFF2_VRAM_GIB and context > CLIFF2_MAX_CONTEXT):
+        problems.append(
+            f"max_model_len {context} on one {card.vram_gib:g} GiB card ({card.seen}): 24 GB "
+            "single-card configs take the chunked-prefill path where a GDN model's single "
+            "prompts past ~50K may OOM (Cliff 2; docs/sources.md, Rules keyed on the card); set "
+            f"serving_max_model_len <= {CLIFF2_MAX_CONTEXT}, split over two cards (TP=2), or "
+            "use llama.cpp")
+    return problems
+
+
+def card_warnings(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
+    """What the card costs the recipe, short of refusing it."""
+    context = max_model_len_of(recipe, rig)
+    if (recipe.cpu_only or recipe.engine == "llama.cpp" or card.compute_cap != SM86
+            or context <= SM86_LONG_CONTEXT):
+        return []
+    return [f"max_model_len {context} on {card.sm} ({card.seen}): single-stream decode on SM86 "
+            "slows ~71% from 0 to 131K context, \"architectural, not model-specific\"; the "
+            f"hardware notes switch to llama.cpp past ~{SM86_LONG_CONTEXT // 1000}K "
+            "(docs/sources.md, Long context on SM86)"]

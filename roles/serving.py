@@ -42,11 +42,13 @@ from pyinfra.facts.files import File, FileContents, FindInFile
 from pyinfra.operations import server
 
 from rigbook import FILES
+from rigbook.core.cards import Card, facts_card
 from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, refusal, warn
 from rigbook.core.errors import RigbookError
 from rigbook.core.facts import GPUS, GPUS_READ, NVIDIA_SMI_PATHS, NvidiaGpus
 from rigbook.core.managed import put_commands
 from rigbook.core.messages import GIB, connector_arguments, gib, refuse, refused, warn_once
+from rigbook.core.pins import venv_link
 from rigbook.core.render import env_line, render, systemd_word
 from rigbook.core.runfacts import once
 from rigbook.core.secrets import Secret, read_secret_file
@@ -56,7 +58,6 @@ from rigbook.core.units import booted, start_command, state_of
 from rigbook.rigside import cap_check, venv_check
 from rigbook.rigside.gpus import GpuProbe
 from rigbook.roles import power
-from rigbook.roles.cards import Card, card_problems, card_warnings, facts_card
 from rigbook.roles.guards import (
     GPU_LOST_MARK,
     REAPER,
@@ -75,6 +76,8 @@ from rigbook.roles.recipes import (
     Recipe,
     api_key_variable,
     bind_of,
+    card_problems,
+    card_warnings,
     engine_argv,
     gdn_index_problem,
     gpu_memory_utilization_of,
@@ -94,7 +97,6 @@ from rigbook.roles.venvs import (
     incompatibility,
     launcher_environment,
     staleness,
-    venv_link,
 )
 from rigbook.roles.wsl import serving_environment
 

@@ -20,14 +20,13 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
    prompt with a new salt at its very start each time (no cached prefix to hit);
 4. the restore is read back and the run stored as JSON beside the verify results
    (rigbook.roles.sweepresult: each window's evidence and intervals, the suggestion, the diagnosis),
-   with a chart per workload class (rigbook.core.charts).
+   with a chart per workload class (rigbook.roles.charts).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import secrets
 import threading
 import time
@@ -48,10 +47,11 @@ from rigbook.core.checks import Check, Facts, Finding, Read, error, warn
 from rigbook.core.errors import RigbookError
 from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
 from rigbook.core.messages import refused, warn_once
-from rigbook.core.spec import Rig
+from rigbook.core.spec import MAX_CAPS, Rig
 from rigbook.core.tools import TOOLS_PYTHON
 from rigbook.core.units import SYSTEMD_READ, outside_login
 from rigbook.rigside import cap_check
+from rigbook.roles.charts import write_charts
 from rigbook.roles.power import (
     UNIT_NAME,
     UNIT_PATH,
@@ -74,9 +74,9 @@ from rigbook.roles.sweepresult import (
     prefill_window,
     resolvable_w,
     samples_of,
-    save_sweep,
     suggestions,
     summary_rows,
+    sweep_path,
 )
 from rigbook.roles.verify import (
     BENCH_PROMPTS,
@@ -89,12 +89,6 @@ from rigbook.roles.verify import (
     stream_events,
     truncate,
 )
-
-#: At most this many caps per sweep: each one is a full bench.
-MAX_CAPS = 64
-#: No card takes more than this (W): a larger number is a typo, refused before any range check.
-MAX_WATTS = 2000
-_NUMBER = re.compile(r"\d{1,4}(?:\.\d{1,2})?")
 
 SWEEP_DIR = "/run/rigbook-sweep"  # tmpfs: gone at boot, as the live caps are
 RIG_PROGRAM = FILES / "power" / "sweep_rig.py"
@@ -148,51 +142,12 @@ def caps_of(rig: Rig, gpus: Iterable) -> tuple[float, ...]:
 # --- what to sweep -----------------------------------------------------------------------------
 
 
-def _cap(value: Any) -> float:
-    """One cap in watts from a number or a numeric word; ValueError says what is allowed."""
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a cap in watts")
-    if isinstance(value, int | float):
-        number = float(value)
-    elif isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        number = float(value.strip())
-    else:
-        raise ValueError(f"{value!r} is not a cap in watts (digits, up to 2 decimals)")
-    if not math.isfinite(number) or not 1 <= number <= MAX_WATTS:
-        raise ValueError(f"{value!r} W is outside 1..{MAX_WATTS} W")
-    return round(number, 2)
-
-
-def parse_watts(value: Any) -> tuple[float, ...]:
-    """The caps of sweep_watts, ascending and each once: START:STOP:STEP (both ends included),
-    a comma list, a JSON list, or one cap. ValueError names what is wrong and what is allowed."""
-    if value is None or value == "" or value == () or value == []:
-        return ()
-    if isinstance(value, list | tuple):
-        caps = [_cap(item) for item in value]
-    elif isinstance(value, str) and ":" in value:
-        parts = value.strip().split(":")
-        if len(parts) != 3:
-            raise ValueError(f"{value!r}: a range is START:STOP:STEP, e.g. 250:350:10")
-        start, stop = _cap(parts[0]), _cap(parts[1])
-        try:
-            step = _cap(parts[2])
-        except ValueError:
-            raise ValueError(f"{value!r}: STEP {parts[2]!r} is not a step of 1 W or more") from None
-        if stop < start:
-            raise ValueError(f"{value!r}: STOP {stop:g} is below START {start:g}")
-        count = math.floor((stop - start) / step + 1e-9) + 1
-        if count > MAX_CAPS:
-            raise ValueError(f"{value!r} asks {count} caps; allowed: at most {MAX_CAPS}")
-        caps = [round(start + i * step, 2) for i in range(count)]
-    elif isinstance(value, str):
-        caps = [_cap(part) for part in value.split(",")]
-    else:
-        caps = [_cap(value)]
-    caps = sorted(set(caps))
-    if len(caps) > MAX_CAPS:
-        raise ValueError(f"{len(caps)} caps asked; allowed: at most {MAX_CAPS}")
-    return tuple(caps)
+def save_sweep(run: SweepRun, root: Path | None = None) -> tuple[Path, list[Path] | str]:
+    """The JSON and, beside it, a chart per workload class (or why there are none)."""
+    path = sweep_path(run, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run.model_dump_json(indent=2) + "\n")
+    return path, write_charts(run, path.parent, path.stem) if run.points else []
 
 
 # --- the checks ----------------------------------------------------------------------------------
@@ -262,8 +217,8 @@ def _reads(rig: Rig, rig_name: str) -> list[Read]:
     return [GPUS_READ, UNIT_READ, SYSTEMD_READ]
 
 
-#: The sweep's preflight. Not named CHECKS: `rigbook status` runs every role's CHECKS, and the
-#: caps of a sweep are a run's option, not a state of the rig to report.
+#: The sweep's preflight, for its own job only: the registry gives the sweep role no checks for
+#: `rigbook status`, as the caps of a sweep are a run's option, not a state of the rig to report.
 SWEEP_CHECKS = (GPUS, Check("power sweep", _reads, sweep_findings, gpus=True))
 
 

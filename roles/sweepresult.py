@@ -148,16 +148,6 @@ def sweep_path(run: SweepRun, root: Path | None = None) -> Path:
     return (root or results_dir()) / _part(run.rig) / _part(run.recipe) / "sweeps" / f"{stamp}.json"
 
 
-def save_sweep(run: SweepRun, root: Path | None = None) -> tuple[Path, list[Path] | str]:
-    """The JSON and, beside it, a chart per workload class (or why there are none)."""
-    from rigbook.core.charts import write_charts
-
-    path = sweep_path(run, root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(run.model_dump_json(indent=2) + "\n")
-    return path, write_charts(run, path.parent, path.stem) if run.points else []
-
-
 def load_sweeps(root: Path | None = None) -> list[tuple[Path, SweepRun]]:
     """Every stored sweep, oldest first; a file that does not validate is an error naming it."""
     found = []

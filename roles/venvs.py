@@ -28,13 +28,11 @@ docs/venvs.md and docs/runbooks/rebuild-venvs.md say the same for operators.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import re
 import shlex
 import time
-import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -49,6 +47,7 @@ from rigbook.core.errors import RigbookError
 from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, smi_attempts, smi_script
 from rigbook.core.managed import expect
 from rigbook.core.messages import notice, refuse, warn_once
+from rigbook.core.pins import VENVS_DIR, venv_link
 from rigbook.core.progress import WatchedBuild, progress_every
 from rigbook.core.render import render, template_commands
 from rigbook.core.runfacts import once
@@ -63,7 +62,6 @@ from rigbook.roles.cuda import (
     version_tuple,
 )
 
-VENVS_DIR = "/opt/rigbook/venvs"
 MANIFEST = "rigbook-manifest.json"
 #: uv's cache on the venvs' filesystem, so that installs hardlink instead of copying.
 UV_CACHE = "/opt/rigbook/cache/uv"
@@ -86,31 +84,6 @@ _STAMP = re.compile(r"^\d{8}T\d{6}Z$")
 
 
 # --- pins ------------------------------------------------------------------------------------
-
-
-@functools.cache
-def engine_pins() -> dict[str, dict[str, Any]]:
-    """rigbook's shipped pins (files/venvs/pins.toml), read once, when first needed: engine ->
-    {"venv": name, "packages": [...], "cuda": "13.0" (absent: no CUDA runtime of its own)}."""
-    with (TEMPLATES / "pins.toml").open("rb") as f:
-        return tomllib.load(f)
-
-
-def engine_venv(engine: str, name: str | None = None, **fields: Any) -> dict[str, Any]:
-    """A venvs[] entry with rigbook's pins for `engine`, for Python inventories.
-
-    `engine_venv("vllm", services=["vllm.service"])` ->
-    {"name": "vllm-0.33", "engine": "vllm", "packages": ["vllm==0.33.0", "torch==2.14.0"], ...}
-    (the name the shipped recipes give that engine's venv, unless `name` says another).
-    """
-    shipped = engine_pins()
-    if engine not in shipped:
-        raise RigbookError(f"no shipped pins for engine {engine!r}; allowed: {sorted(shipped)}")
-    pins = shipped[engine]
-    entry = {"name": name or pins["venv"], "engine": engine, "packages": pins["packages"]}
-    entry.update(fields)
-    return VenvSpec.model_validate(entry).model_dump(mode="json")
-
 
 
 # --- spec hash, builds, pruning --------------------------------------------------------------
@@ -265,11 +238,6 @@ def venv_environment(layout: VenvLayout, base_path: str = BASE_PATH) -> dict[str
     if not layout.cu13_nvcc and not layout.path_nvcc_matches:
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return env
-
-
-def venv_link(name: str) -> str:
-    """The stable path engines run from: a symlink to the current build."""
-    return f"{VENVS_DIR}/{name}"
 
 
 def restart_marker(root: str, name: str) -> str:

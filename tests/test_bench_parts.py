@@ -92,8 +92,8 @@ def test_breakdown_table_has_a_row_per_role_and_the_totals():
 
 def test_slowest_operations_with_their_commands_at_execution():
     events = [
-        {"kind": "op", "op": "a", "module": "rigbook.roles.driver", "names": ["NVIDIA driver | Hold"],
-         "seconds": 0.1},
+        {"kind": "op", "op": "a", "module": "rigbook.roles.driver",
+         "names": ["NVIDIA driver | Hold"], "seconds": 0.1},
         {"kind": "op", "op": "b", "module": "rigbook.roles.power", "names": ["Power limits | Unit"],
          "seconds": 0.3},
         {"kind": "command", "op": "b", "phase": "exec", "seconds": 0.1},

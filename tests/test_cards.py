@@ -1,4 +1,4 @@
-"""rigbook.roles.cards: the rules keyed on what the card is (compute capability, VRAM), read from
+"""rigbook.core.cards and the rules keyed on what the card is (compute capability, VRAM), read from
 the class before connecting and from nvidia-smi once facts are read, with the sources' own cards and
 numbers (docs/sources.md, Rules keyed on the card)."""
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from rigbook.core.cards import Card, class_card, facts_card
 from rigbook.core.spec import Rig
 from rigbook.rigside.gpus import Gpu, GpuProbe, parse_query_csv
-from rigbook.roles.cards import Card, card_problems, card_warnings, class_card, facts_card
-from rigbook.roles.recipes import Recipe, fit_problems
+from rigbook.roles.recipes import Recipe, card_problems, card_warnings, fit_problems
 from rigbook.roles.serving import fit_problems as serving_fit_problems
 from rigbook.roles.serving import serve_plan
 from tests.conftest import ROOT

@@ -20,7 +20,6 @@ from rigbook.core.checks import (
     Read,
     batch_command,
     error,
-    every_check,
     process_output,
     reads_of,
     refusal,
@@ -29,7 +28,20 @@ from rigbook.core.checks import (
 from rigbook.core.errors import RigbookError
 from rigbook.core.spec import Rig
 from rigbook.preflight import no_prompt_mid_run, refusal_text
-from rigbook.roles import driver, guards, models, power, serving, tuning, venvs, wsl
+from rigbook.registry import checks_of
+from rigbook.roles import (
+    capadvice,
+    disks,
+    driver,
+    guards,
+    health,
+    models,
+    power,
+    serving,
+    tuning,
+    venvs,
+    wsl,
+)
 from rigbook.roles.tuning import PresentPaths
 
 
@@ -87,8 +99,9 @@ def test_two_checks_that_read_one_fact_two_ways_are_a_bug():
 
 
 def test_every_role_with_checks_is_found_and_each_check_runs_once():
-    found = every_check()
-    for module in (driver, guards, models, power, serving, tuning, venvs, wsl):
+    found = checks_of()
+    for module in (driver, guards, models, power, capadvice, serving, tuning, venvs, wsl,
+                   health, disks):
         assert set(module.CHECKS) <= set(found), module.__name__
     assert len(found) == len(set(found))
     rig = Rig(platform="debian", gpu_class="rtx3090", gpu_count=2)

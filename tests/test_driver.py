@@ -9,7 +9,6 @@ the deb822 source and the version globs are checked against a real apt on a thro
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import logging
 import os
@@ -42,9 +41,10 @@ from rigbook.core.apt import (
 from rigbook.core.checks import Facts
 from rigbook.core.errors import RigbookError
 from rigbook.core.render import render as render_template
-from rigbook.core.spec import Rig
+from rigbook.core.spec import DRIVER_BRANCHES, Rig
 from rigbook.rigside.gpus import GpuProbe, parse_query_csv
 from rigbook.roles import driver as drv
+from rigbook.roles import kernel as kern
 from rigbook.roles.kernel import parse_apt_policy
 from rigbook.roles.wsl import WslSignals
 from tests.opkit import Calls, FakeHost, describe, file_states, shell
@@ -997,31 +997,190 @@ def installs(name: str) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize(("release", "version_id", "branch", "newest"), [
-    ("noble", "24.04", 580, "580.178.04-0ubuntu0.24.04.1"),
-    ("noble", "24.04", 595, "595.99.02-0ubuntu0.24.04.1"),
-    ("resolute", "26.04", 580, "580.178.04-0ubuntu0.26.04.1"),
-    ("resolute", "26.04", 595, "595.99.02-0ubuntu0.26.04.1"),
-])
-def test_the_ubuntu_plan_resolves_against_the_real_archive(release, version_id, branch, newest):
+#: What each release's archive carried on 2026-12-04 (the captures; docs/driver.md's table):
+#: every nvidia-driver-B-open name -> the upstream version its candidate and nvidia-utils-B's
+#: carry. Another branch's version is a transitional name (530 on 24.04 installs 535).
+CARRIED = {
+    "noble": {530: "535.309.01", 535: "535.309.01", 570: "570.211.01", 580: "580.196.07",
+              590: "590.48.01", 595: "595.112.07"},
+    "resolute": {535: "580.196.07", 570: "580.196.07", 580: "580.196.07", 590: "595.112.07",
+                 595: "595.112.07"},
+}
+VERSION_ID = {"noble": "24.04", "resolute": "26.04"}
+
+
+def candidates(release: str) -> dict[str, str]:
+    return {policy.package: policy.versions[0].version for policy in archive_policy(release)
+            if policy.versions}
+
+
+@pytest.mark.parametrize("release", ["noble", "resolute"])
+def test_every_branch_the_release_carries_is_planned_or_refused(release):
+    names = (ARCHIVE / f"pkgnames-{release}.txt").read_text().split()
+    branches = sorted(int(m[1]) for name in names
+                      if (m := re.fullmatch(r"nvidia-driver-(\d+)-open", name)))
+    offered = candidates(release)
+    carried = {}
+    for branch in branches:
+        driver, utils = offered[f"nvidia-driver-{branch}-open"], offered[f"nvidia-utils-{branch}"]
+        assert upstream_version(driver) == upstream_version(utils)
+        carried[branch] = upstream_version(driver)
+    assert carried == CARRIED[release]
+    for branch, upstream in carried.items():
+        if branch in DRIVER_BRANCHES:  # planned: resolves (the test below), the branch's own
+            assert upstream.startswith(f"{branch}.")
+            r = rig(platform="ubuntu", driver_branch=branch)
+            assert drv.archive_finding(r, Facts(driver_policy=archive_policy(release),
+                                                installed={})) is None
+        else:  # the branch's own, or a transitional name: refused by the host data's check
+            with pytest.raises(ValidationError, match=f"unknown driver branch {branch}"):
+                rig(platform="ubuntu", driver_branch=branch)
+
+
+def driver_parts(closure: dict[str, str], upstream: str) -> set[str]:
+    """The packages of a closure that carry the driver's version or are NVIDIA's."""
+    return {name for name, version in closure.items() if upstream in version or "nvidia" in name}
+
+
+@pytest.mark.parametrize(("release", "branch"), [
+    ("noble", 580), ("noble", 595), ("resolute", 580), ("resolute", 595)])
+def test_the_ubuntu_plan_resolves_against_the_real_archive(release, branch):
     r = rig(platform="ubuntu", driver_branch=branch)
-    plan = drv.plan_driver(r, "rig1", ubuntu(version_id), NOT_WSL, "x86_64")
+    plan = drv.plan_driver(r, "rig1", ubuntu(VERSION_ID[release]), NOT_WSL, "x86_64")
+    newest = candidates(release)[f"nvidia-driver-{branch}-open"]
     facts = Facts(driver_policy=archive_policy(release), installed={})
     assert drv.offered(r, facts.driver_policy)[0] == newest
     assert drv.archive_finding(r, facts) is None
     # what apt resolved for exactly these packages and this glob, on that release's archive
-    upstream = upstream_version(newest)
+    assert plan.packages[-1] == f"nvidia-dkms-{branch}-open" and plan.version == f"{branch}.*"
     closure = installs(f"install-s-{release}-{branch}-open.txt")
     for package in plan.packages:
-        assert fnmatch.fnmatch(closure[package], f"{upstream}-*")
+        assert closure[package] == newest
     # every package of the closure that carries the driver's version, or is NVIDIA's, is held
     # and blacklisted: an upgrade cannot move one part of the driver without the others
-    driver_parts = {name for name, version in closure.items()
-                    if upstream in version or "nvidia" in name}
+    upstream = upstream_version(newest)
+    parts = driver_parts(closure, upstream)
     assert {f"nvidia-dkms-{branch}-open", f"nvidia-kernel-common-{branch}",
             f"nvidia-firmware-{branch}-{upstream}", f"libnvidia-compute-{branch}",
-            "libnvidia-egl-wayland1"} <= driver_parts
-    assert [name for name in driver_parts if not drv.is_driver_package(name)] == []
+            "libnvidia-egl-wayland1"} <= parts
+    assert [name for name in parts if not drv.is_driver_package(name)] == []
+
+
+SECURE_BOOT = kern.SecureBoot(enabled=True, mokutil=True)
+
+
+def signed_fact(release: str, branch: int, running: str) -> kern.SignedModules:
+    """SignedModulesFact on a rig running `running`, its apt-cache show the real capture."""
+    shown = (ARCHIVE / f"show-{release}-{branch}-open-generic.txt").read_text().splitlines()
+    return kern.SignedModulesFact().process(
+        [f"##running {running}", f"##show linux-modules-nvidia-{branch}-open-generic", *shown])
+
+
+@pytest.mark.parametrize(("release", "branch", "kernel"), [
+    ("noble", 580, "6.8.0-151-generic"), ("noble", 595, "6.8.0-151-generic"),
+    ("resolute", 580, "7.0.0-44-generic"), ("resolute", 595, "7.0.0-44-generic")])
+def test_on_secure_boot_the_ubuntu_plan_takes_the_prebuilt_signed_modules(release, branch,
+                                                                           kernel):
+    r = rig(platform="ubuntu", driver_branch=branch)
+    meta = f"linux-modules-nvidia-{branch}-open-generic"
+    newest = candidates(release)[f"nvidia-driver-{branch}-open"]
+    modules = signed_fact(release, branch, kernel)
+    assert modules.kernel == kernel and modules.provides[f"nvidia-dkms-{branch}-open"] == newest
+    policies = archive_policy(release)
+    module = drv.kernel_module(r, SECURE_BOOT, modules, policies, {})
+    assert module.signed == meta
+    assert module.says == (f"Ubuntu's prebuilt signed modules ({meta} for kernel {kernel}; Secure "
+                           f"Boot: no MOK enrolment needed) instead of nvidia-dkms-{branch}-open")
+    plan = drv.plan_driver(r, "rig1", ubuntu(VERSION_ID[release]), NOT_WSL, "x86_64", module)
+    assert plan.packages == (f"nvidia-driver-{branch}-open", f"nvidia-utils-{branch}")
+    assert plan.unpinned == (meta,) and plan.module == module.says
+    # the module package carries the kernel's version: installed without the driver's glob
+    commands, _ = run_op(drv.install_driver, {"DpkgInstalled": {}}, packages=plan.packages,
+                         version=plan.version, unpinned=plan.unpinned)
+    assert shell(commands)[0].endswith(f"install 'nvidia-driver-{branch}-open={branch}.*' "
+                                       f"'nvidia-utils-{branch}={branch}.*' {meta}")
+    # what apt resolved for exactly those: the signed modules stand in for DKMS
+    closure = installs(f"install-s-{release}-{branch}-open-signed.txt")
+    assert closure[meta] == modules.version and not upstream_version(modules.version).startswith(
+        f"{branch}.")
+    assert closure[f"linux-modules-nvidia-{branch}-open-{kernel}"] == modules.version
+    assert all(closure[package] == newest for package in plan.packages)
+    assert f"nvidia-dkms-{branch}-open" not in closure and "dkms" not in closure
+    parts = driver_parts(closure, upstream_version(newest))
+    assert {meta, f"linux-modules-nvidia-{branch}-open-{kernel}",
+            f"nvidia-kernel-common-{branch}"} <= parts
+    assert [name for name in parts if not drv.is_driver_package(name)] == []  # held, listed
+    # a rig still on an older kernel of the series: the modules bring the newer one
+    older = drv.kernel_module(r, SECURE_BOOT, signed_fact(release, branch, "6.8.0-51-generic"
+                                                          if release == "noble" else
+                                                          "7.0.0-10-generic"), policies, {})
+    assert older.signed == meta and "which it installs: the module loads once the rig boots it" \
+        in older.says
+
+
+def test_secure_boot_keeps_dkms_where_no_signed_module_fits():
+    r = rig(platform="ubuntu")
+    policies = archive_policy("noble")
+    fits = signed_fact("noble", 580, "6.8.0-151-generic")
+
+    def says(r=r, sb=SECURE_BOOT, modules=fits, policies=policies, installed=None):
+        module = drv.kernel_module(r, sb, modules, policies, installed or {})
+        assert module.signed is None
+        return module.says
+
+    assert says(sb=kern.SecureBoot(enabled=False, mokutil=True)) == "DKMS (nvidia-dkms-580-open)"
+    assert says(sb=kern.SecureBoot()) == "DKMS (nvidia-dkms-580-open)"  # unknown: no mokutil
+    lead = ("DKMS (nvidia-dkms-580-open): Secure Boot is on, no prebuilt signed module (")
+    tail = "); the DKMS key must be enrolled"
+    # the sandbox's kernel is not of Ubuntu's scheme, and a flavour the sources do not offer
+    assert says(modules=kern.SignedModulesFact().process(["##running 6.18.44-fc-v1252"])) == (
+        lead + "the rig's sources offer no linux-modules-nvidia-580-open-FLAVOUR for the running "
+        "kernel 6.18.44-fc-v1252" + tail)
+    absent = kern.SignedModulesFact().process(
+        ["##running 6.8.0-1015-foo", "##show linux-modules-nvidia-580-open-foo"])
+    assert "offer no linux-modules-nvidia-580-open-FLAVOUR for the running kernel " \
+        "6.8.0-1015-foo" in says(modules=absent)
+    # a driver the modules were not built for: 26.04's release-pocket 580.142
+    old = rig(platform="ubuntu", driver_version="580.142")
+    assert says(old, modules=signed_fact("resolute", 580, "7.0.0-44-generic"),
+                policies=archive_policy("resolute")) == (
+        lead + "linux-modules-nvidia-580-open-generic 7.0.0-44.44+1 stands in for "
+        "nvidia-dkms-580-open 580.196.07-0ubuntu0.26.04.1, not for the "
+        "580.142-0ubuntu3 the plan installs" + tail)
+    # an HWE kernel: the flavour's modules are the GA series' (6.8), not the running 7.0's
+    assert says(modules=signed_fact("noble", 580, "7.0.0-44-generic")) == (
+        lead + "linux-modules-nvidia-580-open-generic is for kernel 6.8.0-151-generic, not of "
+        "the running kernel's series (7.0.0-44-generic)" + tail)
+    # a DKMS driver installed stays DKMS, installed signed modules stay: the converge never
+    # moves a driver (Secure Boot turned off since, too)
+    assert "nvidia-dkms-580-open is installed" in says(
+        installed={"nvidia-dkms-580-open": "580.196.07-0ubuntu0.24.04.1"})
+    signed = {"linux-modules-nvidia-580-open-6.8.0-151-generic": "6.8.0-151.151+1",
+              "linux-modules-nvidia-580-open-generic": "6.8.0-151.151+1"}
+    for sb in (SECURE_BOOT, kern.SecureBoot(enabled=False, mokutil=True)):
+        kept = drv.kernel_module(r, sb, kern.SignedModules(), policies, signed)
+        assert kept == drv.KernelModule("linux-modules-nvidia-580-open-generic", (
+            "Ubuntu's prebuilt signed modules (linux-modules-nvidia-580-open-generic, installed)"))
+
+
+def test_secure_boot_on_ubuntu_needs_no_mok_with_the_signed_modules():
+    r = rig(platform="ubuntu")
+    base = {"secure_boot": SECURE_BOOT, "kernels": kern.Kernels("6.8.0-151-generic"),
+            "dkms": kern.DkmsStatus(), "nouveau": kern.Nouveau(blacklisted_by=(kern.NOUVEAU_CONF,)),
+            "driver_policy": archive_policy("noble"), "installed": {}, "loaded": None,
+            "probe": None, "driver_source": None,
+            "signed_modules": signed_fact("noble", 580, "6.8.0-151-generic")}
+    (chosen,) = drv.ONBOARD.run(r, Facts(**base), "rig1")
+    assert chosen.level == "drift" and chosen.reason.startswith(
+        "Secure Boot is on: the converge installs Ubuntu's prebuilt signed modules "
+        "(linux-modules-nvidia-580-open-generic for kernel 6.8.0-151-generic")
+    installed = {"linux-modules-nvidia-580-open-generic": "6.8.0-151.151+1",
+                 "nvidia-driver-580-open": "580.196.07-0ubuntu0.24.04.1"}
+    assert drv.ONBOARD.run(r, Facts(**{**base, "installed": installed}), "rig1") == []
+    # no signed module for the running kernel: the DKMS key's refusal, with its steps
+    other = kern.SignedModulesFact().process(["##running 6.18.44-fc-v1252"])
+    (refused,) = drv.ONBOARD.run(r, Facts(**{**base, "signed_modules": other}), "rig1")
+    assert refused.level == "error" and "update-secureboot-policy --new-key" in refused.reason
 
 
 def test_a_version_the_archive_no_longer_carries_is_refused_before_any_change():
@@ -1033,7 +1192,7 @@ def test_a_version_the_archive_no_longer_carries_is_refused_before_any_change():
     finding = drv.archive_finding(r, Facts(driver_policy=archive_policy("noble"), installed={}))
     assert finding.level == "error" and finding.key == "driver_version"
     assert ("nvidia-driver-580-open 580.95.05 is not offered by this rig's apt sources; they "
-            "offer 580.178.04-0ubuntu0.24.04.1.") in finding.reason
+            "offer 580.196.07-0ubuntu0.24.04.1.") in finding.reason
     # 26.04 still carries its release pocket's 580.142 beside -updates
     old = rig(platform="ubuntu", driver_version="580.142")
     assert drv.archive_finding(old, Facts(driver_policy=archive_policy("resolute"),

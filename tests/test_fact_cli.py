@@ -11,7 +11,6 @@ import importlib
 import inspect
 import json
 import os
-import pkgutil
 import subprocess
 import typing
 
@@ -19,12 +18,12 @@ import pytest
 from pydantic import BaseModel
 from pyinfra.api import FactBase
 
-import rigbook
 from rigbook.core.reboot import SIM_LOADED_VERSION
 from rigbook.roles.serving import probe_args, serve_plan
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh
 from tests.test_driver_e2e import forget_driver
 from tests.test_driver_source_e2e import unowned_install
+from tests.test_layers import modules
 from tests.test_serving import cpu_rig
 
 #: Arguments for the facts that take some (JSON, as the CLI parses a value).
@@ -56,8 +55,8 @@ INTERNAL = {"FactBatch"}
 
 def rigbook_facts() -> list[type[FactBase]]:
     found = []
-    for module in sorted(info.name for info in pkgutil.iter_modules(rigbook.__path__)):
-        mod = importlib.import_module(f"rigbook.{module}")
+    for module in modules():
+        mod = importlib.import_module(module)
         found += [cls for cls in vars(mod).values() if inspect.isclass(cls)
                   and issubclass(cls, FactBase) and cls.__module__ == mod.__name__
                   and cls.__name__ not in INTERNAL]
@@ -116,9 +115,10 @@ def test_every_fact_prints_as_json_on_local():
     values = fact_cli("@local", "--data", "platform=debian", "--data", "gpu_class=rtx3090",
                       "--data", "gpu_count=1")
     assert set(values) == _expected()
-    assert isinstance(values["driver_source.DriverSourceFact"]["files"], list)
-    assert isinstance(values["disks.FreeDisk"], list) and values["disks.FreeDisk"][0]["mount"]
-    assert values["serving.ServeProbe"]["mem_total_kib"] > 0
+    assert isinstance(values["roles.driver_source.DriverSourceFact"]["files"], list)
+    disks = values["roles.disks.FreeDisk"]
+    assert isinstance(disks, list) and disks[0]["mount"]
+    assert values["roles.serving.ServeProbe"]["mem_total_kib"] > 0
 
 
 @pytest.mark.sandbox
@@ -132,7 +132,7 @@ def test_every_fact_prints_as_json_on_a_sandbox_rig(sandbox):
         rig_ssh(rig1, f"rm -f {' '.join(paths)} {SIM_LOADED_VERSION}", check=False)
         forget_driver(rig1)
     assert set(values) == _expected()
-    health = values["health.GpuHealthReadings"]
+    health = values["roles.health.GpuHealthReadings"]
     assert [gpu["index"] for gpu in health] == [0, 1]
-    assert len(values["facts.NvidiaGpus"]["gpus"]) == 2
-    assert values["wsl.Wsl"]["run_wsl"] is False
+    assert len(values["core.facts.NvidiaGpus"]["gpus"]) == 2
+    assert values["roles.wsl.Wsl"]["run_wsl"] is False

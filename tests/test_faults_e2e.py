@@ -26,10 +26,11 @@ import time
 
 import pytest
 
+from rigbook.core.pins import VENVS_DIR
 from rigbook.core.runlock import LOCK
 from rigbook.core.tools import TOOLS_PINS
 from rigbook.core.units import start_shell
-from rigbook.roles.venvs import VENVS_DIR, restart_marker
+from rigbook.roles.venvs import restart_marker
 from rigbook.sandbox import wheelhouse
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.test_models import ensure_wheels

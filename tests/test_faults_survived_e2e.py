@@ -28,9 +28,10 @@ import signal
 
 import pytest
 
+from rigbook.core.pins import VENVS_DIR
 from rigbook.roles.models import repo_folder
 from rigbook.roles.power import UNIT_PATH
-from rigbook.roles.venvs import MANIFEST, VENVS_DIR
+from rigbook.roles.venvs import MANIFEST
 from rigbook.sandbox import wheelhouse
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.hubstub import big_repo

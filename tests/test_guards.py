@@ -893,7 +893,8 @@ def test_reap_plan_parses_a_missing_reaper_and_an_error():
 
 @pytest.fixture
 def watch_dir(tmp_path) -> Path:
-    """The watch as installed on a rig: the script with a copy of rigbook/rigside/xid.py beside it."""
+    """The watch as installed on a rig: the script with a copy of rigbook/rigside/xid.py beside
+    it."""
     folder = tmp_path / "guards"
     folder.mkdir()
     shutil.copy(GUARDS / "rigbook-xid-watch", folder)

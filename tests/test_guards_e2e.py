@@ -139,7 +139,7 @@ def guarded(sandbox, tmp_path_factory):
     RIGS.update(sandbox)
     deploy = tmp_path_factory.mktemp("deploy") / "guards_only.py"
     deploy.write_text("from pyinfra import host\nfrom rigbook.roles.guards import guards\n"
-                      "from rigbook.core.spec import rig_of\nguards(rig_of(host))\n")
+                      "from rigbook.inventory import rig_of\nguards(rig_of(host))\n")
     first = run_pyinfra(SANDBOX_INVENTORY, str(deploy), "--limit", RIG)
     assert first.returncode == 0, first.explain()
     assert first.changed(), first.explain()
@@ -274,7 +274,7 @@ def test_a_stray_quarantine_made_by_another_user_is_set_aside_and_the_reaper_goe
 
 
 def rigbook_status() -> FleetStatus:
-    script = ("import sys; from rigbook.status import status; "
+    script = ("import sys; from rigbook.status_table import status; "
               f"sys.exit(status({SANDBOX_INVENTORY!r}, [{RIG!r}], True))")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)

@@ -199,7 +199,8 @@ def test_the_fact_takes_nvml_from_the_tools_venv_and_nvidia_smi_without_it(tmp_p
 def test_the_real_probe_answers_or_nvidia_smi_does(tmp_path):
     """The real probe run by this python (nvidia-ml-py installed): without a driver here it
     exits 3 and the stand-in nvidia-smi answers; with one, NVML answers."""
-    probe = subprocess.run([sys.executable, str(ROOT / "rigbook" / "rigside" / "gpus.py"), "--probe"],
+    probe_py = ROOT / "rigbook" / "rigside" / "gpus.py"
+    probe = subprocess.run([sys.executable, str(probe_py), "--probe"],
                            capture_output=True, text=True)
     out = fact_output(tmp_path, sys.executable)
     if probe.returncode == 0:

@@ -157,14 +157,27 @@ def test_nouveau_and_kernels_facts():
 def test_one_round_trip_reads_them_all():
     reads = drv._onboard_reads(rig(), "rig1")
     assert [r.name for r in reads] == ["secure_boot", "kernels", "dkms", "nouveau",
-                                       "driver_policy", "probe", "driver_source", "installed",
-                                       "loaded"]
+                                       "driver_policy", "signed_modules", "probe",
+                                       "driver_source", "installed", "loaded"]
     assert reads[-1] in drv._driver_reads(rig(), "rig1")  # the same fact, read once
     command = batch_command(reads).get_raw_value()
     assert "mokutil --sb-state" in command and "LC_ALL=C apt-cache policy nvidia-driver-580-open" \
         in command
+    assert 'apt-cache show --no-all-versions "linux-modules-nvidia-580-open-$f"' in command
+    assert "signed_modules" not in [r.name for r in drv._onboard_reads(rig(platform="debian"),
+                                                                       "rig1")]
     assert drv._onboard_reads(rig(platform="wsl2"), "rig3") == []
     assert drv.ONBOARD in drv.CHECKS
+
+
+def test_the_signed_modules_command_runs_here():
+    """This machine's kernel is not of Ubuntu's scheme: the running kernel, and no package."""
+    command = kern.SignedModulesFact().command(580, False, True)
+    out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
+    found = kern.SignedModulesFact().process(out.stdout.splitlines())
+    assert found == kern.SignedModules(running=os.uname().release)
+    server = kern.SignedModulesFact().command(595, True, False)
+    assert '"linux-modules-nvidia-595-server-$f"' in server
 
 
 def test_main_package_is_what_plan_driver_installs():

@@ -1589,7 +1589,7 @@ def test_a_cache_in_a_users_folder_is_refused_before_connecting():
 def test_a_gguf_recipes_repo_is_pulled_for_its_file_only():
     """Issue 33 (2): unsloth/Qwen3.6-27B-GGUF holds every quantisation; the llama.cpp recipe
     serves one file, and the models role pulls only that one (the rig's own patterns win)."""
-    from rigbook.roles.venvs import engine_venv
+    from rigbook.core.pins import engine_venv
 
     gguf = "unsloth/Qwen3.6-27B-GGUF"
     cfg = rig(platform="ubuntu", gpu_class="rtx3090", gpu_count=1, recipe="qwen36-27b-llamacpp",

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
+import rigbook.preflight
 from rigbook.core.checks import Facts
 from rigbook.core.spec import Rig
 from rigbook.core.units import NO_SYSTEMD, SYSTEMD, SYSTEMD_READ, SystemdBooted
 from rigbook.rigside.gpus import GpuProbe
-from rigbook.roles import models, power, serving
+from rigbook.roles import models, power
 from rigbook.roles.guards import GPU_LOST_MARK, REAPER
 from rigbook.roles.serving import (
     CAP_CHECK_PATH,
@@ -105,7 +106,7 @@ def test_no_systemd_is_said_once_by_every_preflight_and_shown_by_status():
     assert "served by rigbook's supervisor" in NO_SYSTEMD and "docs/no-systemd.md" in NO_SYSTEMD
     assert SYSTEMD.run(None, Facts(systemd=True), "rig1") == []
     assert SYSTEMD in GUARDS
-    source = (Path(serving.__file__).parent / "preflight.py").read_text()
+    source = Path(rigbook.preflight.__file__).read_text()
     assert "((SYSTEMD,), *groups)" in source  # read by every deploy's preflight
 
 

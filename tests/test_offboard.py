@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import pkgutil
 import subprocess
 
 import pytest
 
-import rigbook
+from rigbook.core.errors import RigbookError
 from rigbook.inventory import parse_rig
 from rigbook.roles.offboard import (
     FOOTPRINT,
@@ -20,6 +19,7 @@ from rigbook.roles.offboard import (
     kept,
 )
 from rigbook.roles.tuning import fstab_line
+from tests.test_layers import modules
 
 #: Where rigbook writes; a path constant of a role under one of these is rigbook's.
 WRITES_UNDER = ("/etc/", "/opt/rigbook", "/var/lib/rigbook", "/var/log/rigbook", "/run/rigbook",
@@ -40,11 +40,11 @@ NOT_IN_FOOTPRINT = {
 
 def _path_constants() -> dict[str, str]:
     found = {}
-    for module in pkgutil.iter_modules(rigbook.__path__):
-        loaded = importlib.import_module(f"rigbook.{module.name}")
+    for module in modules():
+        loaded = importlib.import_module(module)
         for name, value in vars(loaded).items():
             if name.isupper() and isinstance(value, str) and value.startswith(WRITES_UNDER):
-                found[value] = f"rigbook.{module.name}.{name}"
+                found[value] = f"{module}.{name}"
     return found
 
 
@@ -68,7 +68,7 @@ def test_kept_by_default_and_removed_when_asked():
 
 @pytest.mark.parametrize("value", [["all"], ["venvs", "/"], "venvs"])
 def test_offboard_remove_takes_only_what_it_names(value):
-    with pytest.raises(rigbook.core.errors.RigbookError, match="offboard_remove"):
+    with pytest.raises(RigbookError, match="offboard_remove"):
         parse_rig("r", {"platform": "debian", "gpu_class": "rtx3090", "gpu_count": 1,
                         "offboard_remove": value})
 

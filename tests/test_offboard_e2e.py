@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 
+from rigbook.core.pins import VENVS_DIR
 from rigbook.inventory import parse_rig
 from rigbook.roles.offboard import FOOTPRINT, UNITS, kept
 from rigbook.roles.serving import SERVE_USER, UNIT_NAME
-from rigbook.roles.venvs import VENVS_DIR
 from tests.conftest import SANDBOX_INVENTORY, added_rig, rig_ssh, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
 from tests.test_serving_e2e import CONVERGE, tiny_cpu_args

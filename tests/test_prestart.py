@@ -23,6 +23,7 @@ import pytest
 from rigbook import FILES
 from rigbook.core.envvars import LOADER_ENV
 from rigbook.core.errors import RigbookError
+from rigbook.core.pins import venv_link
 from rigbook.roles import power
 from rigbook.roles.guards import GPU_LOST_HEADLINE, WATCH, XID_SOURCE
 from rigbook.roles.recipes import Recipe, load_recipe
@@ -35,7 +36,7 @@ from rigbook.roles.serving import (
     render_unit,
     serve_plan,
 )
-from rigbook.roles.venvs import BASE_PATH, MANIFEST, venv_link
+from rigbook.roles.venvs import BASE_PATH, MANIFEST
 from tests.test_recipes import _toml, recipe_data
 from tests.test_serving import SMI, dual_rig
 

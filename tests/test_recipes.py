@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from rigbook.core.errors import RigbookError
+from rigbook.core.pins import engine_pins, engine_venv
 from rigbook.core.spec import Rig
 from rigbook.roles.recipes import (
     FIGURE,
@@ -27,7 +28,6 @@ from rigbook.roles.recipes import (
     recipes_markdown,
 )
 from rigbook.roles.serving import engine_environment
-from rigbook.roles.venvs import engine_pins, engine_venv
 from tests.conftest import ROOT
 
 TEST_RECIPES = str(ROOT / "tests" / "recipes")

@@ -6,8 +6,10 @@ removed at the end, so the default fleet is unchanged). One story per Ubuntu rel
 
 1. on the fresh rig, with Ubuntu's real package indexes of its release (read when the rootfs
    was built), the packages and version glob rigbook plans for every branch the release carries
-   resolve (`apt-get -s install`), and every package of their closure that belongs to the
-   driver is one the holds and the unattended-upgrades blacklist cover;
+   resolve (`apt-get -s install`), the DKMS plan and the Secure Boot plan with Ubuntu's
+   prebuilt signed modules instead of nvidia-dkms; every package of their closure that belongs
+   to the driver is one the holds and the unattended-upgrades blacklist cover; every other
+   nvidia-driver-B-open name (another branch, or a transitional one) is refused;
 2. `deploys/rig.py` converges it: the driver from the rig's own sources (the local repository,
    Ubuntu's package names), held and blacklisted, the rig rebooted into it;
 3. a newer driver in a second local repository: `apt-get upgrade` moves nothing; with the holds
@@ -31,7 +33,15 @@ from pydantic import ValidationError
 
 from rigbook import sandbox
 from rigbook.core.spec import DRIVER_BRANCHES, Rig
-from rigbook.roles.driver import BLACKLIST, is_driver_package, plan_driver, upstream_version
+from rigbook.roles.driver import (
+    BLACKLIST,
+    is_driver_package,
+    kernel_module,
+    main_package,
+    plan_driver,
+    upstream_version,
+)
+from rigbook.roles.kernel import SecureBoot, SignedModulesFact, modules_prefix, parse_apt_policy
 from rigbook.roles.wsl import WslSignals
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 
@@ -78,20 +88,38 @@ def real_apt(tool: str, *args: str) -> str:
     return shlex.join(["env", "LC_ALL=C", tool, *options, *args])
 
 
+def open_branches(rig: dict) -> list[int]:
+    """Every B of an nvidia-driver-B-open name in the real indexes."""
+    names = rig_ssh(rig, real_apt("apt-cache", "pkgnames", "nvidia-driver-")).stdout.split()
+    return sorted(int(m.group(1)) for n in names
+                  if (m := re.fullmatch(r"nvidia-driver-(\d+)-open", n)))
+
+
 def carried(rig: dict) -> dict[int, str]:
     """Branch -> candidate of nvidia-driver-B-open, for the branches whose metapackage and
-    nvidia-utils-B both carry a B.x version (590 on 24.04 is a transitional name to 595)."""
-    names = rig_ssh(rig, real_apt("apt-cache", "pkgnames", "nvidia-driver-")).stdout.split()
-    branches = sorted(int(m.group(1)) for n in names
-                      if (m := re.fullmatch(r"nvidia-driver-(\d+)-open", n)))
+    nvidia-utils-B both carry a B.x version (530 on 24.04 is a transitional name to 535)."""
     found = {}
-    for branch in branches:
+    for branch in open_branches(rig):
         policy = rig_ssh(rig, real_apt("apt-cache", "policy", f"nvidia-driver-{branch}-open",
                                        f"nvidia-utils-{branch}")).stdout
         candidates = re.findall(r"Candidate: (\S+)", policy)
         if len(candidates) == 2 and all(c.startswith(f"{branch}.") for c in candidates):
             found[branch] = candidates[0]
     return found
+
+
+def resolves(rig: dict, plan) -> dict[str, str]:
+    """`apt-get -s install` of a plan against the rig's real indexes: its closure."""
+    wanted = [*(f"{package}={plan.version}" for package in plan.packages), *plan.unpinned]
+    out = rig_ssh(rig, real_apt("apt-get", "-s", "install", *wanted), check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return installs(out.stdout)
+
+
+def driver_parts(closure: dict[str, str], candidate: str) -> set[str]:
+    """The packages of a closure that carry the driver's version or are NVIDIA's."""
+    upstream = upstream_version(candidate)
+    return {p for p, v in closure.items() if upstream in v or "nvidia" in p}
 
 
 def installs(output: str) -> dict[str, str]:
@@ -165,26 +193,42 @@ def test_an_ubuntu_rig_resolves_the_real_archive_converges_and_holds(ubuntu_rig,
     # 1. Ubuntu's real indexes: every branch the release carries resolves as planned
     branches = carried(rig)
     assert set(branches) == CARRIED[release.suite], branches
-    for branch in set(branches) - set(DRIVER_BRANCHES):
+    for branch in set(open_branches(rig)) - set(DRIVER_BRANCHES):  # transitional names too
         with pytest.raises(ValidationError, match=f"unknown driver branch {branch}"):
             Rig(platform="ubuntu", gpu_class="rtx3090", gpu_count=1, driver_branch=branch)
     for branch in DRIVER_BRANCHES:
         candidate = branches[branch]
-        plan = plan_driver(Rig(platform="ubuntu", gpu_class="rtx3090", gpu_count=1,
-                               driver_branch=branch), name, distro, NOT_WSL, "x86_64")
-        wanted = [f"{package}={plan.version}" for package in plan.packages]
-        out = rig_ssh(rig, real_apt("apt-get", "-s", "install", *wanted), check=False)
-        assert out.returncode == 0, out.stdout + out.stderr
-        closure = installs(out.stdout)
-        upstream = upstream_version(candidate)
+        data = Rig(platform="ubuntu", gpu_class="rtx3090", gpu_count=1, driver_branch=branch)
+        dkms = f"nvidia-dkms-{branch}-open"
+        plan = plan_driver(data, name, distro, NOT_WSL, "x86_64")
+        closure = resolves(rig, plan)
         assert all(closure[package] == candidate for package in plan.packages), closure
-        parts = {p for p, v in closure.items() if upstream in v or "nvidia" in p}
-        assert {f"nvidia-dkms-{branch}-open", f"libnvidia-compute-{branch}"} <= parts, out.stdout
-        assert [p for p in parts if not is_driver_package(p)] == [], closure
+        parts = driver_parts(closure, candidate)
+        assert {dkms, f"libnvidia-compute-{branch}"} <= parts, closure
+        # Secure Boot on, a generic kernel: the prebuilt signed modules instead of DKMS
+        prefix = modules_prefix(branch, False, True)
+        meta = f"{prefix}generic"
+        shown = rig_ssh(rig, real_apt("apt-cache", "show", "--no-all-versions", meta)).stdout
+        kernel = re.search(rf"{prefix}(\d+\.\d+\.\d+-\d+-generic)", shown)[1]
+        modules = SignedModulesFact().process([f"##running {kernel}", f"##show {meta}",
+                                               *shown.splitlines()])
+        policy = rig_ssh(rig, real_apt("apt-cache", "policy", main_package(data))).stdout
+        module = kernel_module(data, SecureBoot(enabled=True, mokutil=True), modules,
+                               parse_apt_policy(policy.splitlines()), {})
+        assert module.signed == meta, module.says
+        signed = plan_driver(data, name, distro, NOT_WSL, "x86_64", module)
+        closure = resolves(rig, signed)
+        assert closure[meta] == modules.version and closure[f"{prefix}{kernel}"]
+        assert all(closure[package] == candidate for package in signed.packages), closure
+        assert dkms not in closure and "dkms" not in closure, closure
+        assert [p for p in driver_parts(closure, candidate) if not is_driver_package(p)] == []
 
     # 2. the converge: the driver from the rig's own sources, held, running
     first = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, "--limit", name)
     assert first.returncode == 0, first.explain()
+    # the plan says where the module comes from: no Secure Boot here, so DKMS
+    said = [op["name"] for op in first.results["operations"]]
+    assert any("kernel module: DKMS (nvidia-dkms-580-open)" in op for op in said), said
     version = f"580.178.04-0ubuntu0.{release.version}.1"
     installed = versions(rig)
     assert installed == {p: version for p in (

@@ -32,7 +32,7 @@ def test_the_ubuntu_mirror_is_debootstraps_own_over_https_unless_one_is_named(mo
     assert sandbox.ubuntu_mirror() == "http://10.0.0.5/ubuntu"
     sources = sandbox._ubuntu_sources("noble", "/k.gpg")
     assert "Suites: noble noble-updates noble-security\n" in sources
-    assert "Components: main restricted\n" in sources
+    assert "Components: main restricted universe\n" in sources
 
 
 def stanzas(packages: str) -> dict[tuple[str, str], dict]:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from rigbook.core.pins import VENVS_DIR
 from rigbook.roles.serving import CONF_DIR, ENV_PATH, KEY_PATH, UNIT_NAME, UNIT_PATH
-from rigbook.roles.venvs import VENVS_DIR
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, run_pyinfra, security_exposure
 from tests.standins import CACHE, LLAMA_SERVER, place_model, wheelhouse_for_llama
 from tests.tinymodel import FILE, REPO, revision_of, write_tiny_gguf

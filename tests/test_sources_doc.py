@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from rigbook.roles.cards import card_warnings, class_card
+from rigbook.core.cards import class_card
 from rigbook.roles.recipes import (
     Recipe,
+    card_warnings,
     catalogue,
     example_rig,
     installed_packages,

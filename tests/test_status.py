@@ -24,8 +24,9 @@ from pyinfra.api import Inventory
 from pyinfra.facts.files import FindInFile
 from rich.console import Console
 
+from rigbook.core import pins
 from rigbook.core.apt import AptHolds, DpkgInstalled
-from rigbook.core.checks import REFUSING, Facts, every_check, reads_of, run_checks
+from rigbook.core.checks import REFUSING, Facts, reads_of, run_checks
 from rigbook.core.errors import RigbookError
 from rigbook.core.facts import GPUS, NvidiaGpus, RunningDriverFact, mismatch_finding
 from rigbook.core.reboot import LoadedDriverVersion
@@ -33,6 +34,7 @@ from rigbook.core.render import render as render_template
 from rigbook.core.spec import Rig
 from rigbook.inventory import select_hosts as limit_hosts
 from rigbook.preflight import refusal_text
+from rigbook.registry import checks_of
 from rigbook.rigside.gpus import Gpu, GpuProbe
 from rigbook.roles import venvs as venvs_role
 from rigbook.roles.disks import FreeDisk
@@ -72,10 +74,9 @@ from rigbook.status import (
     RigStatus,
     build_rig_status,
     fleet_exit_code,
-    status,
     unreachable_status,
 )
-from rigbook.status_table import render
+from rigbook.status_table import render, status
 from tests.opkit import local_fact
 from tests.test_models import FILES_A, make_repo
 from tests.test_real_fixtures import REAL
@@ -248,10 +249,10 @@ def test_real_h200_capture():
          "/lib/libnvidia-ml.so.1): rigbook would put a packaged driver over it; to hand it "
          "over: it belongs to the host that mounts /usr/local/nvidia: change it there; or keep "
          "it as it is with driver_foreign: adopt"),
-        ("power", None, "no nvidia-power-limit.service: caps are lost at the next reboot"),
         ("tuning", None, "no /etc/sysctl.d/90-rigbook.conf"),
         ("tuning", None, "fs.inotify.max_user_watches is 1030000 live, inventory 1048576"),
         ("tuning", None, "fs.inotify.max_user_instances is 128 live, inventory 1024"),
+        ("power", None, "no nvidia-power-limit.service: caps are lost at the next reboot"),
     ]
     assert status.state == "drift" and status.exit_code == 1
     assert status.kernel_log.source == "dmesg" and status.kernel_log.xids == []
@@ -663,7 +664,8 @@ def read_venvs(rig: Rig, facts: Facts) -> Facts:
 
 
 def test_venvs_current_stale_incompatible_changed_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(venvs_role, "VENVS_DIR", str(tmp_path))
+    for module in (venvs_role, pins):
+        monkeypatch.setattr(module, "VENVS_DIR", str(tmp_path))
     names = ["ok", "old", "cu132", "changed", "cut", "absent", "mine"]
     rig = dual_3090(venvs=[{"name": name, **VENV} for name in names])
     ok = write_build(tmp_path, rig, "ok", "580.95.05")
@@ -784,7 +786,8 @@ REFUSED = {"ok": False, "stage": "models", "seconds": 0.0,
 
 
 def test_serving_recipe_unit_state_and_health(tmp_path, monkeypatch):
-    monkeypatch.setattr(venvs_role, "VENVS_DIR", str(tmp_path / "venvs"))
+    for module in (venvs_role, pins):
+        monkeypatch.setattr(module, "VENVS_DIR", str(tmp_path / "venvs"))
     rig = tiny_rig(tmp_path)
     write_build(tmp_path / "venvs", rig, "tiny-cpu", "580.95.05")
     make_repo(tmp_path / "hub", "local/tiny", REV_A, {"tiny.gguf": b"GGUF" * 64},
@@ -1114,7 +1117,7 @@ def test_kernel_log_unreadable(tmp_path):
 def fact_plan(rig: Rig, name: str = "rig") -> dict[str, tuple[type, dict]]:
     """What status reads from a rig: fact name -> (fact, its arguments)."""
     return {read.name: (read.fact, dict(read.kwargs))
-            for read in reads_of(rig, name, every_check())}
+            for read in reads_of(rig, name, checks_of())}
 
 
 def test_fact_plan_follows_the_host_data():
@@ -1164,7 +1167,7 @@ def test_gather_reaches_one_rig_and_reports_the_other_unreachable(tmp_path):
     """Through pyinfra's API: @local is read, a closed loopback port is one clear line."""
     inventory = tmp_path / "inv.py"
     inventory.write_text(LOCAL_INVENTORY)
-    script = ("import sys; from rigbook.status import status; "
+    script = ("import sys; from rigbook.status_table import status; "
               f"sys.exit(status({str(inventory)!r}, None, True))")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

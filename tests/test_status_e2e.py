@@ -22,8 +22,9 @@ import sys
 
 import pytest
 
+from rigbook.core.pins import VENVS_DIR
 from rigbook.core.spec import Rig
-from rigbook.roles.venvs import MANIFEST, VENVS_DIR
+from rigbook.roles.venvs import MANIFEST
 from rigbook.status import FleetStatus
 from tests.conftest import ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import fill_wheelhouse
@@ -38,7 +39,7 @@ def rigbook_status(*limit: str, as_json: bool = True) -> subprocess.CompletedPro
 def rigbook_status_of(inventory: str, *limit: str, as_json: bool = True
                       ) -> subprocess.CompletedProcess:
     script = (
-        "import sys; from rigbook.status import status; "
+        "import sys; from rigbook.status_table import status; "
         f"sys.exit(status({inventory!r}, {list(limit) or None!r}, {as_json!r}))"
     )
     # piped, the table takes COLUMNS when set (pytest sets it for its own terminal)

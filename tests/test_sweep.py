@@ -18,18 +18,17 @@ import pytest
 from rigbook import cli
 from rigbook.core.checks import Facts
 from rigbook.core.errors import RigbookError
-from rigbook.core.spec import parse_rig
+from rigbook.core.spec import MAX_CAPS, parse_rig, parse_watts
 from rigbook.rigside.gpus import GpuProbe
 from rigbook.roles.power import PowerUnit
 from rigbook.roles.sweep import (
-    MAX_CAPS,
     NO_UNIT_HERE,
     RIG_PROGRAM,
     apply_command,
     default_caps,
     lease_command,
-    parse_watts,
     report_lines,
+    save_sweep,
     sweep_findings,
 )
 from rigbook.roles.sweepresult import (
@@ -46,7 +45,6 @@ from rigbook.roles.sweepresult import (
     load_sweeps,
     prefill_window,
     samples_of,
-    save_sweep,
     suggestions,
     summary_rows,
 )

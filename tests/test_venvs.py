@@ -24,6 +24,7 @@ from pyinfra.api import FunctionCommand, StringCommand
 
 from rigbook.core.errors import RigbookError
 from rigbook.core.facts import _RC, _SMI
+from rigbook.core.pins import engine_pins, engine_venv
 from rigbook.core.progress import BuildProgress, WatchedBuild
 from rigbook.core.render import render
 from rigbook.core.spec import Rig, VenvSpec, parse_rig
@@ -43,8 +44,6 @@ from rigbook.roles.venvs import (
     build_name,
     build_script,
     decide,
-    engine_pins,
-    engine_venv,
     incompatibility,
     install_args,
     is_build_of,

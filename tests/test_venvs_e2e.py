@@ -22,9 +22,10 @@ import time
 
 import pytest
 
+from rigbook.core.pins import VENVS_DIR
 from rigbook.core.tools import TOOLS_PINS, TOOLS_VENV
 from rigbook.inventory import load_rigs
-from rigbook.roles.venvs import VENVS_DIR, env_file, parse_smi_header, spec_hash
+from rigbook.roles.venvs import env_file, parse_smi_header, spec_hash
 from rigbook.sandbox import wheelhouse
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import fill_wheelhouse

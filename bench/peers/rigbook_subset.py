@@ -9,15 +9,16 @@ checks, onboarding, persistence mode, live caps, topology report).
 
 from pyinfra import host
 
-from rigbook.core.spec import rig_of
+from rigbook.inventory import rig_of
 from rigbook.preflight import deferred_checks, preflight
-from rigbook.roles import driver, guards, power, tuning
+from rigbook.registry import BY_NAME, checks_of
 
+SUBSET = ("driver", "tuning", "guards", "power")
 rig = rig_of(host)
 
-if preflight(rig, driver.CHECKS, tuning.CHECKS, guards.CHECKS, power.CHECKS):
-    driver.driver(rig)
+if preflight(rig, checks_of(*SUBSET)):
+    first, *rest = (BY_NAME[name] for name in SUBSET)
+    first.converge(rig)
     deferred_checks(rig)
-    tuning.host_tuning(rig)
-    guards.guards(rig)
-    power.power_limit(rig)
+    for role in rest:
+        role.converge(rig)

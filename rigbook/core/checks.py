@@ -15,8 +15,6 @@ each section marked, so a rig with ten facts costs one SSH command, not ten.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -163,16 +161,6 @@ def unique(checks: Iterable[Check]) -> tuple[Check, ...]:
         if check not in seen:
             seen.append(check)
     return tuple(seen)
-
-
-def every_check() -> tuple[Check, ...]:
-    """The checks of every role module (its CHECKS), by module name: what status runs."""
-    import rigbook
-
-    found: list[Check] = []
-    for module in sorted(info.name for info in pkgutil.iter_modules(rigbook.__path__)):
-        found += getattr(importlib.import_module(f"rigbook.{module}"), "CHECKS", ())
-    return unique(found)
 
 
 def reads_of(rig: Rig, rig_name: str, checks: Iterable[Check]) -> list[Read]:

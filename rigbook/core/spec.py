@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import re
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from rigbook.core.cards import CLASS_CARDS
 from rigbook.core.envvars import env_problems
 from rigbook.core.errors import RigbookError
 from rigbook.core.secrets import looks_secret
@@ -38,7 +40,6 @@ from rigbook.core.types import (
     rig_path,
 )
 from rigbook.rigside.shmglob import pattern_problem
-from rigbook.roles.cards import CLASS_CARDS
 
 GpuClass = Literal["rtx3090", "rtx3090ti", "rtx4090", "rtx5090", "a5000", "a6000", "other"]
 Cooling = Literal["air", "water", "aio"]
@@ -69,7 +70,7 @@ SWEET_SPOTS: dict[tuple[str, str], dict[str, int]] = {
     ("rtx5090", "prefill"): {"air": 400},
 }
 
-#: VRAM per card class in GiB, for recipe fit checks (rigbook.roles.cards.CLASS_CARDS).
+#: VRAM per card class in GiB, for recipe fit checks (rigbook.core.cards.CLASS_CARDS).
 VRAM_GIB = {name: card.vram_gib for name, card in CLASS_CARDS.items()}
 
 #: Host-data keys that belong to pyinfra itself (connectors, global arguments), not to rigbook.
@@ -163,6 +164,63 @@ class ModelSpec(StrictModel):
     )
 
 
+
+# --- the power sweep's caps (sweep_watts) --------------------------------------------------------
+
+#: At most this many caps per sweep: each one is a full bench.
+MAX_CAPS = 64
+#: No card takes more than this (W): a larger number is a typo, refused before any range check.
+MAX_WATTS = 2000
+_NUMBER = re.compile(r"\d{1,4}(?:\.\d{1,2})?")
+
+
+def _cap(value: Any) -> float:
+    """One cap in watts from a number or a numeric word; ValueError says what is allowed."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a cap in watts")
+    if isinstance(value, int | float):
+        number = float(value)
+    elif isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        number = float(value.strip())
+    else:
+        raise ValueError(f"{value!r} is not a cap in watts (digits, up to 2 decimals)")
+    if not math.isfinite(number) or not 1 <= number <= MAX_WATTS:
+        raise ValueError(f"{value!r} W is outside 1..{MAX_WATTS} W")
+    return round(number, 2)
+
+
+def parse_watts(value: Any) -> tuple[float, ...]:
+    """The caps of sweep_watts, ascending and each once: START:STOP:STEP (both ends included),
+    a comma list, a JSON list, or one cap. ValueError names what is wrong and what is allowed."""
+    if value is None or value == "" or value == () or value == []:
+        return ()
+    if isinstance(value, list | tuple):
+        caps = [_cap(item) for item in value]
+    elif isinstance(value, str) and ":" in value:
+        parts = value.strip().split(":")
+        if len(parts) != 3:
+            raise ValueError(f"{value!r}: a range is START:STOP:STEP, e.g. 250:350:10")
+        start, stop = _cap(parts[0]), _cap(parts[1])
+        try:
+            step = _cap(parts[2])
+        except ValueError:
+            raise ValueError(f"{value!r}: STEP {parts[2]!r} is not a step of 1 W or more") from None
+        if stop < start:
+            raise ValueError(f"{value!r}: STOP {stop:g} is below START {start:g}")
+        count = math.floor((stop - start) / step + 1e-9) + 1
+        if count > MAX_CAPS:
+            raise ValueError(f"{value!r} asks {count} caps; allowed: at most {MAX_CAPS}")
+        caps = [round(start + i * step, 2) for i in range(count)]
+    elif isinstance(value, str):
+        caps = [_cap(part) for part in value.split(",")]
+    else:
+        caps = [_cap(value)]
+    caps = sorted(set(caps))
+    if len(caps) > MAX_CAPS:
+        raise ValueError(f"{len(caps)} caps asked; allowed: at most {MAX_CAPS}")
+    return tuple(caps)
+
+
 class Rig(StrictModel):
     """The host data of one rig. Every key is optional unless marked required."""
 
@@ -214,9 +272,10 @@ class Rig(StrictModel):
     driver_secure_boot: Literal["refuse", "enroll"] = Field(
         "refuse",
         description=(
-            "With Secure Boot on and the DKMS signing key not enrolled: refuse the rig and list "
-            "the steps (refuse), or make the key when there is none and queue its enrolment, "
-            "leaving one step at the console (enroll; docs/driver.md, Onboarding a real box)."
+            "With Secure Boot on and the DKMS signing key not enrolled (on Ubuntu: where no "
+            "prebuilt signed module fits, docs/driver.md): refuse the rig and list the steps "
+            "(refuse), or make the key when there is none and queue its enrolment, leaving one "
+            "step at the console (enroll; docs/driver.md, Onboarding a real box)."
         ),
     )
     driver_foreign: Literal["refuse", "adopt"] = Field(
@@ -555,10 +614,6 @@ class Rig(StrictModel):
     @field_validator("sweep_watts", mode="before")
     @classmethod
     def _sweep_watts(cls, value: Any) -> tuple[float, ...]:
-        from rigbook.roles.sweep import (
-            parse_watts,  # the sweep's own parser; rigbook.roles.sweep needs Rig
-        )
-
         return parse_watts(value)
 
     @field_validator("verify_needle_depths")
@@ -891,11 +946,3 @@ def parse_rig(host: str, data: dict[str, Any]) -> Rig:
         lines = [_field_error(host, error, fields) for error in exc.errors()]
         raise RigbookError("\n".join(lines)) from None
 
-
-def rig_of(host) -> Rig:
-    """The validated Rig of a pyinfra host (deploys call this once, on their first line, then
-    pass the Rig on); a host whose data was not checked before connecting is refused here."""
-    from rigbook.inventory import require_checked  # rigbook.inventory imports this module
-
-    require_checked(host.name)
-    return parse_rig(host.name, host.data.dict())

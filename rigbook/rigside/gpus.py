@@ -83,7 +83,8 @@ class GpuProbe:
         return self.gpus[0].driver_version if self.gpus else None
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form; pyinfra's CLI calls it (`pyinfra @rig fact rigbook.core.facts.NvidiaGpus`)."""
+        """JSON-able form; pyinfra's CLI calls it (`pyinfra @rig fact
+        rigbook.core.facts.NvidiaGpus`)."""
         return asdict(self)
 
 

@@ -11,7 +11,7 @@ import os
 from pyinfra import host
 from pyinfra.operations import server
 
-from rigbook.core.spec import rig_of
+from rigbook.inventory import rig_of
 from rigbook.preflight import preflight
 from rigbook.roles.wsl import PLATFORM
 

@@ -5,7 +5,7 @@
 
 from pyinfra import host
 
-from rigbook.core.spec import rig_of
+from rigbook.inventory import rig_of
 from rigbook.preflight import preflight
 from rigbook.roles import tuning, wsl
 

@@ -2,7 +2,7 @@
 
 from pyinfra import host
 
-from rigbook.core.spec import rig_of
+from rigbook.inventory import rig_of
 from rigbook.roles.serving import serving
 from rigbook.roles.venvs import venvs
 

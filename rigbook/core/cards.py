@@ -14,13 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from rigbook.rigside.gpus import Gpu
-
-if TYPE_CHECKING:
-    from rigbook.core.spec import Rig
-    from rigbook.roles.recipes import Recipe
 
 
 @dataclass(frozen=True)
@@ -80,55 +75,3 @@ def facts_card(gpus: Iterable[Gpu]) -> Card | None:
     return Card(cap, round(low / 1024, 1),
                 f"nvidia-smi: GPU {gpu.index} {gpu.name}, compute_cap {gpu.compute_cap}, "
                 f"{low} MiB")
-
-
-def _selected(recipe: Recipe) -> list[str]:
-    """Every word a recipe passes to its engine: extra_args items and env KEY=value pairs."""
-    return [*recipe.extra_args, *(f"{key}={value}" for key, value in recipe.env.items())]
-
-
-def card_problems(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
-    """Why the recipe cannot serve on this card (empty: nothing the card refuses)."""
-    from rigbook.roles.recipes import max_model_len_of
-
-    if recipe.cpu_only:
-        return []
-    problems = []
-    gdn = any(pin.gdn for pin in recipe.models)
-    words = _selected(recipe)
-    if gdn and card.compute_cap < SM90 and any("flashinfer" in w.lower() for w in words):
-        problems.append(
-            f"extra_args or env select FlashInfer, whose GDN kernels need SM90+; this card is "
-            f"{card.sm} ({card.seen}), where only the Triton linear-attention backend runs (the "
-            "failure log; docs/sources.md, Rules keyed on the card)")
-    if card.compute_cap[0] != SM90[0]:
-        for word, kernel in SM90_KERNELS.items():
-            if any(word in w.upper() for w in words):
-                problems.append(
-                    f"{kernel} is built for SM90 (Hopper); this card is {card.sm} ({card.seen}), "
-                    "where kernels shipped for SM90 fail to select or assert (the runbook; "
-                    "docs/sources.md, Rules keyed on the card)")
-    context = max_model_len_of(recipe, rig)
-    if (gdn and recipe.engine != "llama.cpp" and recipe.tensor_parallel_size == 1
-            and card.vram_gib <= CLIFF2_VRAM_GIB and context > CLIFF2_MAX_CONTEXT):
-        problems.append(
-            f"max_model_len {context} on one {card.vram_gib:g} GiB card ({card.seen}): 24 GB "
-            "single-card configs take the chunked-prefill path where a GDN model's single "
-            "prompts past ~50K may OOM (Cliff 2; docs/sources.md, Rules keyed on the card); set "
-            f"serving_max_model_len <= {CLIFF2_MAX_CONTEXT}, split over two cards (TP=2), or "
-            "use llama.cpp")
-    return problems
-
-
-def card_warnings(recipe: Recipe, rig: Rig, card: Card) -> list[str]:
-    """What the card costs the recipe, short of refusing it."""
-    from rigbook.roles.recipes import max_model_len_of
-
-    context = max_model_len_of(recipe, rig)
-    if (recipe.cpu_only or recipe.engine == "llama.cpp" or card.compute_cap != SM86
-            or context <= SM86_LONG_CONTEXT):
-        return []
-    return [f"max_model_len {context} on {card.sm} ({card.seen}): single-stream decode on SM86 "
-            "slows ~71% from 0 to 131K context, \"architectural, not model-specific\"; the "
-            f"hardware notes switch to llama.cpp past ~{SM86_LONG_CONTEXT // 1000}K "
-            "(docs/sources.md, Long context on SM86)"]

@@ -1,0 +1,95 @@
+"""The roles, in the order the full converge runs them: one line each.
+
+The preflight of every job, `rigbook status`, the bench's breakdown, the generated role pages
+and the layer test read this list; nothing finds a role by its module's name. A role is its
+modules in roles/ (the first one holds its `@deploy`), the checks status and the converge's
+preflight run for it, its part of the converge (None: it runs in a job of its own, or only
+reads), and its page under docs/. docs/architecture.md (Adding a role) says what else a new
+role touches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+from rigbook.core.checks import Check, unique
+from rigbook.core.spec import Rig
+from rigbook.roles import (
+    capadvice,
+    charts,
+    cuda,
+    degeneration,
+    disks,
+    driver,
+    driver_source,
+    guards,
+    health,
+    journal,
+    kernel,
+    models,
+    offboard,
+    power,
+    recipes,
+    serving,
+    specmetrics,
+    sweep,
+    sweepresult,
+    sweepstats,
+    thinkcheck,
+    tokens,
+    toolcheck,
+    tuning,
+    venvs,
+    verify,
+    wsl,
+)
+
+
+@dataclass(frozen=True)
+class Role:
+    """One role: `name` is what the docs and the bench call it; `modules` its modules in roles/,
+    the one with its `@deploy` first; `page` its page under docs/."""
+
+    name: str
+    modules: tuple[ModuleType, ...]
+    checks: tuple[Check, ...]
+    converge: Callable[[Rig], None] | None
+    page: str
+
+
+ROLES = (
+    Role("driver", (driver, driver_source, kernel), driver.CHECKS, driver.driver, "driver.md"),
+    Role("tuning", (tuning,), tuning.CHECKS, tuning.host_tuning, "tuning.md"),
+    Role("wsl", (wsl,), wsl.CHECKS, wsl.wsl_host, "wsl2.md"),
+    Role("guards", (guards,), guards.CHECKS, guards.guards, "guards.md"),
+    Role("power", (power, capadvice), power.CHECKS + capadvice.CHECKS, power.power_limit,
+         "power.md"),
+    Role("venvs", (venvs, cuda), venvs.CHECKS, venvs.venvs, "venvs.md"),
+    Role("models", (models, tokens), models.CHECKS, models.models, "models.md"),
+    Role("serving", (serving, recipes, journal), serving.CHECKS, serving.serving, "serving.md"),
+    Role("health", (health,), health.CHECKS, None, "status.md"),
+    Role("disks", (disks,), disks.CHECKS, None, "status.md"),
+    Role("sweep", (sweep, sweepresult, sweepstats, charts), (), None, "sweep.md"),
+    Role("verify", (verify, toolcheck, thinkcheck, degeneration, specmetrics), (), None,
+         "verify.md"),
+    Role("offboard", (offboard,), (), None, "footprint.md"),
+)
+BY_NAME = {role.name: role for role in ROLES}
+#: The full converge's roles, in order (deploys/rig.py).
+CONVERGED = tuple(role for role in ROLES if role.converge is not None)
+
+
+def checks_of(*names: str) -> tuple[Check, ...]:
+    """The checks of these roles (every role's when none is named: what status runs), each once."""
+    return unique(check for role in (map(BY_NAME.__getitem__, names) if names else ROLES)
+                  for check in role.checks)
+
+
+def role_of_module(module: str) -> str | None:
+    """The name of the role a module of roles/ belongs to (None: not a role's module)."""
+    for role in ROLES:
+        if any(part.__name__ == module for part in role.modules):
+            return role.name
+    return None
