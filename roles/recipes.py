@@ -327,10 +327,10 @@ class Recipe(StrictModel):
     reasoning_parser: Word | None = Field(
         None,
         description="The engine's parser of the model's thinking (vLLM and SGLang "
-        "`--reasoning-parser`), one of `rigbook.roles.recipes.REASONING_PARSERS` for its engine: the "
-        "model thinks, and its reasoning comes apart from the answer (`reasoning_content` / "
-        "`reasoning`); set, verify runs the `thinking` step and streams the tool call with "
-        "thinking on. None: the model does not think, or its thinking stays in the text.",
+        "`--reasoning-parser`), one of `rigbook.roles.recipes.REASONING_PARSERS` for its "
+        "engine: the model thinks, and its reasoning comes apart from the answer "
+        "(`reasoning_content` / `reasoning`); set, verify runs the `thinking` step and streams "
+        "the tool call with thinking on. None: the model does not think, or its thinking stays in the text.",
     )
     extra_args: tuple[Line, ...] = Field(
         (),

@@ -7,14 +7,14 @@ the recipe's served name), `chat` (one short chat completion with an OpenAI answ
 arguments in tool_calls and no call markup in the text; streamed, delta.tool_calls and
 finish_reason "tool_calls", with thinking on where the model thinks; rigbook.roles.toolcheck),
 `thinking` (when the recipe has a reasoning_parser: the reasoning present and apart from the
-answer, plain and streamed; rigbook.thinkcheck), `long-generation` (a ~2K-token essay without a
-repeated-line cascade and with lexical variety; rigbook.degeneration), `prefill` (a prompt of
-verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
+answer, plain and streamed; rigbook.roles.thinkcheck), `long-generation` (a ~2K-token essay
+without a repeated-line cascade and with lexical variety; rigbook.roles.degeneration),
+`prefill` (a prompt of verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
 verify_needle_fill of the context is asked back, exact match when verify_needle_exact; and a
 prompt beyond the context must be REJECTED with the engine's context error), `speculative`
 (when the recipe speculates: the engine's /metrics counters before and after a short generation
 give the acceptance length, 1 + accepted / drafts, against the recipe's
-speculative.min_acceptance_length; rigbook.specmetrics) and `bench` (a
+speculative.min_acceptance_length; rigbook.roles.specmetrics) and `bench` (a
 fixed narrative and a fixed code prompt, streamed: time to first token and decode tokens/s,
 median and range, single stream and at verify_bench_concurrency). A step that does not apply
 to the recipe is stored as skipped, with the reason.
@@ -46,10 +46,9 @@ from pydantic import ValidationError
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
-from rigbook import degeneration, specmetrics, thinkcheck
 from rigbook.core.errors import RigbookError
 from rigbook.core.types import StrictModel
-from rigbook.roles import toolcheck
+from rigbook.roles import degeneration, specmetrics, thinkcheck, toolcheck
 
 #: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
 CONTEXT_ERROR = re.compile(

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import cli, degeneration
+from rigbook import cli
 from rigbook.core.errors import RigbookError
 from rigbook.core.spec import parse_rig
-from rigbook.roles import toolcheck
+from rigbook.roles import degeneration, toolcheck
 from rigbook.roles.verify import (
     Settings,
     Target,

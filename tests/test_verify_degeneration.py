@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import degeneration
+from rigbook.roles import degeneration
 from rigbook.roles.verify import run_ladder
 from tests.test_verify import SMALL, server, step, target  # noqa: F401
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from rigbook import cli, degeneration
+from rigbook import cli
+from rigbook.roles import degeneration
 from rigbook.roles.serving import UNIT_NAME
 from rigbook.roles.verify import load_runs
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra

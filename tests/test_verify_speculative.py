@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rigbook import specmetrics
+from rigbook.roles import specmetrics
 from rigbook.roles.verify import Target, failure_message, run_ladder, verify_plan
 from tests.test_verify import SMALL, rig, server, step, target  # noqa: F401
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rigbook import thinkcheck
+from rigbook.roles import thinkcheck
 from rigbook.roles.verify import Target, run_ladder, sse_chunks
 from tests.test_verify import SMALL, THINKING, fixture, server, step, target  # noqa: F401
 
