@@ -95,8 +95,29 @@ TOOL_PARSERS: dict[str, tuple[str, ...]] = {
     ),
     "llama.cpp": ("chatml-function-calling",),
 }
+#: The reasoning parsers each engine's --reasoning-parser takes (docs/sources.md, "Reasoning
+#: parsers"): vLLM's _REASONING_PARSERS_TO_REGISTER (vllm/reasoning/__init__.py) and SGLang's
+#: ReasoningParser.DetectorMap (python/sglang/srt/parser/reasoning_parser.py, the flag's
+#: choices). llama-cpp-python's server has no reasoning parser.
+REASONING_PARSERS: dict[str, tuple[str, ...]] = {
+    "vllm": (
+        "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4",
+        "ernie45", "gemma4", "glm45", "glm47", "granite", "holo2", "hunyuan_a13b", "hy_v3",
+        "inkling", "kimi_k2", "kimi_k3", "mimo", "minimax_m2", "minimax_m2_append_think",
+        "minimax_m3", "mistral", "nemotron_v3", "olmo3", "openai_gptoss", "poolside_v1", "qwen3",
+        "seed_oss", "solar_open2", "step3", "step3p5",
+    ),
+    "sglang": (
+        "apertus2509", "cohere_command4", "deepseek-r1", "deepseek-v3", "deepseek-v4", "gemma4",
+        "glm45", "gpt-oss", "hunyuan", "inkling", "interns1", "kimi", "kimi_k2", "kimi_k3",
+        "mimo", "minimax", "minimax-append-think", "minimax-m3", "mistral", "nemotron_3",
+        "poolside_v1", "qwen3", "qwen3-thinking", "step3", "step3p5", "telechat4",
+    ),
+    "llama.cpp": (),
+}
 
-#: Flags rigbook renders itself (model, address, key, context, memory, parallelism, tool parser)
+#: Flags rigbook renders itself (model, address, key, context, memory, parallelism, tool and
+#: reasoning parsers)
 #: or that read a file of further flags (--config, --config_file), as each engine's parser
 #: declares them, aliases included (docs/sources.md, "Engine flags"). extra_args may not carry
 #: them in any spelling that parser takes for them (`owned_flags_of`).
@@ -106,12 +127,12 @@ OWN_FLAGS: dict[Engine, tuple[str, ...]] = {
         "--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization",
         "--kv-cache-dtype", "--max-num-seqs", "--enable-chunked-prefill",
         "--max-num-batched-tokens", "--speculative-config", "--shutdown-timeout", "--config",
-        "--enable-auto-tool-choice", "--tool-call-parser",
+        "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
     ),
     "sglang": (
         "--model-path", "--model", "--host", "--port", "--api-key", "--tp-size",
         "--tensor-parallel-size", "--context-length", "--mem-fraction-static",
-        "--kv-cache-dtype", "--config", "--tool-call-parser",
+        "--kv-cache-dtype", "--config", "--tool-call-parser", "--reasoning-parser",
     ),
     "llama.cpp": (
         "--model", "--model_alias", "--host", "--port", "--api_key", "--n_ctx", "--n_gpu_layers",
@@ -160,6 +181,15 @@ class Speculative(StrictModel):
         description="draft_model (a separate draft model) or mtp (the model's own MTP head)."
     )
     num_speculative_tokens: int = Field(ge=1, le=16, description="Tokens proposed per step.")
+    min_acceptance_length: float = Field(
+        1.5,
+        ge=1,
+        description="The floor of verify's `speculative` step: tokens per verification pass (1 + "
+        "accepted / drafts, read from the engine's /metrics) below which the draft does not pay. "
+        "The failure log's quantised MTP head accepted 1.07-1.27 where a working draft reached "
+        "3.7-4.2; set it from a measurement of this configuration (docs/verify.md). At most 1 + "
+        "num_speculative_tokens.",
+    )
     mtp_head: Literal["unquantised", "quantised"] | None = Field(
         None,
         description="mtp only, required: how the checkpoint stores its MTP head, read from its "
@@ -294,6 +324,14 @@ class Recipe(StrictModel):
         "llama-cpp-python `--chat_format`), one of `rigbook.roles.recipes.TOOL_PARSERS` for its "
         "engine; set, verify runs the tool-call steps. None: the engine parses no tool calls.",
     )
+    reasoning_parser: Word | None = Field(
+        None,
+        description="The engine's parser of the model's thinking (vLLM and SGLang "
+        "`--reasoning-parser`), one of `rigbook.roles.recipes.REASONING_PARSERS` for its "
+        "engine: the model thinks, and its reasoning comes apart from the answer "
+        "(`reasoning_content` / `reasoning`); set, verify runs the `thinking` step and streams "
+        "the tool call with thinking on. None: the model does not think, or its thinking stays in the text.",
+    )
     extra_args: tuple[Line, ...] = Field(
         (),
         description="More engine arguments, verbatim. Each item that starts with `-` is a flag; "
@@ -358,6 +396,10 @@ def _engine_problems(r: Recipe) -> list[str]:
     if r.tool_parser is not None and r.tool_parser not in TOOL_PARSERS[r.engine]:
         problems.append(f"tool_parser {r.tool_parser!r} is not a {r.engine} tool-call parser; "
                         f"allowed: {', '.join(TOOL_PARSERS[r.engine])}")
+    if r.reasoning_parser is not None and r.reasoning_parser not in REASONING_PARSERS[r.engine]:
+        allowed = ", ".join(REASONING_PARSERS[r.engine]) or f"none ({r.engine} has no parser)"
+        problems.append(f"reasoning_parser {r.reasoning_parser!r} is not a {r.engine} reasoning "
+                        f"parser; allowed: {allowed}")
     if r.engine == "sglang" and r.model.served_name is not None:
         problems.append("model.served_name: SGLang has no verified flag for it")
     if r.chunked_prefill is False:
@@ -575,6 +617,11 @@ def recipe_warnings(recipe: Recipe, rig: Rig) -> list[str]:
 def _model_problems(r: Recipe) -> list[str]:
     problems = []
     spec = r.speculative
+    if spec is not None and spec.min_acceptance_length > 1 + spec.num_speculative_tokens:
+        problems.append(
+            f"speculative.min_acceptance_length {spec.min_acceptance_length:g}: a pass yields at "
+            f"most 1 + num_speculative_tokens = {1 + spec.num_speculative_tokens} tokens; "
+            f"allowed: 1..{1 + spec.num_speculative_tokens}")
     if spec is not None and spec.method == "draft_model" and r.draft is None:
         problems.append("speculative method draft_model needs a draft model")
     if r.draft is not None and (spec is None or spec.method != "draft_model"):
@@ -1026,6 +1073,8 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
         argv += ["--shutdown-timeout", str(VLLM_SHUTDOWN_TIMEOUT_S)]
         if recipe.tool_parser is not None:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", recipe.tool_parser]
+        if recipe.reasoning_parser is not None:
+            argv += ["--reasoning-parser", recipe.reasoning_parser]
     elif recipe.engine == "sglang":
         argv = [
             f"{venv}/python", "-m", "sglang.launch_server", "--model-path", path,
@@ -1038,6 +1087,8 @@ def engine_argv(recipe: Recipe, rig: Rig, *, allow_placeholder: bool = False) ->
             argv += ["--kv-cache-dtype", recipe.kv_cache_dtype]
         if recipe.tool_parser is not None:
             argv += ["--tool-call-parser", recipe.tool_parser]
+        if recipe.reasoning_parser is not None:
+            argv += ["--reasoning-parser", recipe.reasoning_parser]
     else:
         argv = [
             f"{venv}/python", "-m", "llama_cpp.server", "--model", path,

@@ -33,8 +33,9 @@ TOOL = {
     },
 }
 PROMPT = "What's the weather like in Boston, MA, in celsius? Call the get_current_weather tool."
-#: Room for a call (and a thinking model's reasoning before it).
+#: Room for a call (and a thinking model's reasoning before it, with thinking on).
 MAX_TOKENS = 512
+THINKING_TOKENS = 2048
 
 #: Call markup of the parsers' model families, which a working parser takes out of the text:
 #: Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 <|python_tag|>, Qwen3-Coder's and
@@ -149,7 +150,7 @@ def check_stream(chunks: Iterable[dict]) -> str:
     carry the call (name, then argument fragments, per index) and the last finish_reason is
     "tool_calls"."""
     calls: dict[int, Call] = {}
-    content, finish, deltas = [], None, 0
+    content, finish, deltas, thought = [], None, 0, 0
     for chunk in chunks:
         for choice in _list(chunk.get("choices") if isinstance(chunk, dict) else None):
             if not isinstance(choice, dict):
@@ -157,6 +158,8 @@ def check_stream(chunks: Iterable[dict]) -> str:
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
             if isinstance(delta.get("content"), str):
                 content.append(delta["content"])
+            thought += any(isinstance(delta.get(k), str) and delta[k]
+                           for k in ("reasoning_content", "reasoning"))
             for item in _list(delta.get("tool_calls")):
                 function = item.get("function") if isinstance(item, dict) else None
                 if not isinstance(function, dict):
@@ -175,7 +178,8 @@ def check_stream(chunks: Iterable[dict]) -> str:
         raise ToolProblem("the stream to end with finish_reason 'tool_calls'",
                           f"finish_reason {finish!r} after {deltas} tool-call delta(s)",
                           FINISH_HINT)
-    return f"{detail}, {deltas} delta(s)"
+    return f"{detail}, {deltas} delta(s)" + (f", after {thought} reasoning delta(s)"
+                                            if thought else "")
 
 
 def _list(value: object) -> list:

@@ -5,12 +5,19 @@ back, and a hint of what to do): `health` (/health when the engine has it, then 
 the recipe's served name), `chat` (one short chat completion with an OpenAI answer shape),
 `tools` and `tools-stream` (when the recipe has a tool_parser: one tool called, its name and JSON
 arguments in tool_calls and no call markup in the text; streamed, delta.tool_calls and
-finish_reason "tool_calls"; rigbook.roles.toolcheck), `prefill` (a prompt of
-verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
+finish_reason "tool_calls", with thinking on where the model thinks; rigbook.roles.toolcheck),
+`thinking` (when the recipe has a reasoning_parser: the reasoning present and apart from the
+answer, plain and streamed; rigbook.roles.thinkcheck), `long-generation` (a ~2K-token essay
+without a repeated-line cascade and with lexical variety; rigbook.roles.degeneration),
+`prefill` (a prompt of verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
 verify_needle_fill of the context is asked back, exact match when verify_needle_exact; and a
-prompt beyond the context must be REJECTED with the engine's context error) and `bench` (a
+prompt beyond the context must be REJECTED with the engine's context error), `speculative`
+(when the recipe speculates: the engine's /metrics counters before and after a short generation
+give the acceptance length, 1 + accepted / drafts, against the recipe's
+speculative.min_acceptance_length; rigbook.roles.specmetrics) and `bench` (a
 fixed narrative and a fixed code prompt, streamed: time to first token and decode tokens/s,
-median and range, single stream and at verify_bench_concurrency).
+median and range, single stream and at verify_bench_concurrency). A step that does not apply
+to the recipe is stored as skipped, with the reason.
 
 Prompt sizes are in tokens of the served model: the ladder calibrates words -> tokens with two
 small requests (the usage the engine reports), so no tokenizer is needed here.
@@ -41,7 +48,7 @@ from pyinfra.api import FunctionCommand, deploy, operation
 
 from rigbook.core.errors import RigbookError
 from rigbook.core.types import StrictModel
-from rigbook.roles import toolcheck
+from rigbook.roles import degeneration, specmetrics, thinkcheck, toolcheck
 
 #: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
 CONTEXT_ERROR = re.compile(
@@ -99,6 +106,9 @@ class Target:
     url: str
     key: str | None = field(default=None, repr=False)
     tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    #: The recipe speculates: the acceptance length its draft must reach (None: it does not).
+    min_acceptance_length: float | None = None
 
 
 class StepFailed(Exception):
@@ -131,8 +141,10 @@ class Stat(StrictModel):
 
 
 class Step(StrictModel):
-    name: Literal["health", "chat", "tools", "tools-stream", "prefill", "needle", "bench"]
+    name: Literal["health", "chat", "tools", "tools-stream", "thinking", "long-generation",
+                  "prefill", "needle", "speculative", "bench"]
     ok: bool
+    skipped: bool = False
     seconds: float
     detail: str = ""
     expected: str | None = None
@@ -464,6 +476,10 @@ class Ladder:
 
     def _tool_request(self, step: str, stream: bool) -> requests.Response:
         body = toolcheck.request(self.target.served_name, self.target.engine, stream=stream)
+        if stream and self.target.reasoning_parser is not None:
+            # thinking on, as agent clients stream a call from a reasoning model: the parser
+            # must end the reasoning before the call
+            body.update(thinkcheck.THINKING_ON, max_tokens=toolcheck.THINKING_TOKENS)
         response = self.client.post("/v1/chat/completions", body, stream=stream)
         if response.status_code != 200:
             raise StepFailed(step, "HTTP 200 to a chat completion with a tool", _said(response),
@@ -486,6 +502,50 @@ class Ladder:
             except ValueError as error:  # a chunk that is not JSON
                 raise StepFailed("tools-stream", "a stream of JSON chunks", str(error),
                                  toolcheck.SHAPE_HINT) from None
+
+    def _thinking_request(self, stream: bool) -> requests.Response:
+        body = thinkcheck.request(self.target.served_name, stream=stream)
+        response = self.client.post("/v1/chat/completions", body, stream=stream)
+        if response.status_code != 200:
+            raise StepFailed("thinking", "HTTP 200 to a chat completion with thinking on",
+                             _said(response), thinkcheck.SHAPE_HINT)
+        return response
+
+    def thinking(self) -> str:
+        """The reasoning apart from the answer, in the message and in the streamed deltas."""
+        try:
+            plain = thinkcheck.check_answer(_json(self._thinking_request(False)))
+            with self._thinking_request(True) as response:
+                streamed = thinkcheck.check_stream(sse_chunks(response.iter_lines()))
+        except thinkcheck.ThinkProblem as problem:
+            raise StepFailed("thinking", problem.expected, problem.got, problem.hint) from None
+        except ValueError as error:  # a chunk that is not JSON
+            raise StepFailed("thinking", "a stream of JSON chunks", str(error),
+                             thinkcheck.SHAPE_HINT) from None
+        return f"{plain}; streamed: {streamed}"
+
+    def long_generation(self) -> str:
+        """An essay of up to ESSAY_TOKENS (what the context leaves), at the engine's own
+        sampling defaults (the model card's, which a client that sets none gets): its content
+        and any reasoning checked for a repetition loop."""
+        tokens = min(degeneration.ESSAY_TOKENS, self.context - 4 * ANSWER_TOKENS)
+        body = {"model": self.target.served_name, "max_tokens": tokens, "seed": 0,
+                "messages": [{"role": "user", "content": degeneration.ESSAY_PROMPT}]}
+        response = self.client.post("/v1/chat/completions", body)
+        data = _json(response)
+        if response.status_code != 200 or answer_shape_problem(data):
+            raise StepFailed("long-generation", f"a {tokens}-token essay", _said(response))
+        message = data["choices"][0]["message"]
+        notes = [f"{data['usage']['completion_tokens']} tokens, finish_reason "
+                 f"{data['choices'][0]['finish_reason']}"]
+        try:
+            reasoning = thinkcheck.reasoning_of(message)
+            if reasoning:
+                notes.append(degeneration.check(reasoning, "the reasoning"))
+            notes.append(degeneration.check(message["content"]))
+        except degeneration.Degenerate as found:
+            raise StepFailed("long-generation", found.expected, found.got, found.hint) from None
+        return "; ".join(notes)
 
     def prefill_once(self) -> tuple[int, float]:
         """(prompt tokens the engine counted, seconds) of one ~prefill_tokens prompt."""
@@ -545,6 +605,31 @@ class Ladder:
         notes.append(f"{beyond} tok rejected (HTTP {response.status_code})")
         return "; ".join(notes)
 
+    def _metrics(self) -> str:
+        response = self.client.get("/metrics")
+        if response.status_code != 200:
+            raise StepFailed("speculative", "GET /metrics -> 200", _said(response),
+                             specmetrics.NO_METRICS_HINT)
+        return response.text
+
+    def speculative(self) -> str:
+        """The acceptance over one greedy narrative of bench_tokens, from the counters' growth
+        (other traffic on the engine in that window counts too)."""
+        floor = self.target.min_acceptance_length
+        before = self._metrics()
+        response = self.client.chat(NARRATIVE_PROMPT, max_tokens=self.settings.bench_tokens)
+        if response.status_code != 200:
+            raise StepFailed("speculative", "HTTP 200 to a chat completion", _said(response))
+        try:
+            grown = specmetrics.acceptance(before, self._metrics())
+        except specmetrics.SpecProblem as problem:
+            raise StepFailed("speculative", problem.expected, problem.got, problem.hint) from None
+        if grown.length < floor:
+            raise StepFailed("speculative", f"an acceptance length of {floor:g} or more (the "
+                             "recipe's speculative.min_acceptance_length)", grown.text(),
+                             specmetrics.FLOOR_HINT)
+        return f"{grown.text()} (floor {floor:g})"
+
     def levels(self) -> tuple[list[int], str]:
         """The bench's concurrencies for this engine, and why one was skipped ("" if none)."""
         s = self.settings
@@ -583,14 +668,21 @@ class Ladder:
             for f in self.bench
         ) + skipped
 
-    def steps(self) -> Iterator[tuple[str, Callable[[], str]]]:
+    def steps(self) -> Iterator[tuple[str, Callable[[], str] | str]]:
+        """Each step, or the reason it does not apply to the recipe."""
         yield "health", self.health
         yield "chat", self.chat
-        if self.target.tool_parser is not None:  # the engine parses calls only with a parser
-            yield "tools", self.tools
-            yield "tools-stream", self.tools_stream
+        # the engine parses calls and thinking only with its parser
+        no_tools = "the recipe has no tool_parser: the engine parses no tool calls"
+        yield "tools", self.tools if self.target.tool_parser else no_tools
+        yield "tools-stream", self.tools_stream if self.target.tool_parser else no_tools
+        yield "thinking", (self.thinking if self.target.reasoning_parser else
+                           "the recipe has no reasoning_parser: its model does not think")
+        yield "long-generation", self.long_generation
         yield "prefill", self.prefill
         yield "needle", self.needle
+        yield "speculative", (self.speculative if self.target.min_acceptance_length else
+                              "the recipe does not speculate")
         yield "bench", self.bench_
 
 
@@ -602,6 +694,11 @@ def run_ladder(target: Target, settings: Settings, *, driver: str | None = None,
     started, clock = datetime.now(UTC), time.monotonic()
     steps: list[Step] = []
     for name, step in ladder.steps():
+        if isinstance(step, str):
+            steps.append(Step(name=name, ok=True, skipped=True, seconds=0,
+                              detail=f"skipped: {step}"))
+            log(f"{name}: skipped, {step}")
+            continue
         begun = time.monotonic()
         try:
             detail = step()
@@ -747,7 +844,10 @@ def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
     url = api_url(rig, rig_name, address, bind_of(recipe, rig), port_of(recipe, rig))
     target = Target(rig=rig_name, recipe=recipe.name, engine=recipe.engine,
                     served_name=recipe.served_name(), max_model_len=max_model_len_of(recipe, rig),
-                    url=url, key=key, tool_parser=recipe.tool_parser)
+                    url=url, key=key, tool_parser=recipe.tool_parser,
+                    reasoning_parser=recipe.reasoning_parser,
+                    min_acceptance_length=recipe.speculative.min_acceptance_length
+                    if recipe.speculative else None)
     return target, settings
 
 

@@ -429,6 +429,22 @@ def test_wsl2_recipes_get_the_allocator_setting_from_the_wsl_role():
     (recipe_data(extra_args=["--enable_auto_tool_choice"]),
      "reads it as --enable-auto-tool-choice"),
     (recipe_data(extra_args=["--tool-call=hermes"]), "reads it as --tool-call-parser"),
+    # reasoning parsers: each engine's own names (SGLang spells DeepSeek-R1's with a dash)
+    (recipe_data(reasoning_parser="deepseek-r1"),
+     "reasoning_parser 'deepseek-r1' is not a vllm reasoning parser"),
+    (recipe_data(engine="llama.cpp", gpu_memory_utilization=None,
+                 model={"repo": "o/m", "revision": MAIN, "weights_gib": 1, "file": "m.gguf"},
+                 reasoning_parser="qwen3"), "allowed: none (llama.cpp has no parser)"),
+    (recipe_data(extra_args=["--reasoning-parser", "qwen3"]),
+     "extra_args: --reasoning-parser is set by rigbook"),
+    (recipe_data(extra_args=["--reasoning_parser=qwen3"]), "reads it as --reasoning-parser"),
+    # the acceptance floor: no more than a verification pass can yield
+    (recipe_data(speculative={"method": "mtp", "num_speculative_tokens": 2,
+                              "mtp_head": "unquantised", "min_acceptance_length": 3.5}),
+     "min_acceptance_length 3.5: a pass yields at most 1 + num_speculative_tokens = 3 tokens"),
+    (recipe_data(speculative={"method": "mtp", "num_speculative_tokens": 2,
+                              "mtp_head": "unquantised", "min_acceptance_length": 0.5}),
+     "min_acceptance_length"),
 ])
 def test_bad_recipes_are_refused_with_the_field(tmp_path: Path, data, expected):
     path = tmp_path / "x.toml"
@@ -715,6 +731,21 @@ def test_an_sglang_gdn_checkpoint_with_half_quantised_linear_attention_is_refuse
     assert gdn_index_problem(vllm, index(range(2, 4))) is None  # the hang was SGLang's
     assert gdn_index_problem(sglang, "not json") is None
     assert reads_weight_index(sglang) and not reads_weight_index(vllm)
+
+
+def test_reasoning_parser_renders_each_engines_flag():
+    """vLLM's and SGLang's --reasoning-parser (docs/sources.md, Reasoning parsers); none: no
+    flag. The extra_args that follow stay last."""
+    vllm = catalogue()["single-24g-long"]
+    sglang = Recipe.model_validate(recipe_data(engine="sglang"))
+    for recipe, parser in ((vllm, "qwen3"), (sglang, "deepseek-r1")):
+        plain = engine_argv(recipe, pinned_rig(recipe))
+        assert "--reasoning-parser" not in plain
+        argv = engine_argv(recipe.model_copy(update={"reasoning_parser": parser}),
+                           pinned_rig(recipe))
+        at = len(plain) - len(recipe.extra_args)
+        assert argv[at:at + 2] == ["--reasoning-parser", parser]
+        assert argv[at + 2:] == list(recipe.extra_args)
 
 
 def test_tool_parser_renders_each_engines_own_flags():

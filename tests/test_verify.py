@@ -18,7 +18,7 @@ import pytest
 from rigbook import cli
 from rigbook.core.errors import RigbookError
 from rigbook.core.spec import parse_rig
-from rigbook.roles import toolcheck
+from rigbook.roles import degeneration, toolcheck
 from rigbook.roles.verify import (
     Settings,
     Target,
@@ -37,16 +37,23 @@ from rigbook.roles.verify import (
 )
 
 KEY = "k-123"
+LADDER = ["health", "chat", "tools", "tools-stream", "thinking", "long-generation", "prefill",
+          "needle", "speculative", "bench"]
 SMALL = Settings(prefill_tokens=100, needle_depths=(0.1, 0.9), needle_fill=0.9,
                  needle_exact=True, bench_warmups=1, bench_runs=2, bench_tokens=8,
                  bench_concurrency=2, timeout_s=10)
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "toolcalls"
+THINKING = Path(__file__).parent / "fixtures" / "thinking"
 
 
-def fixture(name: str) -> str:
-    return (FIXTURES / name).read_text()
+def fixture(name: str, folder: Path = FIXTURES) -> str:
+    return (folder / name).read_text()
+
+
+def step(run: VerifyRun, name: str):
+    return next(s for s in run.steps if s.name == name)
 
 
 class Fake:
@@ -59,6 +66,13 @@ class Fake:
     tool_answer = (200, fixture("sglang-qwen25-tool-call.json"))
     tool_stream = fixture("sglang-qwen25-stream.sse")
     tool_bodies: list = []
+    # what a request with thinking on gets (the thinking step), and the essay's text
+    think_answer = (200, fixture("sglang-r1-reasoning.json", THINKING))
+    think_stream = fixture("sglang-r1-stream.sse", THINKING)
+    think_bodies: list = []
+    essay: str | None = None
+    # the /metrics texts the engine serves, one per GET (the speculative step reads two)
+    metrics: list = []
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -80,6 +94,10 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(404, {"detail": "Not Found"})
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self._send(401, {"error": "bad key"})
+        if self.path == "/metrics":
+            if not self.fake.metrics:
+                return self._send(404, {"detail": "Not Found"})
+            return self._send(200, self.fake.metrics.pop(0), "text/plain; version=0.0.4")
         self._send(200, {"object": "list", "data": [{"id": self.fake.model}]})
 
     def do_POST(self):
@@ -89,7 +107,18 @@ class Handler(BaseHTTPRequestHandler):
             if body.get("stream"):
                 return self._send(200, self.fake.tool_stream, "text/event-stream")
             return self._send(*self.fake.tool_answer)
+        if "chat_template_kwargs" in body:
+            self.fake.think_bodies.append(body)
+            if body.get("stream"):
+                return self._send(200, self.fake.think_stream, "text/event-stream")
+            return self._send(*self.fake.think_answer)
         content = body["messages"][0]["content"]
+        if content == degeneration.ESSAY_PROMPT and self.fake.essay is not None:
+            return self._send(200, {
+                "object": "chat.completion", "model": self.fake.model,
+                "choices": [{"index": 0, "finish_reason": "length",
+                             "message": {"role": "assistant", "content": self.fake.essay}}],
+                "usage": {"prompt_tokens": 40, "completion_tokens": body["max_tokens"]}})
         prompt = len(content.split()) + 4
         if self.fake.reject and prompt >= self.fake.context:
             return self._send(400, {"error": {"message": (
@@ -116,7 +145,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     class Local(Fake):
-        tool_bodies = []
+        tool_bodies, think_bodies, metrics = [], [], []
 
     handler = type("H", (Handler,), {"fake": Local})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -136,18 +165,25 @@ def test_whole_ladder_passes(server):
     fake, url = server
     run = run_ladder(target(url), SMALL, driver="580.95.05", caps_w=(290.0, 290.0))
     assert run.ok, failure_message(run)
-    assert [s.name for s in run.steps] == ["health", "chat", "prefill", "needle", "bench"]
-    prefill = run.steps[2].detail
+    assert [s.name for s in run.steps] == LADDER
+    # a step that does not apply to the recipe is stored as skipped, with the reason
+    assert [s.name for s in run.steps if s.skipped] == ["tools", "tools-stream", "thinking",
+                                                        "speculative"]
+    assert step(run, "tools").detail == ("skipped: the recipe has no tool_parser: the engine "
+                                         "parses no tool calls")
+    assert step(run, "thinking").detail == ("skipped: the recipe has no reasoning_parser: its "
+                                            "model does not think")
+    prefill = step(run, "prefill").detail
     assert re.match(r"\d+ prompt tokens", prefill) and 90 <= int(prefill.split()[0]) <= 100
-    assert "0.1: " in run.steps[3].detail and "recalled" in run.steps[3].detail
-    assert "640 tok rejected (HTTP 400)" in run.steps[3].detail
+    needle = step(run, "needle").detail
+    assert "0.1: " in needle and "recalled" in needle and "640 tok rejected (HTTP 400)" in needle
     assert {(b.prompt, b.concurrency) for b in run.bench} == {
         ("narrative", 1), ("narrative", 2), ("code", 1), ("code", 2)}
     assert all(b.tokens == 8 and b.runs == 2 for b in run.bench)
     # llama-cpp-python cuts a running stream short when another request comes: single only
     one = run_ladder(Target(**{**target(url).__dict__, "engine": "llama.cpp"}), SMALL)
     assert {b.concurrency for b in one.bench} == {1}
-    assert "concurrent bench skipped (llama.cpp: one stream at a time)" in one.steps[4].detail
+    assert "concurrent bench skipped (llama.cpp: one stream at a time)" in step(one, "bench").detail
 
 
 def test_wrong_model_name_stops_at_health(server):
@@ -186,7 +222,7 @@ def test_needle_recall_exact_or_plumbing_only(server):
     assert run.failed_step == "needle" and "answered with" in run.failure().expected
     assert run.failure().got == "'OK'"
     plumbing = run_ladder(target(url), Settings(**{**SMALL.__dict__, "needle_exact": False}))
-    assert plumbing.ok and "accepted" in plumbing.steps[3].detail
+    assert plumbing.ok and "accepted" in step(plumbing, "needle").detail
 
 
 def test_context_beyond_the_engine_is_rejected_and_reported(server):
@@ -215,9 +251,9 @@ def test_tool_call_steps_pass_on_sglangs_own_answers(server):
     fake, url = server
     run = run_ladder(tool_target(url), SMALL)
     assert run.ok, failure_message(run)
-    assert [s.name for s in run.steps] == ["health", "chat", "tools", "tools-stream", "prefill",
-                                           "needle", "bench"]
-    tools, stream = run.steps[2].detail, run.steps[3].detail
+    assert [s.name for s in run.steps] == LADDER
+    assert [s.name for s in run.steps if s.skipped] == ["thinking", "speculative"]
+    tools, stream = step(run, "tools").detail, step(run, "tools-stream").detail
     assert tools.startswith('get_current_weather({"city": "Boston", "state": "MA", "unit": '
                             '"fahrenheit"}), 1 call(s), finish_reason tool_calls')
     assert '"unit": "celsius"' in stream and stream.endswith("finish_reason tool_calls, 8 delta(s)")

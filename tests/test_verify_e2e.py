@@ -7,6 +7,8 @@ rig's own address, as an operator's machine reaches a rig on the LAN. One story:
 
 1. deploys/verify.py with small sizes: the whole ladder passes (the needle step checks the
    plumbing: accepted at each depth, rejected beyond the context); the run is stored as JSON;
+   a planted degeneration: the same engine, one word forced by logit_bias, loops, and the
+   long-generation step's detector says so;
 2. a ladder told the context is 1024 fails at the needle step with the engine's own error;
 3. with the engine stopped, the ladder fails at its first step;
 4. `rigbook bench compare` tables the runs and writes a PNG.
@@ -18,8 +20,10 @@ import json
 from pathlib import Path
 
 import pytest
+import requests
 
 from rigbook import cli
+from rigbook.roles import degeneration
 from rigbook.roles.serving import UNIT_NAME
 from rigbook.roles.verify import load_runs
 from tests.conftest import SANDBOX_INVENTORY, rig_ssh, run_pyinfra
@@ -33,7 +37,7 @@ from tests.test_serving_e2e import (
     VENVS_DIR,
     data_args,
 )
-from tests.tinymodel import FILE, revision_of, write_tiny_gguf
+from tests.tinymodel import FILE, WORDS, revision_of, vocabulary, write_tiny_gguf
 
 VERIFY = "deploys/verify.py"
 
@@ -80,15 +84,36 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         runs = load_runs()
         assert len(runs) == 1 and runs[0].ok and runs[0].rig == "rig1"
         run = runs[0]
-        assert [s.name for s in run.steps] == ["health", "chat", "prefill", "needle", "bench"]
+        steps = {s.name: s for s in run.steps}
+        assert list(steps) == ["health", "chat", "tools", "tools-stream", "thinking",
+                               "long-generation", "prefill", "needle", "speculative", "bench"]
+        # tiny-cpu-a has no tool or reasoning parser and does not speculate: those steps are
+        # skipped, saying why
+        assert [s.name for s in run.steps if s.skipped] == ["tools", "tools-stream", "thinking",
+                                                            "speculative"]
         assert run.url == f"http://{rig['address']}:8100" and run.served_model == "local/tiny"
-        needle = run.steps[3].detail
+        # the essay gets what the 512-token context leaves; the random model's text is varied
+        assert "repeated 4-grams" in steps["long-generation"].detail
+        needle = steps["needle"].detail
         assert needle.count("accepted") == 3 and "tok rejected (HTTP 400)" in needle
         assert {(b.prompt, b.concurrency) for b in run.bench} == {("narrative", 1), ("code", 1)}
-        assert "concurrent bench skipped (llama.cpp: one stream at a time)" in run.steps[4].detail
+        assert "concurrent bench skipped (llama.cpp: one stream at a time)" in \
+            steps["bench"].detail
         assert all(b.tokens == 24 and b.decode_tps.median > 0 for b in run.bench)
         stored = next(results.glob("rig1/tiny-cpu-a/*/*/*.json"))
         assert json.loads(stored.read_text())["ok"] is True
+
+        # a planted degeneration on the real engine: the essay with one word's token forced
+        forced = vocabulary()[0].index(f"\u2581{WORDS[4]}")  # "rig"
+        loop = requests.post(
+            f"{run.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": "local/tiny", "max_tokens": 200, "logit_bias": {str(forced): 100},
+                  "messages": [{"role": "user", "content": degeneration.ESSAY_PROMPT}]},
+            timeout=60).json()["choices"][0]["message"]["content"]
+        with pytest.raises(degeneration.Degenerate, match="lexical variety") as found:
+            degeneration.check(loop)
+        print(f"planted degeneration: {found.value.got}")
+        assert "'rig rig rig rig'" in found.value.got
 
         # 2. the ladder believes 1024 tokens: the engine (n_ctx 512) rejects the needle probe
         beyond = verify(verify_context_len="1024")
