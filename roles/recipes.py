@@ -330,7 +330,8 @@ class Recipe(StrictModel):
         "`--reasoning-parser`), one of `rigbook.roles.recipes.REASONING_PARSERS` for its "
         "engine: the model thinks, and its reasoning comes apart from the answer "
         "(`reasoning_content` / `reasoning`); set, verify runs the `thinking` step and streams "
-        "the tool call with thinking on. None: the model does not think, or its thinking stays in the text.",
+        "the tool call with thinking on. None: the model does not think, or its thinking stays "
+        "in the text.",
     )
     extra_args: tuple[Line, ...] = Field(
         (),

@@ -9,9 +9,9 @@ finish_reason "tool_calls", with thinking on where the model thinks; rigbook.rol
 `thinking` (when the recipe has a reasoning_parser: the reasoning present and apart from the
 answer, plain and streamed; rigbook.roles.thinkcheck), `long-generation` (a ~2K-token essay
 without a repeated-line cascade and with lexical variety; rigbook.roles.degeneration),
-`prefill` (a prompt of verify_prefill_tokens completes), `needle` (a random fact at each depth of a haystack that fills
-verify_needle_fill of the context is asked back, exact match when verify_needle_exact; and a
-prompt beyond the context must be REJECTED with the engine's context error), `speculative`
+`prefill` (a prompt of verify_prefill_tokens completes), `needle` (a random fact at each depth
+of a haystack that fills verify_needle_fill of the context is asked back, exact match when
+verify_needle_exact; and a prompt beyond the context must be REJECTED with the engine's context error), `speculative`
 (when the recipe speculates: the engine's /metrics counters before and after a short generation
 give the acceptance length, 1 + accepted / drafts, against the recipe's
 speculative.min_acceptance_length; rigbook.roles.specmetrics) and `bench` (a
