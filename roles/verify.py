@@ -11,8 +11,8 @@ answer, plain and streamed; rigbook.roles.thinkcheck), `long-generation` (a ~2K-
 without a repeated-line cascade and with lexical variety; rigbook.roles.degeneration),
 `prefill` (a prompt of verify_prefill_tokens completes), `needle` (a random fact at each depth
 of a haystack that fills verify_needle_fill of the context is asked back, exact match when
-verify_needle_exact; and a prompt beyond the context must be REJECTED with the engine's context error), `speculative`
-(when the recipe speculates: the engine's /metrics counters before and after a short generation
+verify_needle_exact; and a prompt beyond the context must be REJECTED with the engine's context
+error), `speculative` (when the recipe speculates: the engine's /metrics counters before and after a short generation
 give the acceptance length, 1 + accepted / drafts, against the recipe's
 speculative.min_acceptance_length; rigbook.roles.specmetrics) and `bench` (a
 fixed narrative and a fixed code prompt, streamed: time to first token and decode tokens/s,
