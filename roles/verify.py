@@ -12,8 +12,8 @@ without a repeated-line cascade and with lexical variety; rigbook.roles.degenera
 `prefill` (a prompt of verify_prefill_tokens completes), `needle` (a random fact at each depth
 of a haystack that fills verify_needle_fill of the context is asked back, exact match when
 verify_needle_exact; and a prompt beyond the context must be REJECTED with the engine's context
-error), `speculative` (when the recipe speculates: the engine's /metrics counters before and after a short generation
-give the acceptance length, 1 + accepted / drafts, against the recipe's
+error), `speculative` (when the recipe speculates: the engine's /metrics counters before and
+after a short generation give the acceptance length, 1 + accepted / drafts, against the recipe's
 speculative.min_acceptance_length; rigbook.roles.specmetrics) and `bench` (a
 fixed narrative and a fixed code prompt, streamed: time to first token and decode tokens/s,
 median and range, single stream and at verify_bench_concurrency). A step that does not apply
