@@ -360,7 +360,7 @@ def test_stored_sweeps_and_the_bench_sweep_command(tmp_path, monkeypatch, capsys
 
 def test_without_matplotlib_the_sweep_stores_json_and_says_how_to_get_charts(
         tmp_path, monkeypatch):
-    from rigbook.core import charts
+    from rigbook.roles import charts
 
     monkeypatch.setattr(charts, "_pyplot", lambda: None)
     path, said = save_sweep(sample_run(), tmp_path)
