@@ -48,6 +48,7 @@ ARGS = {
     "VenvLayoutFact": ["venv=/opt/rigbook/venvs/demo"],
     "RegistryValues": ["key=HKLM\\System", 'names=["TdrDelay"]'],
     "SpecAcceptance": ["unit=rigbook-serve.service", "log=/var/log/rigbook/serve.log"],
+    "SignedModulesFact": ["branch=580", "server=false", "open_=true"],
 }
 #: Not for the CLI: the one-round-trip batch of other facts' commands (rigbook.core.checks).
 INTERNAL = {"FactBatch"}

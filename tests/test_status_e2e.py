@@ -206,14 +206,14 @@ def test_status_reads_venvs_and_the_models_cache(sandbox, tmp_path):
             (VENV, "stale", "580.76.05")]
         assert [(m.repo, m.state) for m in rig.models] == [(ABSENT[0], "missing")]
         assert [(f.level, f.area, f.reason) for f in rig.findings
-                if f.area in ("venvs", "models")] == [  # in the roles' (modules') order
+                if f.area in ("venvs", "models")] == [  # in the registry's order of roles
+            ("drift", "venvs", f"venv {VENV}: stale: built for driver 580.76.05, running "
+                               "580.95.05: run deploys/venvs.py"),
             ("drift", "models", f"model {ABSENT[0]}@{ABSENT[1][:12]} missing: not in the cache "
                                 f"{CACHE}; run deploys/models.py"),
             ("warn", "models", "cached but not in models: 1 repo(s), 0.00 MiB: "
                                "rigbook-test/unlisted (0.00 MiB); models_prune: true removes "
                                "them"),
-            ("drift", "venvs", f"venv {VENV}: stale: built for driver 580.76.05, running "
-                               "580.95.05: run deploys/venvs.py"),
         ]
         table = rigbook_status_of(declared, "rig1", as_json=False)
         assert table.returncode == 1, explain(table)
