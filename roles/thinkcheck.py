@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from rigbook.roles.toolcheck import ToolProblem as ThinkProblem  # one evidence shape for the steps
+from rigbook.roles.toolcheck import ToolProblem as ThinkProblem
+from rigbook.roles.toolcheck import first_choice  # one evidence shape for the steps
 
 PROMPT = "What is 12 + 30? Think it through briefly, then answer with the number."
 #: Room for a thinking model's reasoning before the answer.
@@ -80,9 +81,7 @@ def check_parts(reasoning: str, content: str, finish: str | None, *, where: str)
 
 
 def check_answer(data: dict) -> str:
-    choices = data.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
-        else {}
+    first = first_choice(data)
     message = first.get("message")
     if not isinstance(message, dict):
         raise ThinkProblem("an OpenAI chat completion with choices[0].message",

@@ -123,11 +123,16 @@ def check_calls(calls: list[Call], content: str, finish: str | None, *, where: s
             f"{len(calls)} call(s), finish_reason {finish}")
 
 
+def first_choice(data: dict) -> dict:
+    """choices[0] of a chat completion, or {} when the answer has none to read."""
+    choices = data.get("choices")
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
+        else {}
+
+
 def check_answer(data: dict) -> str:
     """A non-streamed answer: choices[0].message.tool_calls[] holds the call."""
-    choices = data.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
-        else {}
+    first = first_choice(data)
     message = first.get("message") if isinstance(first.get("message"), dict) else None
     if message is None:
         raise ToolProblem("an OpenAI chat completion with choices[0].message",
