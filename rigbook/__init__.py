@@ -1,7 +1,8 @@
 """rigbook: provision local-LLM GPU rigs with pyinfra. One module per concern.
 
-The package is the roles/ folder of the repository; its data (files/) is ``rigbook.files``
-(docs/architecture.md).
+Its layers are folders (docs/architecture.md): rigbook/rigside, rigbook/core, the roles (the
+repository's roles/ folder, ``rigbook.roles``) and the application at this package's top; its
+data (files/) is ``rigbook.files``.
 """
 
 from importlib.resources import files
