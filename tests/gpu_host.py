@@ -15,7 +15,6 @@ and it reads the live cap before and after.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import shlex
@@ -98,7 +97,7 @@ def live_cap(text: str) -> float | None:
 def place_model(gguf: Path, revision: str) -> None:
     """The tiny model in this host's HF cache as a completed rigbook pull leaves it (the same
     layout as tests/standins.place_model writes on a sandbox rig)."""
-    from tests.tinymodel import FILE, REPO, cache_layout
+    from tests.tinymodel import FILE, cache_layout, pull_manifest
 
     layout = cache_layout(gguf, revision)
     data = gguf.read_bytes()
@@ -114,12 +113,8 @@ def place_model(gguf: Path, revision: str) -> None:
     (cache / layout["ref"]).parent.mkdir(parents=True, exist_ok=True)
     (cache / layout["ref"]).write_text(revision + "\n")
     (top / "rigbook").mkdir(parents=True, exist_ok=True)
-    manifest = {
-        "rigbook_manifest": 1, "repo": REPO, "revision": revision,
-        "allow_patterns": [], "ignore_patterns": [],
-        "files": {FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-    }
-    (top / "rigbook" / f"{revision}.json").write_text(json.dumps(manifest))
+    # the recipe's GGUF file is its one allow pattern (recipes.gguf_patterns of a single file)
+    (top / "rigbook" / f"{revision}.json").write_bytes(pull_manifest(gguf, revision, [FILE]))
 
 
 def host_data(wheels: Path, revision: str, cap: float, driver: str) -> dict:
@@ -207,8 +202,9 @@ def main(argv: list[str]) -> int:
     # no -y: pyinfra's change detection lists every operation it would run
     dry = kit.run("rig-dry", [pyinfra, str(inventory), "deploys/rig.py", "--dry"], env=env,
                   stdin=subprocess.DEVNULL)
-    bad = forbidden_changes(dry.stdout)
-    if "--> Detected changes:" not in dry.stdout:
+    plan = dry.stdout + dry.stderr  # pyinfra 3.10 writes its tables to stderr
+    bad = forbidden_changes(plan)
+    if "--> Detected changes:" not in plan:
         bad = ["no change detection in the dry output"]
     kit.note("rig-dry-check", f"forbidden in the dry plan: {bad or 'nothing'}\n")
     if bad:

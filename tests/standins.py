@@ -19,8 +19,6 @@ rigbook pull leaves it (tests/tinymodel.py makes the same bytes every time).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from pathlib import Path
 from rigbook.core.tools import TOOLS_PINS
 from rigbook.roles.recipes import gguf_patterns, snapshot_dir
 from rigbook.sandbox import rigs, wheelhouse
-from tests.tinymodel import FILE, REPO, cache_layout, revision_of, write_tiny_gguf
+from tests.tinymodel import FILE, REPO, cache_layout, pull_manifest, revision_of, write_tiny_gguf
 
 LLAMA = "llama-cpp-python==0.3.36"
 LLAMA_SERVER = "llama-cpp-python[server]==0.3.36"
@@ -139,11 +137,6 @@ def place_model(rig: dict, gguf: Path, revision: str) -> None:
     """The tiny model in the rig's HF cache exactly as a completed rigbook pull leaves it."""
     layout = cache_layout(gguf, revision)
     data = gguf.read_bytes()
-    manifest = {
-        "rigbook_manifest": 1, "repo": REPO, "revision": revision,
-        "allow_patterns": list(gguf_patterns(FILE)), "ignore_patterns": [],  # a GGUF: its file
-        "files": {FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-    }
     top = f"{CACHE}/{layout['blob'].split('/')[0]}"
     ssh_with_input(rig, f"mkdir -p {top}/blobs && cat > {CACHE}/{layout['blob']}", data)
     snapshot = snapshot_dir(CACHE, REPO, revision)
@@ -152,7 +145,7 @@ def place_model(rig: dict, gguf: Path, revision: str) -> None:
         f"mkdir -p {snapshot} {top}/refs {top}/rigbook && "
         f"ln -sfn {layout['target']} {CACHE}/{layout['link']} && "
         f"echo {revision} > {CACHE}/{layout['ref']} && cat > {top}/rigbook/{revision}.json",
-        json.dumps(manifest).encode(),
+        pull_manifest(gguf, revision, list(gguf_patterns(FILE))),  # a GGUF: its file
     )
 
 

@@ -14,6 +14,7 @@ so the file, and its Hugging Face cache revision, are the same on every run.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -128,6 +129,18 @@ def cache_layout(gguf_file: Path, revision: str) -> dict[str, str]:
         "target": f"../../blobs/{sha}",
         "ref": f"{top}/refs/main",
     }
+
+
+def pull_manifest(gguf_file: Path, revision: str, allow: list[str]) -> bytes:
+    """The manifest a completed rigbook pull of the tiny GGUF writes (files/models/pull.py) for
+    the allow patterns its recipe asks (`gguf_patterns`; the caller passes them, so a kit run
+    without rigbook installed can use this too)."""
+    data = gguf_file.read_bytes()
+    return json.dumps({
+        "rigbook_manifest": 1, "repo": REPO, "revision": revision,
+        "allow_patterns": allow, "ignore_patterns": [],
+        "files": {FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+    }).encode()
 
 
 if __name__ == "__main__":
