@@ -264,19 +264,21 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
 def docs_command(args: argparse.Namespace) -> int:
     if args.check:
         stale = stale_docs(args.dir)
-        for path in stale:
-            print(f"{path} differs from what the code generates; run `rigbook docs`")
+        for problem in stale:
+            print(problem)
         return 1 if stale else 0
-    print("wrote " + " and ".join(str(path) for path in write_docs(args.dir)))
+    print("wrote " + ", ".join(str(path) for path in write_docs(args.dir)))
     return 0
 
 
 def add_docs_command(commands: argparse._SubParsersAction) -> None:
     docs = commands.add_parser(
-        "docs", help="regenerate docs/host-data.md and docs/recipes.md from the code"
+        "docs", help="regenerate docs/host-data.md, recipes.md, footprint.md and the role pages' "
+        "generated parts from the code"
     )
     docs.add_argument("--check", action="store_true",
-                      help="write nothing; exit 1 when either differs from what the code says")
+                      help="write nothing; exit 1 when one differs from what the code says, or a "
+                      "role page lacks its markers")
     docs.add_argument("--dir", type=Path, default=Path("docs"),
                       help="the docs folder (default: docs, in the current directory)")
     docs.set_defaults(func=docs_command)

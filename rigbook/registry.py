@@ -4,8 +4,8 @@ The preflight of every job, `rigbook status`, the bench's breakdown, the generat
 and the layer test read this list; nothing finds a role by its module's name. A role is its
 modules in roles/ (the first one holds its `@deploy`), the checks status and the converge's
 preflight run for it, its part of the converge (None: it runs in a job of its own, or only
-reads), and its page under docs/. docs/architecture.md (Adding a role) says what else a new
-role touches.
+reads), its page under docs/ and the host-data keys it reads (its page's settings table).
+docs/architecture.md (Adding a role) says what else a new role touches.
 """
 
 from __future__ import annotations
@@ -50,32 +50,45 @@ from rigbook.roles import (
 @dataclass(frozen=True)
 class Role:
     """One role: `name` is what the docs and the bench call it; `modules` its modules in roles/,
-    the one with its `@deploy` first; `page` its page under docs/."""
+    the one with its `@deploy` first; `page` its page under docs/; `keys` its host-data keys,
+    each a key or a prefix ending in `_` (every key of Rig is one role's or one of SHARED's)."""
 
     name: str
     modules: tuple[ModuleType, ...]
     checks: tuple[Check, ...]
     converge: Callable[[Rig], None] | None
     page: str
+    keys: tuple[str, ...] = ()
 
 
 ROLES = (
-    Role("driver", (driver, driver_source, kernel), driver.CHECKS, driver.driver, "driver.md"),
-    Role("tuning", (tuning,), tuning.CHECKS, tuning.host_tuning, "tuning.md"),
-    Role("wsl", (wsl,), wsl.CHECKS, wsl.wsl_host, "wsl2.md"),
-    Role("guards", (guards,), guards.CHECKS, guards.guards, "guards.md"),
+    Role("driver", (driver, driver_source, kernel), driver.CHECKS, driver.driver, "driver.md",
+         ("driver_", "allow_reboot")),
+    Role("tuning", (tuning,), tuning.CHECKS, tuning.host_tuning, "tuning.md",
+         ("sysctl_", "shm_size", "stale_files")),
+    Role("wsl", (wsl,), wsl.CHECKS, wsl.wsl_host, "wsl2.md", ("wsl_",)),
+    Role("guards", (guards,), guards.CHECKS, guards.guards, "guards.md", ("guards_",)),
     Role("power", (power, capadvice), power.CHECKS + capadvice.CHECKS, power.power_limit,
-         "power.md"),
-    Role("venvs", (venvs, cuda), venvs.CHECKS, venvs.venvs, "venvs.md"),
-    Role("models", (models, tokens), models.CHECKS, models.models, "models.md"),
-    Role("serving", (serving, recipes, journal), serving.CHECKS, serving.serving, "serving.md"),
+         "power.md", ("power_", "psu_")),
+    Role("venvs", (venvs, cuda), venvs.CHECKS, venvs.venvs, "venvs.md",
+         ("venvs", "venvs_", "python_", "rebuild_all")),
+    Role("models", (models, tokens), models.CHECKS, models.models, "models.md",
+         ("models", "models_")),
+    Role("serving", (serving, recipes, journal), serving.CHECKS, serving.serving, "serving.md",
+         ("recipe", "serving_")),
     Role("health", (health,), health.CHECKS, None, "status.md"),
     Role("disks", (disks,), disks.CHECKS, None, "status.md"),
-    Role("sweep", (sweep, sweepresult, sweepstats, charts), (), None, "sweep.md"),
+    Role("sweep", (sweep, sweepresult, sweepstats, charts), (), None, "sweep.md", ("sweep_",)),
     Role("verify", (verify, toolcheck, thinkcheck, degeneration, specmetrics), (), None,
-         "verify.md"),
-    Role("offboard", (offboard,), (), None, "footprint.md"),
+         "verify.md", ("verify_",)),
+    Role("offboard", (offboard,), (), None, "footprint.md", ("offboard_",)),
 )
+#: Host-data keys that no one role owns, by group: the rig's hardware, read by most roles, and
+#: the SSH link's bound (rigbook/core/link.py). host-data.md lists them with the rest.
+SHARED = {
+    "hardware": ("platform", "gpu_class", "gpu_count", "gpu_limits_watts", "cooling", "nvlink"),
+    "the SSH link": ("link_",),
+}
 BY_NAME = {role.name: role for role in ROLES}
 #: The full converge's roles, in order (deploys/rig.py).
 CONVERGED = tuple(role for role in ROLES if role.converge is not None)
@@ -93,3 +106,10 @@ def role_of_module(module: str) -> str | None:
         if any(part.__name__ == module for part in role.modules):
             return role.name
     return None
+
+
+def keys_of(entries: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys of Rig that a role's or a SHARED group's entries name, in Rig's order."""
+    return tuple(key for key in Rig.model_fields
+                 if any(key == entry or (entry.endswith("_") and key.startswith(entry))
+                        for entry in entries))
