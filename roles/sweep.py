@@ -72,6 +72,7 @@ from rigbook.roles.sweepresult import (
     decode_window,
     diagnosis,
     prefill_window,
+    psu_line,
     resolvable_w,
     samples_of,
     suggestions,
@@ -350,7 +351,8 @@ class _Sweep:
                                   f" && py=python3 && if [ -x {TOOLS_PYTHON} ]; then "
                                   f'py={TOOLS_PYTHON}; fi && setsid -f "$py" sweep_rig.py meter '
                                   f"--dir {SWEEP_DIR} --name {name} --interval {METER_INTERVAL_S}"
-                                  f" --engine-unit {SERVE_UNIT} --smi", QuoteString(self.smi),
+                                  f" --engine-unit {SERVE_UNIT} --hwmon",
+                       QuoteString(self.rig.sweep_hwmon_dir), "--smi", QuoteString(self.smi),
                        "</dev/null >/dev/null 2>&1 && date +%s.%N")
         after = time.time()
         try:
@@ -358,9 +360,9 @@ class _Sweep:
         except (ValueError, IndexError):
             raise RigbookError(f"could not start the draw meter: {truncate(said)}") from None
 
-    def meter_stop(self, name: str) -> tuple[str, list[Sample]]:
-        """Stop the meter and read what it took: (source, samples). It writes as it samples, so
-        a meter slowed by a loaded machine still hands back every sample it took."""
+    def meter_stop(self, name: str) -> tuple[str, str | None, list[Sample]]:
+        """Stop the meter and read what it took: (source, PSU folder, samples). It writes as it
+        samples, so a meter slowed by a loaded machine still hands back every sample it took."""
         ok, said = _sh(self.host, f"cd {SWEEP_DIR} && touch {name}.stop && for i in $(seq "
                                   f"{METER_WAIT_S * 10}); do [ -f {name}.done ] && break; "
                                   f"sleep 0.1; done; cat {name}.jsonl && rm -f {name}.jsonl "
@@ -375,7 +377,8 @@ class _Sweep:
         samples = samples_of(lines)
         if not samples:
             raise RigbookError(f"the draw meter took no sample: {truncate(said)}")
-        return str(header.get("source")), samples
+        psu = header.get("psu")
+        return str(header.get("source")), psu if isinstance(psu, str) else None, samples
 
     def decode(self, prompt: str, level: int, offset: float) -> tuple[float, int, list]:
         """`level` streams of `prompt`, new requests while the window runs: the window is
@@ -439,7 +442,7 @@ class _Sweep:
                     decoded.append((prompt, level, *self.decode(prompt, level, offset)))
             filled = self.prefill(offset)
         finally:
-            source, samples = self.meter_stop(name)
+            source, psu, samples = self.meter_stop(name)
         window_s = self.settings_sweep.window_s
         windows = [decode_window("decode-single" if level == 1 else "decode-concurrent", prompt,
                                  level, requests, chunks, begin, window_s, samples, cap_w)
@@ -450,9 +453,11 @@ class _Sweep:
             self.log(f"{w(cap_w)} W {win.workload} {win.prompt}: {win.tps.mean:.1f} tok/s "
                      f"({win.tps.low:.1f}-{win.tps.high:.1f}), {e.mean_w:.1f} W mean over "
                      f"{e.seconds:.1f} s ({e.samples} samples), {win.tps_per_w.mean:.4f} tok/s/W"
+                     + (f", PSU {e.psu_mean_w:.1f} W DC" if e.psu_mean_w is not None else "")
                      + (f"; OTHER GPU LOAD: {', '.join(e.other_processes)}"
                         if e.other_processes else ""))
-        return SweepPoint(cap_w=cap_w, live_caps_w=live, meter=source, windows=tuple(windows))
+        return SweepPoint(cap_w=cap_w, live_caps_w=live, meter=source, windows=tuple(windows),
+                          psu=psu)
 
     def release(self) -> tuple[bool, str]:
         """Release the lease, wait for the guard's restore, read the caps back against the unit.
@@ -558,6 +563,7 @@ def report_lines(run: SweepRun) -> list[str]:
         lines.append(f"suggested for {workload}: {w(suggestion.least_w)} W ({suggestion.text()})"
                      f"; to apply: {apply_command(run.rig, suggestion.least_w)}")
         lines += diagnosis(run, workload)
+    lines.append(psu_line(run))
     if (resolved := resolvable_w(run)) is not None:
         lines.append(f"this sweep resolves draw differences of ~{resolved:g} W (95 %, the median "
                      f"of its {run.window_s:g} s windows); a smaller one is noise")

@@ -610,6 +610,12 @@ class Rig(StrictModel):
         "salt at its start each request; capped by the recipe's context); the runbook used "
         "39,760.",
     )
+    sweep_hwmon_dir: RigPath = Field(
+        "/sys/class/hwmon",
+        description="Run option: where the sweep's meter looks for a PSU's telemetry (a hwmon "
+        "folder named corsairpsu, the kernel's corsair-psu driver) to record whole-system power "
+        "beside the cards'.",
+    )
 
     @field_validator("sweep_watts", mode="before")
     @classmethod
