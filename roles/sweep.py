@@ -47,7 +47,7 @@ from rigbook.core.checks import Check, Facts, Finding, Read, error, warn
 from rigbook.core.errors import RigbookError
 from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
 from rigbook.core.messages import refused, warn_once
-from rigbook.core.spec import MAX_CAPS, Rig
+from rigbook.core.spec import MAX_CAPS, SWEET_SPOTS, Rig
 from rigbook.core.tools import TOOLS_PYTHON
 from rigbook.core.units import SYSTEMD_READ, outside_login
 from rigbook.rigside import cap_check
@@ -135,9 +135,47 @@ def default_caps(gpus: Iterable) -> tuple[float, ...]:
     return tuple(sorted(set(caps) | {round(high, 2)}))[-MAX_CAPS:]
 
 
+#: The card classes a source swept (the hardware notes' measured sweet spots): for them the
+#: default is the whole range; for any other, the first range below.
+MEASURED = frozenset(card for card, _ in SWEET_SPOTS)
+#: The notes' advice for a new card class: start at 60-85 % of the card's stock limit, where
+#: their knee fell on consumer Ampere and Ada.
+FIRST_RANGE = (0.60, 0.85)
+
+
+def first_range(gpus: Iterable) -> tuple[float, ...]:
+    """60-85 % of the lowest default limit of the cards, at 10 W, inside every card's range; ()
+    where a card reports no default limit or the share falls outside the range."""
+    gpus = list(gpus)
+    whole = default_caps(gpus)
+    defaults = [g.default_limit_w for g in gpus]
+    if not whole or not defaults or None in defaults:
+        return ()
+    low = max(STEP_W * math.ceil(FIRST_RANGE[0] * min(defaults) / STEP_W), whole[0])
+    high = min(STEP_W * math.floor(FIRST_RANGE[1] * min(defaults) / STEP_W), whole[-1])
+    return tuple(float(c) for c in range(int(low), int(high) + 1, STEP_W)) if low <= high else ()
+
+
+def plan_caps(rig: Rig, gpus: Iterable) -> tuple[tuple[float, ...], str]:
+    """What this run sweeps and why: sweep_watts; for a class no source measured, the first
+    range; else the cards' whole range."""
+    gpus = list(gpus)
+    if rig.sweep_watts:
+        return rig.sweep_watts, "sweep_watts"
+    whole = default_caps(gpus)
+    first = first_range(gpus) if rig.gpu_class not in MEASURED else ()
+    if first:
+        default = min(g.default_limit_w for g in gpus)
+        return first, (f"no source measured gpu_class {rig.gpu_class}: the first range is 60-85 % "
+                       f"of the card's default limit {w(default)} W at {STEP_W} W (the hardware "
+                       "notes' advice for a new card class); the whole range is sweep_watts="
+                       f"{w(whole[0])}:{w(whole[-1])}:{STEP_W}")
+    return whole, f"the cards' whole range at {STEP_W} W"
+
+
 def caps_of(rig: Rig, gpus: Iterable) -> tuple[float, ...]:
-    """What this run sweeps: sweep_watts, or the cards' whole range."""
-    return rig.sweep_watts or default_caps(gpus)
+    """What this run sweeps (plan_caps)."""
+    return plan_caps(rig, gpus)[0]
 
 
 # --- what to sweep -----------------------------------------------------------------------------
@@ -597,6 +635,7 @@ def sweep_caps(rig: Rig, target: Target, settings: Settings, root: str | None = 
     """
     probe = host.get_fact(NvidiaGpus)
     if not state.is_executing and probe is not None:  # --dry: the caps it would set, per GPU
+        warn_once(f"sweep range: {plan_caps(rig, probe.gpus)[1]}")
         for gpu in probe.gpus:
             warn_once(f"sweep GPU {gpu.index} ({gpu.uuid}): cap {w(gpu.power_limit_w)} W -> "
                       f"{', '.join(w(c) for c in caps_of(rig, probe.gpus))} W live, then "
