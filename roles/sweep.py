@@ -3,7 +3,8 @@
 deploys/power_sweep.py, per rig (docs/sweep.md):
 
 1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any cap
-   (`sweep_watts`, or by default every card's whole range at 10 W) lies outside any card's own
+   (`sweep_watts`, or by default every card's whole range at 10 W, or for a card class no
+   source measured 60-85 % of its default limit: `plan_caps`) lies outside any card's own
    min/max, when no boot unit caps every GPU (the caps could not be restored; without systemd
    none can), or when persistence mode is off; a step over 20 W is a warning;
 2. a guard is started on the rig as a unit of its own (files/power/sweep_rig.py under
@@ -13,8 +14,11 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
    nvidia-power-limit.service says, naming in its record each GPU it could not set back
    (a hung or missing nvidia-smi); where that record is missing or leaves a GPU out, the sweep
    sets those caps itself and fails the rig;
-3. per cap: the live cap of every GPU (`nvidia-smi -i UUID -pl W`, never the unit), then the
-   sources' protocol while a meter on the rig samples the draw and the cards' state: decode
+3. with sweep_concurrency_probe, first, at the unit's caps: decode windows at 1, 2, 4, ...
+   streams, whose plateau (the smallest level within noise of the best) the decode-concurrent
+   windows then run at; per cap: the live cap of every GPU (`nvidia-smi -i UUID -pl W`, never
+   the unit), then the sources' protocol while a meter on the rig samples the draw, the cards'
+   state and a PSU's DC output where one reports it (corsairpsu): decode
    windows of sweep_window_s timed from the first token (narrative and code, at 1 stream and at
    verify_bench_concurrency where the engine allows it), and cold prefills of one frozen long
    prompt with a new salt at its very start each time (no cached prefix to hit);
@@ -63,15 +67,20 @@ from rigbook.roles.power import (
     unit_caps,
 )
 from rigbook.roles.power import watts as w
+from rigbook.roles.recipes import recipe_for
 from rigbook.roles.serving import UNIT_NAME as SERVE_UNIT
 from rigbook.roles.sweepresult import (
+    ConcurrencyProbe,
     Rigs,
     Sample,
     SweepPoint,
     SweepRun,
     decode_window,
     diagnosis,
+    plateau_level,
     prefill_window,
+    probe_levels,
+    probe_line,
     psu_line,
     resolvable_w,
     samples_of,
@@ -306,6 +315,13 @@ def _lease(host_, seconds: int | None) -> bool:
     return _sh(host_, lease_command(seconds))[0]
 
 
+def probe_skipped(engine: str, levels: list[int]) -> str | None:
+    """Why the concurrency probe cannot run on this engine or recipe (None: it can)."""
+    if engine == "llama.cpp":
+        return "skipped (llama.cpp: one stream at a time)"
+    return "skipped (the recipe's max_num_seqs is 1)" if len(levels) < 2 else None
+
+
 class LeasedClient(Client):
     """The verify client, renewing the guard's lease before its requests (at most every few
     seconds): while requests go out the caps stay; when they stop, the guard restores them."""
@@ -335,6 +351,7 @@ class _Sweep:
         self.ladder = Ladder(target, settings)
         self.ladder.client = LeasedClient(target, settings.timeout_s, self.renew)
         self.points: list[SweepPoint] = []
+        self.probe: ConcurrencyProbe | None = None
         self.armed = False
         self.undone: str | None = None  # what the guard's restore left undone (guard_undone)
 
@@ -462,11 +479,34 @@ class _Sweep:
             runs.append((salt, usage, begin, end))
         return runs
 
+    def probe_concurrency(self, max_seqs: int | None) -> str:
+        """Before any cap is set: narrative decode windows at 1, 2, 4, ... streams at the unit's
+        caps; the plateau becomes the decode-concurrent level. Why not, where it cannot run."""
+        levels = probe_levels(max_seqs)
+        if skipped := probe_skipped(self.target.engine, levels):
+            return f"concurrency probe {skipped}"
+        live = self.live()
+        self.ladder.warm_up("narrative")
+        offset = self.meter_start("probe")
+        try:
+            decoded = [(level, *self.decode("narrative", level, offset)) for level in levels]
+        finally:
+            _, _, samples = self.meter_stop("probe")
+        cap = max((v for v in live.values() if v is not None), default=0.0)
+        windows = tuple(decode_window("decode-concurrent", "narrative", level, requests, chunks,
+                                      begin, self.settings_sweep.window_s, samples, cap)
+                        for level, begin, requests, chunks in decoded)
+        self.probe = ConcurrencyProbe(caps_w=live, windows=windows,
+                                      plateau=plateau_level(windows))
+        return probe_line(self.probe)
+
     def point(self, cap_w: float) -> SweepPoint:
         self.renew()
         live = self.set_caps(cap_w)
         name = f"cap-{w(cap_w).replace('.', '_')}"
         levels, _ = self.ladder.levels()
+        if self.probe is not None:
+            levels = sorted({1, self.probe.plateau})
         if self.long_prompt is None:
             want = min(self.settings_sweep.prefill_tokens, self.ladder.context - 64)
             self.long_prompt = haystack_words(self.ladder.sizer.words(want))
@@ -560,6 +600,8 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
     try:
         sweep.arm()
         sweep.ladder.health()
+        if rig.sweep_concurrency_probe:
+            sweep.log(sweep.probe_concurrency(recipe_for(rig, host.name).max_num_seqs))
         for cap_w in caps:
             sweep.points.append(sweep.point(cap_w))
     except (StepFailed, RigbookError, requests.RequestException, ValueError) as failed:
@@ -575,7 +617,7 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
             prefill_tokens=sweep.settings_sweep.prefill_tokens, started=started,
             seconds=round(time.monotonic() - clock, 3), points=tuple(sweep.points),
             error=failure or sweep.undone, unit_caps_w=restore_to, restored=restored,
-            restore_detail=detail,
+            restore_detail=detail, concurrency=sweep.probe,
         )
         path, charts = save_sweep(run, root)
     if sweep.undone:  # loud even when this side then set the caps: the guard failed its job
@@ -596,7 +638,7 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
 def report_lines(run: SweepRun) -> list[str]:
     """The suggestion per class (with the caps within noise), the diagnosis lines, the
     resolvable difference and the paste-ready summary rows."""
-    lines = []
+    lines = [probe_line(run.concurrency)] if run.concurrency else []
     for workload, suggestion in suggestions(run).items():
         lines.append(f"suggested for {workload}: {w(suggestion.least_w)} W ({suggestion.text()})"
                      f"; to apply: {apply_command(run.rig, suggestion.least_w)}")
@@ -610,8 +652,6 @@ def report_lines(run: SweepRun) -> list[str]:
 
 def setup_of(rig: Rig, rig_name: str, target: Target, probe) -> Rigs:
     """The columns that set this sweep beside other rigs' (the hardware notes' anchor rows)."""
-    from rigbook.roles.recipes import recipe_for
-
     recipe = recipe_for(rig, rig_name)
     return Rigs(gpu_models=tuple(g.name for g in probe.gpus), cooling=rig.cooling,
                 engine=target.engine, engine_build=recipe.venv, model=recipe.model.repo,
@@ -636,6 +676,12 @@ def sweep_caps(rig: Rig, target: Target, settings: Settings, root: str | None = 
     probe = host.get_fact(NvidiaGpus)
     if not state.is_executing and probe is not None:  # --dry: the caps it would set, per GPU
         warn_once(f"sweep range: {plan_caps(rig, probe.gpus)[1]}")
+        if rig.sweep_concurrency_probe:
+            levels = probe_levels(recipe_for(rig, host.name).max_num_seqs)
+            warn_once("sweep concurrency probe first, at the current cap: " + (
+                probe_skipped(target.engine, levels)
+                or f"{', '.join(map(str, levels))} streams; the plateau is the decode-concurrent "
+                "level"))
         for gpu in probe.gpus:
             warn_once(f"sweep GPU {gpu.index} ({gpu.uuid}): cap {w(gpu.power_limit_w)} W -> "
                       f"{', '.join(w(c) for c in caps_of(rig, probe.gpus))} W live, then "

@@ -109,6 +109,16 @@ class SweepPoint(StrictModel):
         return any(win.evidence.other_processes for win in self.windows)
 
 
+class ConcurrencyProbe(StrictModel):
+    """Where decode concurrency plateaus at the rig's current cap: a narrative decode window per
+    level (1, 2, 4, ...), and the smallest level whose aggregate tok/s is within noise of the
+    best (`plateau`), which the sweep's decode-concurrent windows then run at."""
+
+    caps_w: dict[str, float | None]  # the live caps it ran at (the unit's)
+    windows: tuple[Window, ...]
+    plateau: int
+
+
 class Rigs(StrictModel):
     """What sets a sweep beside another rig's: the notes' row columns and the build."""
 
@@ -138,6 +148,7 @@ class SweepRun(StrictModel):
     unit_caps_w: dict[str, float]
     restored: bool
     restore_detail: str
+    concurrency: ConcurrencyProbe | None = None  # sweep_concurrency_probe
 
     @property
     def ok(self) -> bool:
@@ -302,6 +313,39 @@ def prefill_window(runs: list[tuple[str, int, float, float]], samples: list[Samp
                   tps_per_w=Interval.of(ratio(rates, draws, 1.0)),
                   evidence=evidence(samples, runs[0][2], runs[-1][3], cap_w),
                   salts=tuple(salt for salt, *_ in runs))
+
+
+#: The probe's highest level where the recipe names no max_num_seqs.
+PROBE_MAX = 64
+
+
+def probe_levels(max_seqs: int | None) -> list[int]:
+    """1, 2, 4, ... up to max_seqs (or PROBE_MAX), max_seqs itself last where it is no power
+    of 2."""
+    top = max(1, min(max_seqs or PROBE_MAX, PROBE_MAX))
+    levels = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    return levels + ([top] if levels[-1] != top else [])
+
+
+def plateau_level(windows: Sequence[Window]) -> int:
+    """The smallest concurrency whose aggregate tok/s cannot be told from the best's (their
+    intervals, autocorrelation counted): more streams than that buy nothing this run can see."""
+    best = max(windows, key=lambda win: win.tps.mean)
+    top = best.tps.estimate()
+    return min(win.concurrency for win in windows
+               if win is best or indistinguishable(top, win.tps.estimate()))
+
+
+def probe_line(probe: ConcurrencyProbe) -> str:
+    """The probe's finding, in words."""
+    best = max(probe.windows, key=lambda win: win.tps.mean)
+    at = next(win for win in probe.windows if win.concurrency == probe.plateau)
+    caps = ", ".join(sorted({w(c) for c in probe.caps_w.values() if c is not None}))
+    levels = ", ".join(f"{win.concurrency}: {win.tps.mean:.1f}" for win in probe.windows)
+    return (f"concurrency plateaus at {probe.plateau} streams ({at.tps.mean:.1f} tok/s, "
+            f"{at.tps.low:.1f}-{at.tps.high:.1f}; the best, {best.concurrency} streams, "
+            f"{best.tps.mean:.1f}) at the current cap {caps} W (streams: tok/s {levels}); the "
+            f"sweep's decode-concurrent ran at {probe.plateau}")
 
 
 # --- reading a sweep -----------------------------------------------------------------------------
