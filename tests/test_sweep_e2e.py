@@ -10,6 +10,8 @@ deploys/power_cap.py (rig1 290 W per card, rig2 260 W: the sweet spots), the eng
    with the draw sampled, restores every live cap to what the unit says (read back from the
    rigs, the unit itself untouched), and stores JSON with every window's evidence and a chart
    per workload class; the engine's own log proves every prefill cold (no cached prefix);
+   rig1's simulated corsairpsu is read beside every sample (the host's 110 W plus the cards'),
+   rig2 has none and says so;
 2. the operator's pyinfra killed mid-sweep: the guard on the rig restores the unit's caps once
    its lease lapses.
 
