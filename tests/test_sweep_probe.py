@@ -83,3 +83,42 @@ def test_the_probe_is_skipped_where_it_cannot_run():
         "skipped (llama.cpp: one stream at a time)")
     assert probe_skipped("vllm", probe_levels(1)) == "skipped (the recipe's max_num_seqs is 1)"
     assert probe_skipped("vllm", probe_levels(8)) is None
+
+
+def test_the_sweep_runs_the_probe_on_the_meter_and_keeps_its_plateau():
+    """_Sweep.probe_concurrency with the rig's side replaced: each level's decode window is the
+    synthetic card's, the meter's samples steady; the plateau is kept for the caps' windows."""
+    from types import SimpleNamespace
+
+    from rigbook.roles.sweep import SweepSettings, _Sweep
+
+    sweep = object.__new__(_Sweep)
+    begin = 1000.0
+    samples = [Sample(begin + i * 0.25, {UUID0: reading(300.0)}) for i in range(-2, 84)]
+    asked, warmed = [], []
+
+    def decode(prompt, level, offset):
+        asked.append((prompt, level))
+        rng, tokens = random.Random(SEED), []
+        for i in range(40):
+            count = max(1, round(RATES[level] * 0.5 * rng.gauss(1.0, NOISE)))
+            tokens += [(begin + i * 0.5 + j * 0.5 / count, 1.0) for j in range(count)]
+        return begin, level, tokens
+
+    sweep.target = SimpleNamespace(engine="vllm")
+    sweep.settings_sweep = SweepSettings(window_s=20.0)
+    sweep.ladder = SimpleNamespace(warm_up=warmed.append)
+    sweep.live = lambda: {UUID0: 350.0}
+    sweep.meter_start = lambda name: 0.0
+    sweep.meter_stop = lambda name: ("nvidia-smi", None, samples)
+    sweep.decode = decode
+    sweep.probe = None
+    said = sweep.probe_concurrency(None)
+    assert asked == [("narrative", level) for level in RATES] and warmed == ["narrative"]
+    assert sweep.probe is not None and sweep.probe.plateau == 16
+    assert [win.concurrency for win in sweep.probe.windows] == list(RATES)
+    assert said == probe_line(sweep.probe)
+    assert all(win.evidence.samples == 81 for win in sweep.probe.windows)  # the meter's, 20 s
+    sweep.target = SimpleNamespace(engine="llama.cpp")
+    assert sweep.probe_concurrency(None) == (
+        "concurrency probe skipped (llama.cpp: one stream at a time)")
