@@ -681,6 +681,8 @@ def _write_rig_files(rig: Rig, root: Path, key: Path, profiles: dict, repo: Path
     (sim / "gpus.json").write_text(json.dumps(_sim_gpus(rig, profiles), indent=2) + "\n")
     if profile["wsl2"]:
         _write_wsl2_files(root, profile["wsl2"])
+    if profile.get("psu"):
+        _write_psu_files(root, profile["psu"])
     if rig.release.distro == "ubuntu":  # its own source read already, as on a real rig
         lists = root / "var/lib/apt/lists" / (REPO_MOUNT.replace("/", "_") + "_._Packages")
         shutil.copyfile(repo / "Packages", lists)
@@ -690,6 +692,23 @@ def _write_rig_files(rig: Rig, root: Path, key: Path, profiles: dict, repo: Path
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(SIM_DIR / "host-persistence", target)
         target.chmod(0o755)
+
+
+#: The stand-in corsairpsu hwmon folder of a rig whose profile has a PSU (sandbox/simulated/
+#: README.md); no /sys/class/hwmon can be made in a container, so the sweep is pointed here.
+SIM_HWMON = "/var/lib/rigbook-sim/hwmon"
+
+
+def _write_psu_files(root: Path, psu: dict) -> None:
+    """A PSU with USB-HID telemetry, as the corsair-psu driver shows one: a hwmon folder named
+    corsairpsu whose power1_input (uW) the stand-in nvidia-smi keeps at the host's draw plus
+    the cards'."""
+    (root / "etc/rigbook-sim/psu.json").write_text(json.dumps(psu) + "\n")
+    folder = root / SIM_HWMON.lstrip("/") / "hwmon0"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "name").write_text("corsairpsu\n")
+    (folder / "power1_label").write_text("power total\n")
+    (folder / "power1_input").write_text(f"{round(psu['host_w'] * 1e6)}\n")
 
 
 def _sim_gpus(rig: Rig, profiles: dict) -> dict:

@@ -9,6 +9,8 @@ and `rigbook bench` work as before and say how to get the charts: pip install 'r
   with their 95 % bands, the sweet spot starred, the caps indistinguishable from it shaded, the
   caps the draw does not reach (the workload no longer binds) hatched, and the draw against the
   cap below;
+- `probe_figure`: the concurrency probe, aggregate tok/s against the streams with its 95 % band,
+  the plateau (the smallest level within noise of the best) marked;
 - `compare_png`: `rigbook bench compare`'s bars of single-stream decode tok/s.
 """
 
@@ -125,9 +127,57 @@ def sweep_figure(run: SweepRun, workload: str, note: str | None = None):
     return fig
 
 
+def probe_figure(run: SweepRun, note: str | None = None):
+    """The concurrency probe's chart (a matplotlib Figure): aggregate tok/s per level, its
+    band, the plateau starred, the levels within noise of the best shaded."""
+    from rigbook.roles.sweepresult import probe_line
+    from rigbook.roles.sweepstats import indistinguishable
+
+    plt = _pyplot()
+    if plt is None:
+        raise ImportError(MISSING)
+    probe = run.concurrency
+    wins = sorted(probe.windows, key=lambda win: win.concurrency)
+    xs = [win.concurrency for win in wins]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    s = run.setup
+    fig.suptitle(f"{', '.join(sorted(set(s.gpu_models)))} ({s.cooling}) - {s.engine} {s.model}\n"
+                 f"concurrency probe of {run.rig}, {run.started:%Y-%m-%d}, "
+                 f"{run.window_s:g} s windows" + (f"\n{note}" if note else ""), fontsize=11)
+    best = max(wins, key=lambda win: win.tps.mean).tps.estimate()
+    for win in wins:
+        if indistinguishable(best, win.tps.estimate()):
+            ax.axvspan(win.concurrency / 2 ** 0.25, win.concurrency * 2 ** 0.25, color="#fce94f",
+                       alpha=0.35, lw=0)
+    ax.plot(xs, [win.tps.mean for win in wins], "o-", color=COLOURS["narrative"],
+            label="aggregate tok/s (narrative)")
+    ax.fill_between(xs, [win.tps.low for win in wins], [win.tps.high for win in wins],
+                    color=COLOURS["narrative"], alpha=0.2, lw=0, label="95 % interval")
+    at = next(win for win in wins if win.concurrency == probe.plateau)
+    ax.plot([probe.plateau], [at.tps.mean], "*", ms=18, color="#c4a000", mec="black",
+            label=f"plateau: {probe.plateau} streams")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate tok/s (95 % interval)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    from matplotlib.patches import Patch
+
+    handles = ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles + [Patch(color="#fce94f", alpha=0.5,
+                                       label="within noise of the best")], fontsize=8,
+              loc="lower right")
+    ax.set_title(probe_line(probe).split(" (streams:")[0], fontsize=9,
+                 bbox={"boxstyle": "round", "fc": "#fce94f", "alpha": 0.9})
+    fig.tight_layout()
+    return fig
+
+
 def write_charts(run: SweepRun, folder: Path, stem: str,
                  note: str | None = None) -> list[Path] | str:
-    """A PNG per workload class (<stem>-<class>.png), or why none was drawn."""
+    """A PNG per workload class (<stem>-<class>.png) and of the concurrency probe
+    (<stem>-concurrency.png), or why none was drawn."""
     from rigbook.roles.sweepresult import workloads_of
 
     plt = _pyplot()
@@ -137,6 +187,12 @@ def write_charts(run: SweepRun, folder: Path, stem: str,
     for workload in workloads_of(run):
         fig = sweep_figure(run, workload, note)
         path = folder / f"{stem}-{workload}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    if run.concurrency is not None:
+        fig = probe_figure(run, note)
+        path = folder / f"{stem}-concurrency.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

@@ -3,7 +3,8 @@
 deploys/power_sweep.py, per rig (docs/sweep.md):
 
 1. the preflight (`SWEEP_CHECKS`) refuses the rig before anything changes when any cap
-   (`sweep_watts`, or by default every card's whole range at 10 W) lies outside any card's own
+   (`sweep_watts`, or by default every card's whole range at 10 W, or for a card class no
+   source measured 60-85 % of its default limit: `plan_caps`) lies outside any card's own
    min/max, when no boot unit caps every GPU (the caps could not be restored; without systemd
    none can), or when persistence mode is off; a step over 20 W is a warning;
 2. a guard is started on the rig as a unit of its own (files/power/sweep_rig.py under
@@ -13,8 +14,11 @@ deploys/power_sweep.py, per rig (docs/sweep.md):
    nvidia-power-limit.service says, naming in its record each GPU it could not set back
    (a hung or missing nvidia-smi); where that record is missing or leaves a GPU out, the sweep
    sets those caps itself and fails the rig;
-3. per cap: the live cap of every GPU (`nvidia-smi -i UUID -pl W`, never the unit), then the
-   sources' protocol while a meter on the rig samples the draw and the cards' state: decode
+3. with sweep_concurrency_probe, first, at the unit's caps: decode windows at 1, 2, 4, ...
+   streams, whose plateau (the smallest level within noise of the best) the decode-concurrent
+   windows then run at; per cap: the live cap of every GPU (`nvidia-smi -i UUID -pl W`, never
+   the unit), then the sources' protocol while a meter on the rig samples the draw, the cards'
+   state and a PSU's DC output where one reports it (corsairpsu): decode
    windows of sweep_window_s timed from the first token (narrative and code, at 1 stream and at
    verify_bench_concurrency where the engine allows it), and cold prefills of one frozen long
    prompt with a new salt at its very start each time (no cached prefix to hit);
@@ -47,7 +51,7 @@ from rigbook.core.checks import Check, Facts, Finding, Read, error, warn
 from rigbook.core.errors import RigbookError
 from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
 from rigbook.core.messages import refused, warn_once
-from rigbook.core.spec import MAX_CAPS, Rig
+from rigbook.core.spec import MAX_CAPS, SWEET_SPOTS, Rig
 from rigbook.core.tools import TOOLS_PYTHON
 from rigbook.core.units import SYSTEMD_READ, outside_login
 from rigbook.rigside import cap_check
@@ -63,15 +67,21 @@ from rigbook.roles.power import (
     unit_caps,
 )
 from rigbook.roles.power import watts as w
+from rigbook.roles.recipes import recipe_for
 from rigbook.roles.serving import UNIT_NAME as SERVE_UNIT
 from rigbook.roles.sweepresult import (
+    ConcurrencyProbe,
     Rigs,
     Sample,
     SweepPoint,
     SweepRun,
     decode_window,
     diagnosis,
+    plateau_level,
     prefill_window,
+    probe_levels,
+    probe_line,
+    psu_line,
     resolvable_w,
     samples_of,
     suggestions,
@@ -134,9 +144,47 @@ def default_caps(gpus: Iterable) -> tuple[float, ...]:
     return tuple(sorted(set(caps) | {round(high, 2)}))[-MAX_CAPS:]
 
 
+#: The card classes a source swept (the hardware notes' measured sweet spots): for them the
+#: default is the whole range; for any other, the first range below.
+MEASURED = frozenset(card for card, _ in SWEET_SPOTS)
+#: The notes' advice for a new card class: start at 60-85 % of the card's stock limit, where
+#: their knee fell on consumer Ampere and Ada.
+FIRST_RANGE = (0.60, 0.85)
+
+
+def first_range(gpus: Iterable) -> tuple[float, ...]:
+    """60-85 % of the lowest default limit of the cards, at 10 W, inside every card's range; ()
+    where a card reports no default limit or the share falls outside the range."""
+    gpus = list(gpus)
+    whole = default_caps(gpus)
+    defaults = [g.default_limit_w for g in gpus]
+    if not whole or not defaults or None in defaults:
+        return ()
+    low = max(STEP_W * math.ceil(FIRST_RANGE[0] * min(defaults) / STEP_W), whole[0])
+    high = min(STEP_W * math.floor(FIRST_RANGE[1] * min(defaults) / STEP_W), whole[-1])
+    return tuple(float(c) for c in range(int(low), int(high) + 1, STEP_W)) if low <= high else ()
+
+
+def plan_caps(rig: Rig, gpus: Iterable) -> tuple[tuple[float, ...], str]:
+    """What this run sweeps and why: sweep_watts; for a class no source measured, the first
+    range; else the cards' whole range."""
+    gpus = list(gpus)
+    if rig.sweep_watts:
+        return rig.sweep_watts, "sweep_watts"
+    whole = default_caps(gpus)
+    first = first_range(gpus) if rig.gpu_class not in MEASURED else ()
+    if first:
+        default = min(g.default_limit_w for g in gpus)
+        return first, (f"no source measured gpu_class {rig.gpu_class}: the first range is 60-85 % "
+                       f"of the card's default limit {w(default)} W at {STEP_W} W (the hardware "
+                       "notes' advice for a new card class); the whole range is sweep_watts="
+                       f"{w(whole[0])}:{w(whole[-1])}:{STEP_W}")
+    return whole, f"the cards' whole range at {STEP_W} W"
+
+
 def caps_of(rig: Rig, gpus: Iterable) -> tuple[float, ...]:
-    """What this run sweeps: sweep_watts, or the cards' whole range."""
-    return rig.sweep_watts or default_caps(gpus)
+    """What this run sweeps (plan_caps)."""
+    return plan_caps(rig, gpus)[0]
 
 
 # --- what to sweep -----------------------------------------------------------------------------
@@ -267,6 +315,13 @@ def _lease(host_, seconds: int | None) -> bool:
     return _sh(host_, lease_command(seconds))[0]
 
 
+def probe_skipped(engine: str, levels: list[int]) -> str | None:
+    """Why the concurrency probe cannot run on this engine or recipe (None: it can)."""
+    if engine == "llama.cpp":
+        return "skipped (llama.cpp: one stream at a time)"
+    return "skipped (the recipe's max_num_seqs is 1)" if len(levels) < 2 else None
+
+
 class LeasedClient(Client):
     """The verify client, renewing the guard's lease before its requests (at most every few
     seconds): while requests go out the caps stay; when they stop, the guard restores them."""
@@ -296,6 +351,7 @@ class _Sweep:
         self.ladder = Ladder(target, settings)
         self.ladder.client = LeasedClient(target, settings.timeout_s, self.renew)
         self.points: list[SweepPoint] = []
+        self.probe: ConcurrencyProbe | None = None
         self.armed = False
         self.undone: str | None = None  # what the guard's restore left undone (guard_undone)
 
@@ -350,7 +406,8 @@ class _Sweep:
                                   f" && py=python3 && if [ -x {TOOLS_PYTHON} ]; then "
                                   f'py={TOOLS_PYTHON}; fi && setsid -f "$py" sweep_rig.py meter '
                                   f"--dir {SWEEP_DIR} --name {name} --interval {METER_INTERVAL_S}"
-                                  f" --engine-unit {SERVE_UNIT} --smi", QuoteString(self.smi),
+                                  f" --engine-unit {SERVE_UNIT} --hwmon",
+                       QuoteString(self.rig.sweep_hwmon_dir), "--smi", QuoteString(self.smi),
                        "</dev/null >/dev/null 2>&1 && date +%s.%N")
         after = time.time()
         try:
@@ -358,9 +415,9 @@ class _Sweep:
         except (ValueError, IndexError):
             raise RigbookError(f"could not start the draw meter: {truncate(said)}") from None
 
-    def meter_stop(self, name: str) -> tuple[str, list[Sample]]:
-        """Stop the meter and read what it took: (source, samples). It writes as it samples, so
-        a meter slowed by a loaded machine still hands back every sample it took."""
+    def meter_stop(self, name: str) -> tuple[str, str | None, list[Sample]]:
+        """Stop the meter and read what it took: (source, PSU folder, samples). It writes as it
+        samples, so a meter slowed by a loaded machine still hands back every sample it took."""
         ok, said = _sh(self.host, f"cd {SWEEP_DIR} && touch {name}.stop && for i in $(seq "
                                   f"{METER_WAIT_S * 10}); do [ -f {name}.done ] && break; "
                                   f"sleep 0.1; done; cat {name}.jsonl && rm -f {name}.jsonl "
@@ -375,7 +432,8 @@ class _Sweep:
         samples = samples_of(lines)
         if not samples:
             raise RigbookError(f"the draw meter took no sample: {truncate(said)}")
-        return str(header.get("source")), samples
+        psu = header.get("psu")
+        return str(header.get("source")), psu if isinstance(psu, str) else None, samples
 
     def decode(self, prompt: str, level: int, offset: float) -> tuple[float, int, list]:
         """`level` streams of `prompt`, new requests while the window runs: the window is
@@ -421,11 +479,34 @@ class _Sweep:
             runs.append((salt, usage, begin, end))
         return runs
 
+    def probe_concurrency(self, max_seqs: int | None) -> str:
+        """Before any cap is set: narrative decode windows at 1, 2, 4, ... streams at the unit's
+        caps; the plateau becomes the decode-concurrent level. Why not, where it cannot run."""
+        levels = probe_levels(max_seqs)
+        if skipped := probe_skipped(self.target.engine, levels):
+            return f"concurrency probe {skipped}"
+        live = self.live()
+        self.ladder.warm_up("narrative")
+        offset = self.meter_start("probe")
+        try:
+            decoded = [(level, *self.decode("narrative", level, offset)) for level in levels]
+        finally:
+            _, _, samples = self.meter_stop("probe")
+        cap = max((v for v in live.values() if v is not None), default=0.0)
+        windows = tuple(decode_window("decode-concurrent", "narrative", level, requests, chunks,
+                                      begin, self.settings_sweep.window_s, samples, cap)
+                        for level, begin, requests, chunks in decoded)
+        self.probe = ConcurrencyProbe(caps_w=live, windows=windows,
+                                      plateau=plateau_level(windows))
+        return probe_line(self.probe)
+
     def point(self, cap_w: float) -> SweepPoint:
         self.renew()
         live = self.set_caps(cap_w)
         name = f"cap-{w(cap_w).replace('.', '_')}"
         levels, _ = self.ladder.levels()
+        if self.probe is not None:
+            levels = sorted({1, self.probe.plateau})
         if self.long_prompt is None:
             want = min(self.settings_sweep.prefill_tokens, self.ladder.context - 64)
             self.long_prompt = haystack_words(self.ladder.sizer.words(want))
@@ -439,7 +520,7 @@ class _Sweep:
                     decoded.append((prompt, level, *self.decode(prompt, level, offset)))
             filled = self.prefill(offset)
         finally:
-            source, samples = self.meter_stop(name)
+            source, psu, samples = self.meter_stop(name)
         window_s = self.settings_sweep.window_s
         windows = [decode_window("decode-single" if level == 1 else "decode-concurrent", prompt,
                                  level, requests, chunks, begin, window_s, samples, cap_w)
@@ -450,9 +531,11 @@ class _Sweep:
             self.log(f"{w(cap_w)} W {win.workload} {win.prompt}: {win.tps.mean:.1f} tok/s "
                      f"({win.tps.low:.1f}-{win.tps.high:.1f}), {e.mean_w:.1f} W mean over "
                      f"{e.seconds:.1f} s ({e.samples} samples), {win.tps_per_w.mean:.4f} tok/s/W"
+                     + (f", PSU {e.psu_mean_w:.1f} W DC" if e.psu_mean_w is not None else "")
                      + (f"; OTHER GPU LOAD: {', '.join(e.other_processes)}"
                         if e.other_processes else ""))
-        return SweepPoint(cap_w=cap_w, live_caps_w=live, meter=source, windows=tuple(windows))
+        return SweepPoint(cap_w=cap_w, live_caps_w=live, meter=source, windows=tuple(windows),
+                          psu=psu)
 
     def release(self) -> tuple[bool, str]:
         """Release the lease, wait for the guard's restore, read the caps back against the unit.
@@ -517,6 +600,8 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
     try:
         sweep.arm()
         sweep.ladder.health()
+        if rig.sweep_concurrency_probe:
+            sweep.log(sweep.probe_concurrency(recipe_for(rig, host.name).max_num_seqs))
         for cap_w in caps:
             sweep.points.append(sweep.point(cap_w))
     except (StepFailed, RigbookError, requests.RequestException, ValueError) as failed:
@@ -532,7 +617,7 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
             prefill_tokens=sweep.settings_sweep.prefill_tokens, started=started,
             seconds=round(time.monotonic() - clock, 3), points=tuple(sweep.points),
             error=failure or sweep.undone, unit_caps_w=restore_to, restored=restored,
-            restore_detail=detail,
+            restore_detail=detail, concurrency=sweep.probe,
         )
         path, charts = save_sweep(run, root)
     if sweep.undone:  # loud even when this side then set the caps: the guard failed its job
@@ -553,11 +638,12 @@ def _run(state, host, rig: Rig, target: Target, settings: Settings, root: Path |
 def report_lines(run: SweepRun) -> list[str]:
     """The suggestion per class (with the caps within noise), the diagnosis lines, the
     resolvable difference and the paste-ready summary rows."""
-    lines = []
+    lines = [probe_line(run.concurrency)] if run.concurrency else []
     for workload, suggestion in suggestions(run).items():
         lines.append(f"suggested for {workload}: {w(suggestion.least_w)} W ({suggestion.text()})"
                      f"; to apply: {apply_command(run.rig, suggestion.least_w)}")
         lines += diagnosis(run, workload)
+    lines.append(psu_line(run))
     if (resolved := resolvable_w(run)) is not None:
         lines.append(f"this sweep resolves draw differences of ~{resolved:g} W (95 %, the median "
                      f"of its {run.window_s:g} s windows); a smaller one is noise")
@@ -566,8 +652,6 @@ def report_lines(run: SweepRun) -> list[str]:
 
 def setup_of(rig: Rig, rig_name: str, target: Target, probe) -> Rigs:
     """The columns that set this sweep beside other rigs' (the hardware notes' anchor rows)."""
-    from rigbook.roles.recipes import recipe_for
-
     recipe = recipe_for(rig, rig_name)
     return Rigs(gpu_models=tuple(g.name for g in probe.gpus), cooling=rig.cooling,
                 engine=target.engine, engine_build=recipe.venv, model=recipe.model.repo,
@@ -591,6 +675,13 @@ def sweep_caps(rig: Rig, target: Target, settings: Settings, root: str | None = 
     """
     probe = host.get_fact(NvidiaGpus)
     if not state.is_executing and probe is not None:  # --dry: the caps it would set, per GPU
+        warn_once(f"sweep range: {plan_caps(rig, probe.gpus)[1]}")
+        if rig.sweep_concurrency_probe:
+            levels = probe_levels(recipe_for(rig, host.name).max_num_seqs)
+            warn_once("sweep concurrency probe first, at the current cap: " + (
+                probe_skipped(target.engine, levels)
+                or f"{', '.join(map(str, levels))} streams; the plateau is the decode-concurrent "
+                "level"))
         for gpu in probe.gpus:
             warn_once(f"sweep GPU {gpu.index} ({gpu.uuid}): cap {w(gpu.power_limit_w)} W -> "
                       f"{', '.join(w(c) for c in caps_of(rig, probe.gpus))} W live, then "

@@ -79,6 +79,10 @@ class Evidence(StrictModel):
     cap_bound: bool
     resolvable_w: float | None  # the smallest draw difference this window resolves (95 %)
     other_processes: tuple[str, ...]  # "pid command" of GPU processes outside the engine
+    # The whole system where a PSU reports it (corsairpsu): its DC output, AC is 8-12 % higher.
+    psu_mean_w: float | None = None
+    psu_median_w: float | None = None
+    psu_samples: int = 0
 
 
 class Window(StrictModel):
@@ -98,10 +102,21 @@ class SweepPoint(StrictModel):
     live_caps_w: dict[str, float | None]
     meter: str  # "nvml" or "nvidia-smi"
     windows: tuple[Window, ...]
+    psu: str | None = None  # the corsairpsu hwmon folder the meter read; None: none found
 
     @property
     def other_load(self) -> bool:
         return any(win.evidence.other_processes for win in self.windows)
+
+
+class ConcurrencyProbe(StrictModel):
+    """Where decode concurrency plateaus at the rig's current cap: a narrative decode window per
+    level (1, 2, 4, ...), and the smallest level whose aggregate tok/s is within noise of the
+    best (`plateau`), which the sweep's decode-concurrent windows then run at."""
+
+    caps_w: dict[str, float | None]  # the live caps it ran at (the unit's)
+    windows: tuple[Window, ...]
+    plateau: int
 
 
 class Rigs(StrictModel):
@@ -133,6 +148,7 @@ class SweepRun(StrictModel):
     unit_caps_w: dict[str, float]
     restored: bool
     restore_detail: str
+    concurrency: ConcurrencyProbe | None = None  # sweep_concurrency_probe
 
     @property
     def ok(self) -> bool:
@@ -164,12 +180,14 @@ def load_sweeps(root: Path | None = None) -> list[tuple[Path, SweepRun]]:
 
 @dataclass(frozen=True)
 class Sample:
-    """One meter reading: the rig's clock, per GPU {"w","mj","t","u","sm","why"}, and the GPU
-    processes outside the engine where it looked for them (None: not this time)."""
+    """One meter reading: the rig's clock, per GPU {"w","mj","t","u","sm","why"}, the GPU
+    processes outside the engine where it looked for them (None: not this time), and the PSU's
+    DC output (W) where one reports it."""
 
     t: float
     gpus: dict
     others: list | None = None
+    psu_w: float | None = None
 
     @property
     def total_w(self) -> float:
@@ -177,15 +195,17 @@ class Sample:
 
 
 def samples_of(lines: Sequence) -> list[Sample]:
-    """The meter's JSON lines (header dropped), only readings of every GPU without error."""
+    """The meter's JSON lines (header dropped), only readings of every GPU without error; a
+    line's fourth item is the PSU's draw (lines of a meter before it have three)."""
     found = []
     for line in lines:
-        if not isinstance(line, list) or len(line) != 3 or not isinstance(line[1], dict):
+        if not isinstance(line, list) or len(line) not in (3, 4) or not isinstance(line[1], dict):
             continue
-        t, gpus, others = line
+        t, gpus, others, *psu = line
+        psu_w = psu[0] if psu and isinstance(psu[0], int | float) else None
         if gpus and "error" not in gpus and all(
                 isinstance(g, dict) and isinstance(g.get("w"), int | float) for g in gpus.values()):
-            found.append(Sample(float(t), gpus, others))
+            found.append(Sample(float(t), gpus, others, psu_w))
     return found
 
 
@@ -227,6 +247,7 @@ def evidence(samples: list[Sample], begin: float, end: float, cap_w: float) -> E
     tau = estimate(totals, interval or BIN_S).tau_s
     others = sorted({f"{pid} {name}" for s in samples if begin - 2 <= s.t <= end + 2
                      for pid, name in s.others or ()})
+    psu = [s.psu_w for s in inside if s.psu_w is not None]
     return Evidence(
         seconds=round(seconds, 3), samples=count,
         interval_s=round(interval, 3) if interval else None, mean_w=round(mean, 2),
@@ -241,6 +262,9 @@ def evidence(samples: list[Sample], begin: float, end: float, cap_w: float) -> E
         cap_bound=mean >= BINDS_AT * cap_w * cards or "sw_power_cap" in reasons,
         resolvable_w=round(resolvable(sd, tau, seconds), 2) if sd > 0 and seconds > 0 else None,
         other_processes=tuple(others),
+        psu_mean_w=round(statistics.fmean(psu), 2) if psu else None,
+        psu_median_w=round(statistics.median(psu), 2) if psu else None,
+        psu_samples=len(psu) if count else 0,
     )
 
 
@@ -289,6 +313,39 @@ def prefill_window(runs: list[tuple[str, int, float, float]], samples: list[Samp
                   tps_per_w=Interval.of(ratio(rates, draws, 1.0)),
                   evidence=evidence(samples, runs[0][2], runs[-1][3], cap_w),
                   salts=tuple(salt for salt, *_ in runs))
+
+
+#: The probe's highest level where the recipe names no max_num_seqs.
+PROBE_MAX = 64
+
+
+def probe_levels(max_seqs: int | None) -> list[int]:
+    """1, 2, 4, ... up to max_seqs (or PROBE_MAX), max_seqs itself last where it is no power
+    of 2."""
+    top = max(1, min(max_seqs or PROBE_MAX, PROBE_MAX))
+    levels = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    return levels + ([top] if levels[-1] != top else [])
+
+
+def plateau_level(windows: Sequence[Window]) -> int:
+    """The smallest concurrency whose aggregate tok/s cannot be told from the best's (their
+    intervals, autocorrelation counted): more streams than that buy nothing this run can see."""
+    best = max(windows, key=lambda win: win.tps.mean)
+    top = best.tps.estimate()
+    return min(win.concurrency for win in windows
+               if win is best or indistinguishable(top, win.tps.estimate()))
+
+
+def probe_line(probe: ConcurrencyProbe) -> str:
+    """The probe's finding, in words."""
+    best = max(probe.windows, key=lambda win: win.tps.mean)
+    at = next(win for win in probe.windows if win.concurrency == probe.plateau)
+    caps = ", ".join(sorted({w(c) for c in probe.caps_w.values() if c is not None}))
+    levels = ", ".join(f"{win.concurrency}: {win.tps.mean:.1f}" for win in probe.windows)
+    return (f"concurrency plateaus at {probe.plateau} streams ({at.tps.mean:.1f} tok/s, "
+            f"{at.tps.low:.1f}-{at.tps.high:.1f}; the best, {best.concurrency} streams, "
+            f"{best.tps.mean:.1f}) at the current cap {caps} W (streams: tok/s {levels}); the "
+            f"sweep's decode-concurrent ran at {probe.plateau}")
 
 
 # --- reading a sweep -----------------------------------------------------------------------------
@@ -399,6 +456,23 @@ def resolvable_w(run: SweepRun) -> float | None:
     return round(statistics.median(found), 1) if found else None
 
 
+#: What a corsairpsu's power1 is: the supply's DC output, not what it draws from the wall.
+AC_NOTE = "DC output of the PSU: its AC draw at the wall is 8-12 % higher"
+
+
+def psu_line(run: SweepRun) -> str:
+    """Whole-system power: which PSU the meter read and its range of window means, or that the
+    rig has none the meter could read."""
+    folders = sorted({p.psu for p in run.points if p.psu})
+    means = [win.evidence.psu_mean_w for p in run.points for win in p.windows
+             if win.evidence.psu_mean_w is not None]
+    if not folders or not means:
+        return ("whole-system power: none found (no corsairpsu hwmon on the rig, the only PSU "
+                "telemetry the meter reads)")
+    return (f"whole-system power: corsairpsu ({', '.join(folders)}), windows' means "
+            f"{min(means):.1f}-{max(means):.1f} W, {AC_NOTE}")
+
+
 def summary_rows(run: SweepRun) -> list[str]:
     """The hardware notes' cross-rig rows (GPU, Cooling, Engine, Model, Cap, Narr TPS, Code TPS,
     TPS/W, Source) as markdown: per class the suggested cap (starred) and the highest cap."""
@@ -433,7 +507,7 @@ def sweep_table(run: SweepRun):
     table = Table(title=f"power sweep of {run.rig} ({run.recipe}, "
                         f"{run.started:%Y-%m-%d %H:%M:%S} UTC)")
     for column in ("cap W", "workload", "prompt", "tok/s (95% CI)", "tok/s/W (95% CI)", "mean W",
-                   "p95 W", "n", "C", "util", "bound", "note"):
+                   "p95 W", "n", "PSU DC W", "C", "util", "bound", "note"):
         table.add_column(column, justify="left" if column in ("workload", "prompt", "note")
                          else "right")
     for point in run.points:
@@ -447,6 +521,7 @@ def sweep_table(run: SweepRun):
                 f"{win.tps.mean:.1f} ({win.tps.low:.1f}-{win.tps.high:.1f})",
                 f"{win.tps_per_w.mean:.4f} ({win.tps_per_w.low:.4f}-{win.tps_per_w.high:.4f})",
                 f"{e.mean_w:.1f}", f"{e.p95_w:.1f}", str(e.samples),
+                "-" if e.psu_mean_w is None else f"{e.psu_mean_w:.1f}",
                 "-" if e.temp_c_max is None else f"{e.temp_c_max:g}",
                 "-" if e.util_pct_mean is None else f"{e.util_pct_mean:.0f}%",
                 "yes" if e.cap_bound else "no", note)

@@ -443,16 +443,17 @@ def test_the_guard_restores_at_once_on_release_and_reports_a_failed_line(rigside
     assert not restored["ok"] and "exited 4: Insufficient Permissions" in restored["errors"][0]
 
 
-def test_the_meter_samples_each_card_until_stopped(rigside):
+def test_the_meter_samples_each_card_until_stopped(rigside, tmp_path):
     folder, smi, _, _ = rigside
     lease(folder, deadline=time.time() + 600, release=False)
     meter = start(folder, "meter", "--dir", str(folder), "--name", "cap-290", "--interval",
-                  "0.05", "--smi", str(smi))
+                  "0.05", "--smi", str(smi), "--hwmon", str(tmp_path / "no-hwmon"))
     time.sleep(0.6)
     (folder / "cap-290.stop").touch()
     assert meter.wait(timeout=10) == 0 and (folder / "cap-290.done").exists()
     lines = [json.loads(line) for line in (folder / "cap-290.jsonl").read_text().splitlines()]
-    assert lines[0] == {"source": "nvidia-smi", "interval": 0.05} and len(lines) >= 4
+    assert lines[0] == {"source": "nvidia-smi", "interval": 0.05, "psu": None}
+    assert len(lines) >= 4 and all(line[3] is None for line in lines[1:])  # no PSU: none read
     assert lines[1][1] == {
         UUID0: {"w": 123.45, "mj": None, "t": 61, "u": 97, "sm": 1695, "why": ["sw_power_cap"]},
         UUID1: {"w": 99.0, "mj": None, "t": 58, "u": None, "sm": 1500, "why": []}}

@@ -10,6 +10,8 @@ deploys/power_cap.py (rig1 290 W per card, rig2 260 W: the sweet spots), the eng
    with the draw sampled, restores every live cap to what the unit says (read back from the
    rigs, the unit itself untouched), and stores JSON with every window's evidence and a chart
    per workload class; the engine's own log proves every prefill cold (no cached prefix);
+   rig1's simulated corsairpsu is read beside every sample (the host's 110 W plus the cards'),
+   rig2 has none and says so;
 2. the operator's pyinfra killed mid-sweep: the guard on the rig restores the unit's caps once
    its lease lapses.
 
@@ -42,7 +44,8 @@ from rigbook.roles.sweep import (
     guard_command,
     lease_command,
 )
-from rigbook.roles.sweepresult import Evidence, load_sweeps
+from rigbook.roles.sweepresult import AC_NOTE, Evidence, load_sweeps
+from rigbook.sandbox import SIM_HWMON
 from tests.conftest import PYINFRA, ROOT, SANDBOX_INVENTORY, rig_ssh, rigbook, run_pyinfra
 from tests.standins import place_model, ssh_with_input, wheelhouse_for_llama
 from tests.test_sandbox import OLD, install_driver
@@ -59,7 +62,10 @@ TIMEOUT_S = 15  # the lease is this + 5 s: long enough for a step on a loaded CI
 WINDOW_S = 2
 SMALL = {"verify_bench_warmups": "0", "verify_bench_runs": "2", "verify_bench_tokens": "8",
          "verify_prefill_tokens": "64", "verify_bench_concurrency": "1",
-         "verify_timeout_s": str(TIMEOUT_S), "sweep_window_s": str(WINDOW_S)}
+         "verify_timeout_s": str(TIMEOUT_S), "sweep_window_s": str(WINDOW_S),
+         "sweep_hwmon_dir": SIM_HWMON}  # rig1's stand-in corsairpsu; rig2 has no PSU
+#: rig1's (dual-3090) simulated host draw beside its cards (sandbox/simulated/profiles.json).
+HOST_W = 110
 #: llama-cpp-python's verbose log (its server's default) of a request that reused a cached
 #: prefix, and of the prompt tokens each request evaluated.
 PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens")
@@ -139,6 +145,7 @@ def test_sweep_three_caps_on_two_rigs_restores_the_units_caps(served, monkeypatc
         salts = []
         for point, raw in zip(run.points, stored_json["points"], strict=True):
             assert set(point.live_caps_w.values()) == {point.cap_w}
+            assert point.psu == (f"{SIM_HWMON}/hwmon0" if name == "rig1" else None)
             assert [(win.workload, win.prompt) for win in point.windows] == [
                 ("decode-single", "narrative"), ("decode-single", "code"),
                 ("prefill-heavy", "frozen-long")]
@@ -152,6 +159,11 @@ def test_sweep_three_caps_on_two_rigs_restores_the_units_caps(served, monkeypatc
                 assert e.energy_j > 0 and e.temp_c_max is not None and e.sm_mhz_mean
                 assert e.util_pct_mean is not None and e.other_processes == ()
                 assert e.interval_s is None or e.interval_s <= 0.5 + 0.01
+                if name == "rig1":  # the PSU read beside each sample: the host and the cards
+                    assert e.psu_samples == e.samples and e.psu_median_w is not None
+                    assert e.psu_mean_w == pytest.approx(HOST_W + e.mean_w, abs=0.5)
+                else:
+                    assert (e.psu_mean_w, e.psu_samples) == (None, 0)
                 if win.workload == "decode-single":
                     assert e.seconds == WINDOW_S  # bounded by time, from the first token
                     assert e.samples >= 2 and win.tps.n_eff >= 1 and win.requests >= 1
@@ -179,6 +191,8 @@ def test_sweep_three_caps_on_two_rigs_restores_the_units_caps(served, monkeypatc
         big = [(h, r) for h, r in hits if h + r >= 0.9 * prompt]
         assert all(h <= 16 for h, _ in big), big
     assert "suggested for decode-single" in swept.stderr
+    assert f"whole-system power: corsairpsu ({SIM_HWMON}/hwmon0), windows' means" in swept.stderr
+    assert AC_NOTE in swept.stderr and "whole-system power: none found" in swept.stderr
     assert "| GPU | Cooling | Engine | Model | Cap | Narr TPS | Code TPS | TPS/W | Source |" in (
         swept.stderr)
 

@@ -6,7 +6,7 @@ it, as the tools venv's does):
 
     python3 sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit.service --dir D
     python3 sweep_rig.py meter --dir D --name cap-290 --interval 0.25 --smi /usr/bin/nvidia-smi \
-        --engine-unit rigbook-serve.service
+        --engine-unit rigbook-serve.service --hwmon /sys/class/hwmon
 
 guard: started as a unit of its own (systemd-run) when the sweep begins, it waits while the lease
 file (D/lease, JSON {"deadline": epoch seconds, "release": bool}) is held, and as soon as the sweep
@@ -19,9 +19,12 @@ and the record is always written, naming every GPU restored or not (with why):
 D/guard.pid holds its process id while it runs.
 
 meter: samples each GPU's power draw (W), its total-energy counter where the card has one (mJ
-since the driver loaded), temperature, utilisation, SM clock and clock-event reasons, and every
-few seconds the GPU processes outside the serving unit, until D/<name>.stop appears or the lease
-lapses: one JSON line a sample in D/<name>.jsonl (a header line first), D/<name>.done at the end.
+since the driver loaded), temperature, utilisation, SM clock and clock-event reasons, beside them
+the whole system's power where a PSU reports it (a Corsair HXi/RMi through the kernel's
+corsair-psu driver: the hwmon folder named `corsairpsu`, its power1_input the DC output in uW),
+and every few seconds the GPU processes outside the serving unit, until D/<name>.stop appears or
+the lease lapses: one JSON line a sample in D/<name>.jsonl (a header line first, naming the PSU
+folder or null), D/<name>.done at the end.
 """
 
 from __future__ import annotations
@@ -227,6 +230,42 @@ def smi_reader(smi: str):
     return read, processes
 
 
+#: Where the kernel's hwmon drivers show their sensors, and the name the corsair-psu driver gives
+#: its folder (Documentation/hwmon/corsair-psu.rst: power1_input is the total power).
+HWMON = "/sys/class/hwmon"
+PSU_NAME = "corsairpsu"
+
+
+def find_psu(root: str = HWMON):
+    """The first hwmon folder under `root` that a corsair-psu driver named, with a power1_input;
+    None where there is none (most rigs: no PSU with USB-HID telemetry)."""
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for entry in entries:
+        folder = os.path.join(root, entry)
+        try:
+            with open(os.path.join(folder, "name")) as handle:
+                if handle.read().strip() != PSU_NAME:
+                    continue
+        except OSError:
+            continue
+        if os.path.exists(os.path.join(folder, "power1_input")):
+            return folder
+    return None
+
+
+def psu_watts(folder):
+    """The PSU's total DC output (W) from power1_input (uW), None when a read fails (the driver
+    answers an error when the PSU does not reply over USB)."""
+    try:
+        with open(os.path.join(folder, "power1_input")) as handle:
+            return int(handle.read().strip()) / 1e6
+    except (OSError, ValueError):
+        return None
+
+
 def others(pids, engine_unit: str) -> list:
     """[pid, command] of each GPU process outside the serving engine's unit (its cgroup)."""
     found = []
@@ -243,17 +282,20 @@ def others(pids, engine_unit: str) -> list:
     return found
 
 
-def meter(directory: str, name: str, interval: float, smi: str, engine_unit: str) -> int:
+def meter(directory: str, name: str, interval: float, smi: str, engine_unit: str,
+          hwmon: str = HWMON) -> int:
     """Samples, one JSON line each, appended to D/<name>.jsonl as they are taken (a stop that
     comes in the middle of a slow read loses nothing already taken); D/<name>.done when over.
-    Each line: [epoch s, {uuid: {...}}, others or null] (others: looked for every few s)."""
+    Each line: [epoch s, {uuid: {...}}, others or null, PSU DC W or null] (others: looked for
+    every few s; the PSU read right after the cards)."""
     readers = nvml_reader()
     source = "nvml" if readers else "nvidia-smi"
     read, processes = readers or smi_reader(smi)
+    psu = find_psu(hwmon)
     stop = os.path.join(directory, f"{name}.stop")
     looked = 0.0
     with open(os.path.join(directory, f"{name}.jsonl"), "w") as out:
-        out.write(json.dumps({"source": source, "interval": interval}) + "\n")
+        out.write(json.dumps({"source": source, "interval": interval, "psu": psu}) + "\n")
         out.flush()
         while not os.path.exists(stop) and not lease_over(directory, time.time()):
             began = time.time()
@@ -262,13 +304,14 @@ def meter(directory: str, name: str, interval: float, smi: str, engine_unit: str
                 gpus = read()
             except (OSError, subprocess.SubprocessError) as error:
                 gpus = {"error": str(error)}
+            psu_w = psu_watts(psu) if psu else None
             if began - looked >= PROCESS_EVERY_S:
                 looked = began
                 try:
                     seen = others(processes(), engine_unit)
                 except Exception as error:  # noqa: BLE001  (an unknown is recorded, not fatal)
                     seen = [[0, f"unknown: {type(error).__name__}"]]
-            out.write(json.dumps([began, gpus, seen]) + "\n")
+            out.write(json.dumps([began, gpus, seen, psu_w]) + "\n")
             out.flush()
             time.sleep(max(interval - (time.time() - began), 0.0))
     write_text(os.path.join(directory, f"{name}.done"), "")
@@ -289,10 +332,11 @@ def main(argv: list[str]) -> int:
     m.add_argument("--interval", type=float, default=0.2)
     m.add_argument("--smi", required=True)
     m.add_argument("--engine-unit", default="")
+    m.add_argument("--hwmon", default=HWMON)
     args = parser.parse_args(argv)
     if args.mode == "guard":
         return guard(args.unit, args.dir, args.poll, args.smi_timeout)
-    return meter(args.dir, args.name, args.interval, args.smi, args.engine_unit)
+    return meter(args.dir, args.name, args.interval, args.smi, args.engine_unit, args.hwmon)
 
 
 if __name__ == "__main__":

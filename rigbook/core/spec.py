@@ -610,6 +610,19 @@ class Rig(StrictModel):
         "salt at its start each request; capped by the recipe's context); the runbook used "
         "39,760.",
     )
+    sweep_concurrency_probe: StrictBool = Field(
+        False,
+        description="Run option: before the caps, find where decode concurrency plateaus at the "
+        "rig's current cap (1, 2, 4, ... streams up to the recipe's max_num_seqs, or 64): the "
+        "smallest level within noise of the best becomes the sweep's decode-concurrent level. "
+        "Not on llama.cpp (one stream at a time).",
+    )
+    sweep_hwmon_dir: RigPath = Field(
+        "/sys/class/hwmon",
+        description="Run option: where the sweep's meter looks for a PSU's telemetry (a hwmon "
+        "folder named corsairpsu, the kernel's corsair-psu driver) to record whole-system power "
+        "beside the cards'.",
+    )
 
     @field_validator("sweep_watts", mode="before")
     @classmethod
