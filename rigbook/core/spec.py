@@ -596,7 +596,8 @@ class Rig(StrictModel):
         (),
         description="Run option: the caps (W) deploys/power_sweep.py measures, as START:STOP:STEP "
         "(250:350:10, both ends included), a comma list (250,290,330) or one cap; at most 64. "
-        "Left out: every card's whole range (power.min_limit to power.max_limit) at 10 W.",
+        "Left out: the whole range (power.min_limit to power.max_limit) at 10 W for a card class "
+        "the notes measured (3090, 4090, 5090), else a first range, 60-85 % of the default limit.",
     )
     sweep_window_s: StrictInt = Field(
         10, ge=1, le=600,
