@@ -51,6 +51,7 @@ from rigbook.core.errors import RigbookError
 from rigbook.core.pins import engine_pins, engine_venv, venv_link
 from rigbook.core.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
 from rigbook.core.types import IpAddress, Line, LocalPath, StrictModel, Word
+from rigbook.rigside.hfcache import snapshot_dir
 from rigbook.roles.wsl import serving_environment
 
 RECIPES_DIR = FILES / "recipes"
@@ -921,12 +922,6 @@ def override_problems(recipe: Recipe, rig: Rig) -> list[str]:
 
 
 # --- rendering -------------------------------------------------------------------------------
-
-
-def snapshot_dir(cache: str, repo: str, revision: str) -> str:
-    """The snapshot folder of a repo at a commit in a Hugging Face hub cache."""
-    org, name = repo.split("/")
-    return f"{cache}/models--{org}--{name}/snapshots/{revision}"
 
 
 #: A split GGUF's shard: NAME-00001-of-00003.gguf (llama.cpp loads the others beside it).
