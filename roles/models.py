@@ -53,7 +53,7 @@ from rigbook import FILES
 from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.core.errors import RigbookError
 from rigbook.core.managed import absent, directory, put
-from rigbook.core.messages import GIB, notice, refused, warn_once
+from rigbook.core.messages import GIB, human, notice, refused, warn_once
 from rigbook.core.messages import connector_arguments as _connector_arguments  # model_snapshot's
 from rigbook.core.progress import EVERY_DEFAULT, progress_every, run_watched
 from rigbook.core.render import template
@@ -98,13 +98,6 @@ HFCACHE_COPY = f"{MODELS_DIR}/hfcache.py"
 def snapshot_path(rig: Rig, spec: ModelSpec) -> str:
     """The snapshot folder an engine can load directly (or pass repo + --revision offline)."""
     return snapshot_dir(rig.models_cache, spec.repo, spec.revision)
-
-
-def human(size: float) -> str:
-    """Bytes as GiB (two decimals) or, below 1 GiB, MiB."""
-    if size >= GIB:
-        return f"{size / GIB:.2f} GiB"
-    return f"{size / 1024**2:.2f} MiB"
 
 
 def label(spec: ModelSpec) -> str:

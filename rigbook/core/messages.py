@@ -1,5 +1,5 @@
 """How roles speak to the operator from inside an operation: warnings, notices and refusals
-(and `gib`, the one way a size is written in them).
+(and `gib` and `human`, the ways a size is written in them).
 
 An operation body runs at prepare time (when pyinfra diffs) and again at execution, so what it
 says must be said once; and a problem that concerns one rig must fail that rig alone: pyinfra
@@ -20,6 +20,13 @@ GIB = 1024**3
 def gib(size_bytes: float) -> str:
     """A size in bytes as GiB with one decimal: 25769803776 -> "24.0 GiB"."""
     return f"{size_bytes / GIB:.1f} GiB"
+
+
+def human(size_bytes: float) -> str:
+    """A size of files as GiB with two decimals or, below 1 GiB, MiB: "262.14 MiB"."""
+    if size_bytes >= GIB:
+        return f"{size_bytes / GIB:.2f} GiB"
+    return f"{size_bytes / 1024**2:.2f} MiB"
 
 
 def warn_once(message: str) -> None:
