@@ -10,9 +10,12 @@ from io import StringIO
 
 import pytest
 from pyinfra.api import Config, Inventory, OperationError, State
+from pyinfra.api.connect import connect_all
+from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
+from pyinfra.operations import server
 
-from rigbook.core import managed, runfacts
+from rigbook.core import managed, render, runfacts
 from tests.opkit import FakeHost, describe, file_states
 
 
@@ -211,3 +214,57 @@ def test_a_body_run_while_planning_records_nothing():
         executed = list(managed.text_commands("new", "/etc/a"))
     assert [describe(c) for c in planned] == [describe(c) for c in executed] == [
         "upload /etc/a", "chmod 644 /etc/a"]
+
+
+def converge_here(tmp_path, monkeypatch, deploy) -> list[tuple[str, ...]]:
+    """A real pyinfra run over @local (its commands run here, on what the test made in
+    tmp_path): the paths of each file-state read while it executed."""
+    reads: list[tuple[str, ...]] = []
+    command = managed.FileStates.command
+    monkeypatch.setattr(managed.FileStates, "command",
+                        lambda self, paths: reads.append(paths) or command(self, paths))
+    inventory = Inventory((["@local"], {}))
+    state = State(inventory, Config())
+    connect_all(state)
+    with ctx_state.use(state), ctx_host.use(inventory.get_host("@local")):
+        deploy()
+    reads.clear()  # what planning read (the bodies run while pyinfra diffs)
+    run_ops(state)
+    assert all(meta.is_complete() and meta.did_succeed()
+               for ops in state.ops.values() for meta in
+               (data.operation_meta for data in ops.values()))
+    return reads
+
+
+def test_a_changed_template_keeps_the_other_file_states(tmp_path, monkeypatch):
+    """A template is written by managed's own write: like a put, the file states it leaves are
+    known, so the files after it are compared without another read (before, a changed template
+    made the next file read every state again)."""
+    (tmp_path / "same").write_text("same\n")
+    (tmp_path / "unit").write_text("old\n")
+    source = tmp_path / "unit.j2"
+    source.write_text("{{ word }}\n")
+
+    def deploy():
+        managed.put(str(tmp_path / "same"), str(tmp_path / "copy"))
+        render.template(str(source), str(tmp_path / "unit"), word="new", name="Write the unit")
+        managed.put(str(tmp_path / "same"), str(tmp_path / "later"))
+
+    assert converge_here(tmp_path, monkeypatch, deploy) == []
+    assert (tmp_path / "unit").read_text() == "new\n" and (tmp_path / "later").exists()
+
+
+def test_another_operation_that_changed_the_rig_sends_the_next_file_to_the_rig(
+        tmp_path, monkeypatch):
+    """The same run with a shell step instead of the template: what it changed is unknown, so
+    the next file is read again (what the template test would see if its write were not
+    managed's)."""
+    (tmp_path / "same").write_text("same\n")
+
+    def deploy():
+        managed.put(str(tmp_path / "same"), str(tmp_path / "copy"))
+        server.shell(name="Something else", commands=[f"touch {tmp_path}/elsewhere"])
+        managed.put(str(tmp_path / "same"), str(tmp_path / "later"))
+
+    reads = converge_here(tmp_path, monkeypatch, deploy)
+    assert len(reads) == 1 and str(tmp_path / "later") in reads[0]
