@@ -9,14 +9,14 @@ import subprocess
 from io import StringIO
 
 import pytest
-from pyinfra.api import Config, Inventory, OperationError, State
+from pyinfra.api import Config, Inventory, State
 from pyinfra.api.connect import connect_all
 from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.operations import server
 
-from rigbook.core import managed, render, runfacts
-from tests.opkit import FakeHost, describe, file_states
+from rigbook.core import managed, messages, render, runfacts
+from tests.opkit import FakeHost, describe, execute, file_states
 
 
 def read(paths: tuple[str, ...]) -> dict:
@@ -93,8 +93,10 @@ def test_something_else_at_a_file_path_is_refused_not_replaced(kind):
     def states(paths):
         return {path: managed.FileState(kind, 0o755) for path in paths}
 
-    with pytest.raises(OperationError, match=f"is a {kind}, not a file"):
-        run(lambda: managed.text_commands("t", "/etc/x"), {"FileStates": states})
+    commands, fake = run(lambda: managed.text_commands("t", "/etc/x"), {"FileStates": states})
+    assert [describe(c) for c in commands] == ["call _log_refusal"]
+    assert execute(commands[0], fake) is False  # the step fails this rig when it executes
+    assert fake.logged == [f"/etc/x is a {kind}, not a file: rigbook will not replace it"]
 
 
 def test_another_operation_that_changed_the_rig_makes_the_next_comparison_read_again(
@@ -121,8 +123,10 @@ def test_only_a_regular_file_is_removed(kind):
     def states(paths):
         return {path: managed.FileState(kind, 0o755) for path in paths}
 
-    with pytest.raises(OperationError, match=f"is a {kind}, not a regular file"):
-        run(lambda: managed.absent_commands("/etc/x"), {"FileStates": states})
+    commands, fake = run(lambda: managed.absent_commands("/etc/x"), {"FileStates": states})
+    assert [describe(c) for c in commands] == ["call _log_refusal"]
+    assert execute(commands[0], fake) is False
+    assert fake.logged == [f"/etc/x is a {kind}, not a regular file: rigbook will not remove it"]
 
 
 def _removing(path: str) -> str:
@@ -268,3 +272,28 @@ def test_another_operation_that_changed_the_rig_sends_the_next_file_to_the_rig(
 
     reads = converge_here(tmp_path, monkeypatch, deploy)
     assert len(reads) == 1 and str(tmp_path / "later") in reads[0]
+
+
+def test_a_path_refused_while_planning_fails_that_rig_alone_and_the_other_converges(tmp_path):
+    """A folder where rigbook's file goes, found while the deploy is planned (without -y, and
+    --dry): that rig is refused then, nothing planned for it runs, and the other rig's run goes
+    on (raising there, as before, aborted the whole run). rig1 is never connected: it answers
+    from a stand-in read; @local runs its commands here, in tmp_path."""
+    (tmp_path / "source").write_text("x\n")
+    dest = str(tmp_path / "dest")
+    inventory = Inventory((["rig1", "@local"], {}))
+    state = State(inventory, Config())
+    refused, here = inventory.get_host("rig1"), inventory.get_host("@local")
+    here.connect()
+    for host in (refused, here):
+        state.activate_host(host)
+    refused.get_fact = lambda fact, paths: {path: managed.FileState("directory", 0o755)
+                                            for path in paths}
+    for host in (refused, here):
+        with ctx_state.use(state), ctx_host.use(host):
+            managed.put(str(tmp_path / "source"), dest, mode="644", name="Install dest")
+    assert state.failed_hosts == {refused} and set(state.active_hosts) == {here}
+    assert messages.REASONS[state] == {
+        "rig1": f"refused: {dest} is a directory, not a file: rigbook will not replace it"}
+    run_ops(state)
+    assert (tmp_path / "dest").read_text() == "x\n"
