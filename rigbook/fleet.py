@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import shlex
 import sys
-from weakref import WeakKeyDictionary
 
 import pyinfra
 from pyinfra import logger
@@ -33,17 +32,10 @@ from pyinfra.api import Host, State
 from pyinfra.api.state import BaseStateCallback
 
 from rigbook.core.link import lost, lost_text
-
-#: Per run (pyinfra State): rig name -> why it failed, in the order noted.
-_REASONS: WeakKeyDictionary = WeakKeyDictionary()
+from rigbook.core.messages import REASONS, note  # per run: each failed rig's first reason
 
 UNREACHABLE = "unreachable: pyinfra could not connect (its message is above)"
 UNKNOWN = "failed (the messages above say where)"
-
-
-def note(state: State, name: str, reason: str) -> None:
-    """Why this rig failed; a rig's first reason is kept (what came after followed from it)."""
-    _REASONS.setdefault(state, {}).setdefault(name, reason)
 
 
 class FleetReport(BaseStateCallback):
@@ -82,7 +74,7 @@ def table(state: State, argv: list[str]) -> str | None:
     failed = [host for host in state.inventory if host in state.failed_hosts]
     if not failed:
         return None
-    reasons = _REASONS.get(state, {})
+    reasons = REASONS.get(state, {})
     width = max(len(host.name) for host in failed)
     rows = [f"    {host.name:<{width}}  {reasons.get(host.name, UNKNOWN)}" for host in failed]
     total = len([host for host in state.inventory if state.is_host_in_limit(host)])
@@ -101,9 +93,9 @@ def _print_table(state: State) -> None:
 def watch(state: State) -> None:
     """Start the report for this run (once): the rigs that failed to connect are noted as
     unreachable, later failures as they come, and the table prints when the process ends."""
-    if state in _REASONS:
+    if state in REASONS:
         return
-    _REASONS[state] = {}
+    REASONS[state] = {}
     for host in state.inventory:
         if host in state.failed_hosts and not host.connected:
             note(state, host.name, UNREACHABLE)

@@ -23,7 +23,7 @@ from urllib.parse import quote
 import requests
 
 from rigbook.core.errors import RigbookError
-from rigbook.core.messages import GIB
+from rigbook.core.messages import human
 
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 #: A branch, a tag or a commit: no "..", no leading "/" or "-".
@@ -123,7 +123,7 @@ def resolve(repo: str, ref: str, endpoint: str, token: str | None) -> Resolved:
 def _size(size: int | None) -> str:
     if size is None:
         return "?"
-    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 1024**2:.2f} MiB"
+    return human(size)
 
 
 def report(found: Resolved, allow: tuple[str, ...]) -> str:

@@ -33,6 +33,7 @@ from rigbook import fleet
 from rigbook.core import link, runlock
 from rigbook.core.checks import REFUSING, Check, Finding, read_facts, reads_of, run_checks, unique
 from rigbook.core.facts import usable
+from rigbook.core.messages import refuse_now
 from rigbook.core.spec import Rig
 from rigbook.core.units import NO_SYSTEMD, SYSTEMD
 from rigbook.roles.driver import DRIVER, driver_pending
@@ -45,17 +46,6 @@ def refusal_text(rig_name: str, findings: Iterable[Finding],
                  headline: str = "refused before any change, nothing was changed") -> str:
     lines = "\n".join(f"  - {finding.message(rig_name)}" for finding in findings)
     return f"{headline}:\n{lines}"
-
-
-def _fail_now(message: str, reason: str) -> None:
-    """Fail the current rig while the deploy is planned: no operation is planned for it, the
-    run (and --dry) exits non-zero, and no prompt stops the other rigs. `reason`: its line in
-    the run's closing table (rigbook/fleet.py)."""
-    host.log_styled(message, fg="red", log_func=logger.error)
-    this = ctx_host.get()  # the Host itself: `host` is pyinfra's context proxy
-    fleet.note(ctx_state.get(), this.name, reason)
-    state.failed_hosts.add(this)
-    state.active_hosts.discard(this)
 
 
 def refusal_reason(findings: list[Finding]) -> str:
@@ -86,13 +76,13 @@ def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
     link.bound(ctx_state.get(), ctx_host.get(), rig)
     held = runlock.take(state, host)
     if held is not None:
-        _fail_now(f"refused before any change: {held}", f"refused: {held}")
+        refuse_now(f"refused before any change: {held}", f"refused: {held}")
         return False
     checks = unique(check for group in ((SYSTEMD,), *groups) for check in group)
     facts = read_facts(state, host, reads_of(rig, host.name, checks))
     if link.lost(ctx_host.get()):
         lost = link.lost_text(ctx_host.get())
-        _fail_now(f"{lost}, while the preflight read its facts: nothing was changed",
+        refuse_now(f"{lost}, while the preflight read its facts: nothing was changed",
                   f"{lost}, during the preflight")
         return False
     if facts.systemd is False:  # said once, here: the roles plan no unit and no systemctl
@@ -103,7 +93,7 @@ def preflight(rig: Rig, *groups: Iterable[Check]) -> bool:
         checks = tuple(check for check in checks if not check.gpus)
     refusing = [f for f in run_checks(rig, host.name, checks, facts) if f.level in REFUSING]
     if refusing:
-        _fail_now(refusal_text(host.name, refusing), refusal_reason(refusing))
+        refuse_now(refusal_text(host.name, refusing), refusal_reason(refusing))
         return False
     for finding in run_checks(rig, host.name, [c for c in checks if c.said], facts):
         logger.warning(f"{host.print_prefix}{finding.text}")

@@ -14,8 +14,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from rigbook.core.messages import gib
-from rigbook.roles.models import human
+from rigbook.core.messages import gib, human
 from rigbook.roles.power import watts
 from rigbook.roles.tuning import same_sysctl
 from rigbook.status import (

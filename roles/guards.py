@@ -56,6 +56,8 @@ from rigbook.core.types import JsonValue
 from rigbook.core.units import SYSTEMD, booted, service
 from rigbook.rigside.gpus import Gpu
 from rigbook.rigside.xid import (
+    GPU_LOST_HEADLINE,
+    GPU_LOST_MARK,
     Boot,
     Card,
     Xid,
@@ -81,11 +83,6 @@ REAPER_UNIT = "rigbook-shm-reaper.service"
 WATCH_UNIT = "rigbook-xid-watch.service"
 SERVE_UNIT = "rigbook-serve.service"
 SERVE_DROPIN = f"{UNITS_DIR}/{SERVE_UNIT}.d/50-rigbook-guards.conf"
-
-#: Written by the Xid watch (its MARK and HEADLINE; a test keeps them equal).
-GPU_LOST_MARK = "/run/rigbook/gpu-lost"
-GPU_LOST_HEADLINE = "GPU lost: do not restart serving"
-ENGINE_FAULTS_LOG = "/var/log/rigbook/engine-faults.log"
 
 #: A link this narrow (lanes) or narrower makes tensor parallelism over PCIe crawl.
 NARROW_LINK = 4

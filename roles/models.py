@@ -41,6 +41,7 @@ import ipaddress
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, FunctionCommand, QuoteString, StringCommand, deploy, operation
@@ -52,7 +53,7 @@ from rigbook import FILES
 from rigbook.core.checks import Check, Facts, Finding, Read, drift, error, warn
 from rigbook.core.errors import RigbookError
 from rigbook.core.managed import absent, directory, put
-from rigbook.core.messages import GIB, notice, refused, warn_once
+from rigbook.core.messages import GIB, human, notice, refused, warn_once
 from rigbook.core.messages import connector_arguments as _connector_arguments  # model_snapshot's
 from rigbook.core.progress import EVERY_DEFAULT, progress_every, run_watched
 from rigbook.core.render import template
@@ -62,6 +63,8 @@ from rigbook.core.spec import ModelSpec, Rig
 from rigbook.core.tools import TOOLS_PYTHON, tools_venv
 from rigbook.core.types import JsonValue, ip_address
 from rigbook.core.units import SYSTEMD_READ, booted, service
+from rigbook.rigside import hfcache
+from rigbook.rigside.hfcache import repo_folder, repo_of, snapshot_dir
 from rigbook.roles.recipes import (
     PLACEHOLDER_REVISION,
     placeholder_text,
@@ -87,23 +90,14 @@ MIRROR_UNIT_PATH = f"/etc/systemd/system/{MIRROR_UNIT}"
 MIRROR_TEMPLATE = FILES / "models" / f"{MIRROR_UNIT}.j2"
 #: The copy of it that systemd hands the running mirror (root can read it).
 MIRROR_CREDENTIAL_PATH = f"/run/credentials/{MIRROR_UNIT}/mirror-token"
-REPO_PREFIX = "models--"
-
-def repo_folder(repo: str) -> str:
-    """ORG/NAME -> models--ORG--NAME (huggingface_hub's folder name in the cache)."""
-    return REPO_PREFIX + repo.replace("/", "--")
+#: The cache's layout (rigbook/rigside/hfcache.py), copied beside pull.py and mirror.py.
+HFCACHE_SOURCE = Path(hfcache.__file__)
+HFCACHE_COPY = f"{MODELS_DIR}/hfcache.py"
 
 
 def snapshot_path(rig: Rig, spec: ModelSpec) -> str:
     """The snapshot folder an engine can load directly (or pass repo + --revision offline)."""
-    return f"{rig.models_cache}/{repo_folder(spec.repo)}/snapshots/{spec.revision}"
-
-
-def human(size: float) -> str:
-    """Bytes as GiB (two decimals) or, below 1 GiB, MiB."""
-    if size >= GIB:
-        return f"{size / GIB:.2f} GiB"
-    return f"{size / 1024**2:.2f} MiB"
+    return snapshot_dir(rig.models_cache, spec.repo, spec.revision)
 
 
 def label(spec: ModelSpec) -> str:
@@ -141,7 +135,7 @@ class CachedRepo(JsonValue):
 
     @property
     def repo(self) -> str:
-        return self.folder.removeprefix(REPO_PREFIX).replace("--", "/")
+        return repo_of(self.folder)
 
 
 @dataclass(frozen=True)
@@ -603,6 +597,12 @@ NO_MIRROR_ADDRESS = (
 )
 
 
+def install_layout():
+    """The cache's layout beside pull.py and mirror.py, which import it (in MODELS_DIR)."""
+    return put(name=f"Install {HFCACHE_COPY} (the cache's layout)", src=str(HFCACHE_SOURCE),
+               dest=HFCACHE_COPY, mode="644")
+
+
 def hub_mirror(rig: Rig, token: Secret | None) -> None:
     """Run rigbook's mirror on models_mirror_port, or make sure it is gone (deploy-level).
 
@@ -629,6 +629,7 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
     directory(name=f"Create {MODELS_DIR}", path=MODELS_DIR, mode="755")
     script = put(name=f"Install {MIRROR_SCRIPT}", src=str(MIRROR_SOURCE),
                  dest=MIRROR_SCRIPT, mode="644")
+    layout = install_layout()
     unit = template(
         name=f"Write {MIRROR_UNIT_PATH}", src=str(MIRROR_TEMPLATE), dest=MIRROR_UNIT_PATH,
         mode="644", cache=rig.models_cache, bind=bind, port=rig.models_mirror_port,
@@ -638,7 +639,7 @@ def hub_mirror(rig: Rig, token: Secret | None) -> None:
     service(
         name=f"Run {MIRROR_UNIT} on {bind} port {rig.models_mirror_port}", service=MIRROR_UNIT,
         running=True, enabled=True, daemon_reload=unit.will_change,
-        restarted=unit.will_change or script.will_change or (
+        restarted=unit.will_change or script.will_change or layout.will_change or (
             held is not None and held.sha256 != token.sha256),
     )
 
@@ -669,6 +670,7 @@ def models(rig: Rig) -> None:
             mode="644")
         put(name=f"Install {CACHE_COPY} (pull.py's cache check)", src=str(CACHE_SOURCE),
             dest=CACHE_COPY, mode="644")
+        install_layout()
         directory(name=f"Create the HF cache {rig.models_cache}", path=rig.models_cache,
                   mode="755")
         sent = (fleet if rig.models_endpoint else hub).token

@@ -48,9 +48,11 @@ from rigbook.core.cards import (
 )
 from rigbook.core.envvars import env_problems
 from rigbook.core.errors import RigbookError
+from rigbook.core.messages import GIB, gib
 from rigbook.core.pins import engine_pins, engine_venv, venv_link
 from rigbook.core.spec import VRAM_GIB, GpuClass, ModelSpec, Platform, Rig
 from rigbook.core.types import IpAddress, Line, LocalPath, StrictModel, Word
+from rigbook.rigside.hfcache import snapshot_dir
 from rigbook.roles.wsl import serving_environment
 
 RECIPES_DIR = FILES / "recipes"
@@ -576,9 +578,9 @@ def shm_offload_problem(recipe: Recipe, shm_size: str | None,
     if size is None or shm_size is None or (shm_size.endswith("%") and not mem_total_bytes):
         return None
     have = size_bytes(shm_size, mem_total_bytes)
-    if have >= size * 1024**3:
+    if have >= size * GIB:
         return None
-    return (f"shm_size {shm_size} ({have / 1024**3:.1f} GiB) cannot hold the recipe's "
+    return (f"shm_size {shm_size} ({gib(have)}) cannot hold the recipe's "
             f"{KV_OFFLOAD_FLAG} {size:g} GiB buffer, which vLLM keeps in /dev/shm "
             "(docs/sources.md, Shutdown drain and /dev/shm); raise shm_size")
 
@@ -921,12 +923,6 @@ def override_problems(recipe: Recipe, rig: Rig) -> list[str]:
 
 
 # --- rendering -------------------------------------------------------------------------------
-
-
-def snapshot_dir(cache: str, repo: str, revision: str) -> str:
-    """The snapshot folder of a repo at a commit in a Hugging Face hub cache."""
-    org, name = repo.split("/")
-    return f"{cache}/models--{org}--{name}/snapshots/{revision}"
 
 
 #: A split GGUF's shard: NAME-00001-of-00003.gguf (llama.cpp loads the others beside it).

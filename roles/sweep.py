@@ -44,12 +44,12 @@ from typing import Any
 import requests
 from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, QuoteString, StringCommand, deploy, operation
-from pyinfra.operations import files
 
 from rigbook import FILES
 from rigbook.core.checks import Check, Facts, Finding, Read, error, warn
 from rigbook.core.errors import RigbookError
 from rigbook.core.facts import GPUS, GPUS_READ, NvidiaGpus, count_finding, usable
+from rigbook.core.managed import directory_commands, expect, put_commands
 from rigbook.core.messages import refused, warn_once
 from rigbook.core.spec import MAX_CAPS, SWEET_SPOTS, Rig
 from rigbook.core.tools import TOOLS_PYTHON
@@ -687,9 +687,12 @@ def sweep_caps(rig: Rig, target: Target, settings: Settings, root: str | None = 
                       f"{', '.join(w(c) for c in caps_of(rig, probe.gpus))} W live, then "
                       "back to "
                       f"{UNIT_NAME}'s cap")
-    yield from files.directory._inner(path=SWEEP_DIR, mode="700")
-    yield from files.put._inner(src=str(RIG_PROGRAM), dest=f"{SWEEP_DIR}/sweep_rig.py")
-    yield from files.put._inner(src=cap_check.__file__, dest=f"{SWEEP_DIR}/cap_check.py")
+    copies = {f"{SWEEP_DIR}/{Path(src).name}": str(src)
+              for src in (RIG_PROGRAM, cap_check.__file__)}
+    expect(*copies)  # rigbook.core.managed: the folder and both files in one read
+    yield from directory_commands(SWEEP_DIR, mode="700")
+    for dest, src in copies.items():
+        yield from put_commands(src, dest, mode="644")
     yield FunctionCommand(_run, (rig, target, settings, Path(root) if root else None), {})
 
 

@@ -170,7 +170,10 @@ def hf_token(token: Secret, path: str = TOKEN_PATH) -> Iterator:
       mirror token); pull.py is run with ``HF_TOKEN_PATH`` pointing at one of them
 
     Compared by sha256 (``SecretFile``), never by content, so ``--diff`` has nothing to show;
-    unlike ``files.put``, which prints a file-like source's lines with ``--diff``.
+    unlike ``files.put``, which prints a file-like source's lines with ``--diff``. Apart from
+    rigbook.core.managed's writes for that reason, and because a token's file is checked by its
+    owner too, which managed's one read of file states does not see: its writes leave the run's
+    remembered file states to be read again.
     """
     now = host.get_fact(SecretFile, path=path)
     wanted = SecretFileState("600", "root", "root", token.sha256)

@@ -28,10 +28,13 @@ headers; clients set HF_HUB_DISABLE_XET=1. Standard library only: it is copied t
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import importlib.util
 import json
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -40,17 +43,32 @@ from pathlib import Path
 from urllib.parse import unquote
 
 
-def _load(name: str):
-    """files/models/<name>.py: beside this file on a rig, under files/models in the repo."""
+def _programs() -> Path:
+    """The folder of the models programs, laid out as rigbook puts them on a rig (pull.py and
+    mirror.py beside cache.py and hfcache.py, which they import): this file's own folder on a
+    rig; in the repo, a copy of files/models' programs and rigbook/rigside/hfcache.py."""
     here = Path(__file__).resolve().parent
-    for path in (here / f"{name}.py", here.parent / "files" / "models" / f"{name}.py"):
-        if path.exists():
-            spec = importlib.util.spec_from_file_location(f"rigbook_{name}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault(f"rigbook_{name}", module)
-            spec.loader.exec_module(module)
-            return module
-    raise ImportError(f"{name}.py is neither beside hubstub.py nor in files/models")
+    if (here / "mirror.py").exists():
+        return here
+    folder = Path(tempfile.mkdtemp(prefix="rigbook-models-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    for source in (*(here.parent / "files" / "models").glob("*.py"),
+                   here.parent / "rigbook" / "rigside" / "hfcache.py"):
+        shutil.copy(source, folder)
+    return folder
+
+
+#: Where pull.py and mirror.py are, with what they import beside them.
+PROGRAMS = _programs()
+
+
+def _load(name: str):
+    """PROGRAMS/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(f"rigbook_{name}", PROGRAMS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(f"rigbook_{name}", module)
+    spec.loader.exec_module(module)
+    return module
 
 
 mirror, pull = _load("mirror"), _load("pull")

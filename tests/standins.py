@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from rigbook.core.tools import TOOLS_PINS
-from rigbook.roles.recipes import gguf_patterns, snapshot_dir
+from rigbook.rigside.hfcache import snapshot_dir
+from rigbook.roles.recipes import gguf_patterns
 from rigbook.sandbox import rigs, wheelhouse
 from tests.tinymodel import FILE, REPO, cache_layout, pull_manifest, revision_of, write_tiny_gguf
 

@@ -979,11 +979,9 @@ def test_a_failing_source_is_reported_and_exits_nonzero(watch_dir, tmp_path):
     assert "`exit 1` ended with exit 1" in done.stderr
 
 
-def test_watch_and_module_agree_on_paths_and_the_unit_on_sources(watch_dir, monkeypatch):
+def test_the_watch_unit_names_the_watch_sources(watch_dir, monkeypatch):
     monkeypatch.syspath_prepend(str(watch_dir))
     watch = load_script(watch_dir / "rigbook-xid-watch", "rigbook_xid_watch")
-    assert (watch.MARK, watch.HEADLINE, watch.FAULTS_LOG) == (
-        guards.GPU_LOST_MARK, guards.GPU_LOST_HEADLINE, guards.ENGINE_FAULTS_LOG)
     unit = (GUARDS / "rigbook-xid-watch.service").read_text().splitlines()
     assert f'Environment="RIGBOOK_XID_SCAN={watch.SCAN}"' in unit
     assert f'Environment="RIGBOOK_XID_FOLLOW={watch.FOLLOW}"' in unit

@@ -29,8 +29,8 @@ import time
 
 import pytest
 
+from rigbook.rigside.xid import ENGINE_FAULTS_LOG
 from rigbook.roles.guards import (
-    ENGINE_FAULTS_LOG,
     GPU_LOST_MARK,
     REAPER,
     REAPER_UNIT,

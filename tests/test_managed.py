@@ -9,11 +9,14 @@ import subprocess
 from io import StringIO
 
 import pytest
-from pyinfra.api import Config, Inventory, OperationError, State
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.connect import connect_all
+from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
+from pyinfra.operations import server
 
-from rigbook.core import managed, runfacts
-from tests.opkit import FakeHost, describe, file_states
+from rigbook.core import managed, messages, render, runfacts
+from tests.opkit import FakeHost, describe, execute, file_states
 
 
 def read(paths: tuple[str, ...]) -> dict:
@@ -90,8 +93,10 @@ def test_something_else_at_a_file_path_is_refused_not_replaced(kind):
     def states(paths):
         return {path: managed.FileState(kind, 0o755) for path in paths}
 
-    with pytest.raises(OperationError, match=f"is a {kind}, not a file"):
-        run(lambda: managed.text_commands("t", "/etc/x"), {"FileStates": states})
+    commands, fake = run(lambda: managed.text_commands("t", "/etc/x"), {"FileStates": states})
+    assert [describe(c) for c in commands] == ["call _log_refusal"]
+    assert execute(commands[0], fake) is False  # the step fails this rig when it executes
+    assert fake.logged == [f"/etc/x is a {kind}, not a file: rigbook will not replace it"]
 
 
 def test_another_operation_that_changed_the_rig_makes_the_next_comparison_read_again(
@@ -118,8 +123,10 @@ def test_only_a_regular_file_is_removed(kind):
     def states(paths):
         return {path: managed.FileState(kind, 0o755) for path in paths}
 
-    with pytest.raises(OperationError, match=f"is a {kind}, not a regular file"):
-        run(lambda: managed.absent_commands("/etc/x"), {"FileStates": states})
+    commands, fake = run(lambda: managed.absent_commands("/etc/x"), {"FileStates": states})
+    assert [describe(c) for c in commands] == ["call _log_refusal"]
+    assert execute(commands[0], fake) is False
+    assert fake.logged == [f"/etc/x is a {kind}, not a regular file: rigbook will not remove it"]
 
 
 def _removing(path: str) -> str:
@@ -211,3 +218,82 @@ def test_a_body_run_while_planning_records_nothing():
         executed = list(managed.text_commands("new", "/etc/a"))
     assert [describe(c) for c in planned] == [describe(c) for c in executed] == [
         "upload /etc/a", "chmod 644 /etc/a"]
+
+
+def converge_here(tmp_path, monkeypatch, deploy) -> list[tuple[str, ...]]:
+    """A real pyinfra run over @local (its commands run here, on what the test made in
+    tmp_path): the paths of each file-state read while it executed."""
+    reads: list[tuple[str, ...]] = []
+    command = managed.FileStates.command
+    monkeypatch.setattr(managed.FileStates, "command",
+                        lambda self, paths: reads.append(paths) or command(self, paths))
+    inventory = Inventory((["@local"], {}))
+    state = State(inventory, Config())
+    connect_all(state)
+    with ctx_state.use(state), ctx_host.use(inventory.get_host("@local")):
+        deploy()
+    reads.clear()  # what planning read (the bodies run while pyinfra diffs)
+    run_ops(state)
+    assert all(meta.is_complete() and meta.did_succeed()
+               for ops in state.ops.values() for meta in
+               (data.operation_meta for data in ops.values()))
+    return reads
+
+
+def test_a_changed_template_keeps_the_other_file_states(tmp_path, monkeypatch):
+    """A template is written by managed's own write: like a put, the file states it leaves are
+    known, so the files after it are compared without another read (before, a changed template
+    made the next file read every state again)."""
+    (tmp_path / "same").write_text("same\n")
+    (tmp_path / "unit").write_text("old\n")
+    source = tmp_path / "unit.j2"
+    source.write_text("{{ word }}\n")
+
+    def deploy():
+        managed.put(str(tmp_path / "same"), str(tmp_path / "copy"))
+        render.template(str(source), str(tmp_path / "unit"), word="new", name="Write the unit")
+        managed.put(str(tmp_path / "same"), str(tmp_path / "later"))
+
+    assert converge_here(tmp_path, monkeypatch, deploy) == []
+    assert (tmp_path / "unit").read_text() == "new\n" and (tmp_path / "later").exists()
+
+
+def test_another_operation_that_changed_the_rig_sends_the_next_file_to_the_rig(
+        tmp_path, monkeypatch):
+    """The same run with a shell step instead of the template: what it changed is unknown, so
+    the next file is read again (what the template test would see if its write were not
+    managed's)."""
+    (tmp_path / "same").write_text("same\n")
+
+    def deploy():
+        managed.put(str(tmp_path / "same"), str(tmp_path / "copy"))
+        server.shell(name="Something else", commands=[f"touch {tmp_path}/elsewhere"])
+        managed.put(str(tmp_path / "same"), str(tmp_path / "later"))
+
+    reads = converge_here(tmp_path, monkeypatch, deploy)
+    assert len(reads) == 1 and str(tmp_path / "later") in reads[0]
+
+
+def test_a_path_refused_while_planning_fails_that_rig_alone_and_the_other_converges(tmp_path):
+    """A folder where rigbook's file goes, found while the deploy is planned (without -y, and
+    --dry): that rig is refused then, nothing planned for it runs, and the other rig's run goes
+    on (raising there, as before, aborted the whole run). rig1 is never connected: it answers
+    from a stand-in read; @local runs its commands here, in tmp_path."""
+    (tmp_path / "source").write_text("x\n")
+    dest = str(tmp_path / "dest")
+    inventory = Inventory((["rig1", "@local"], {}))
+    state = State(inventory, Config())
+    refused, here = inventory.get_host("rig1"), inventory.get_host("@local")
+    here.connect()
+    for host in (refused, here):
+        state.activate_host(host)
+    refused.get_fact = lambda fact, paths: {path: managed.FileState("directory", 0o755)
+                                            for path in paths}
+    for host in (refused, here):
+        with ctx_state.use(state), ctx_host.use(host):
+            managed.put(str(tmp_path / "source"), dest, mode="644", name="Install dest")
+    assert state.failed_hosts == {refused} and set(state.active_hosts) == {here}
+    assert messages.REASONS[state] == {
+        "rig1": f"refused: {dest} is a directory, not a file: rigbook will not replace it"}
+    run_ops(state)
+    assert (tmp_path / "dest").read_text() == "x\n"

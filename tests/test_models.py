@@ -28,7 +28,6 @@ import pytest
 from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.command import FileUploadCommand
 
-from rigbook import FILES
 from rigbook.core.checks import Facts
 from rigbook.core.errors import RigbookError
 from rigbook.core.secrets import Secret
@@ -63,7 +62,7 @@ from rigbook.roles.tokens import (
     parse_secret_file,
     rig_tokens,
 )
-from tests.hubstub import Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
+from tests.hubstub import PROGRAMS, Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import run_op, shell
 from tests.test_facts_data import captured
 from tests.test_progress import FakeRig
@@ -473,7 +472,7 @@ def test_pull_messages():
 
 
 def load_pull():
-    loader = importlib.util.spec_from_file_location("rigbook_pull", FILES / "models" / "pull.py")
+    loader = importlib.util.spec_from_file_location("rigbook_pull", PROGRAMS / "pull.py")
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
     return module
@@ -823,7 +822,7 @@ def run_pull(python, hub, cache, repo, *extra, token_path=None, mirror=False, pi
     else:
         env["HF_ENDPOINT"] = hub.endpoint
     proc = subprocess.run(
-        [python, str(FILES / "models" / "pull.py"), f"--cache={cache}", f"--repo={repo.repo_id}",
+        [python, str(PROGRAMS / "pull.py"), f"--cache={cache}", f"--repo={repo.repo_id}",
          f"--revision={repo.commit}", "--margin-bytes=0", *extra],
         capture_output=True, text=True, env=env, timeout=120,
     )
@@ -1449,7 +1448,7 @@ def test_mirror_reads_no_body_outside_0_to_64_kib(tmp_path):
 def test_mirror_script_refuses_to_start_without_a_token_and_serves_with_one(tmp_path):
     cache = tmp_path / "cache"
     make_repo(cache, "org/model", COMMIT, FILES_A)
-    script = str(FILES / "models" / "mirror.py")
+    script = str(PROGRAMS / "mirror.py")
     env = {"PATH": os.environ["PATH"]}
     refused = subprocess.run([sys.executable, script, "--cache", str(cache), "--port", "0"],
                              capture_output=True, text=True, env=env, timeout=30)

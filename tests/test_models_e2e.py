@@ -46,7 +46,7 @@ from tests.conftest import (
     run_pyinfra,
     security_exposure,
 )
-from tests.hubstub import big_repo, huge_repo, tiny_repo
+from tests.hubstub import PROGRAMS, big_repo, huge_repo, tiny_repo
 from tests.test_models import ensure_wheels
 
 DEPLOY = "deploys/models.py"
@@ -163,9 +163,9 @@ def rig_with_stub(sandbox):
     FLEET_TOKEN_FILE.chmod(0o600)
     rig_ssh(rig, f"rm -rf {CACHE} /etc/rigbook/secrets /opt/rigbook/models {STUB_DIR}; "
                  f"mkdir -p {STUB_DIR} && (umask 077; echo {MIRROR_TOKEN} > {STUB_DIR}/token)")
-    models = ROOT / "files" / "models"  # pull.py imports cache.py from beside it
-    for source in (ROOT / "tests" / "hubstub.py", models / "mirror.py", models / "pull.py",
-                   models / "cache.py"):
+    # laid out as on a rig: pull.py and mirror.py import cache.py and hfcache.py from beside them
+    for source in (ROOT / "tests" / "hubstub.py", *(PROGRAMS / name for name in (
+            "mirror.py", "pull.py", "cache.py", "hfcache.py"))):
         text = base64.b64encode(source.read_bytes()).decode()
         rig_ssh(rig, f"echo {text} | base64 -d > {STUB_DIR}/{source.name}")
     stub = Stub(rig)

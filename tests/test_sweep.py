@@ -658,3 +658,20 @@ def test_the_guard_is_started_as_a_unit_of_its_own_not_in_the_ssh_login():
                               "sweep_rig.py guard --unit /etc/systemd/system/nvidia-power-limit"
                               ".service --dir /run/rigbook-sweep --smi-timeout 20 ")
     assert "[ -s guard.pid ] && exit 0" in command  # the sweep goes on only once it runs
+
+
+def test_the_sweep_copies_its_programs_through_managed_in_the_rigs_one_read():
+    """The guard and meter reach /run/rigbook-sweep by rigbook.core.managed's writes: one read of
+    every file state (FileStates), only what differs written, and the run started after them."""
+    from rigbook.roles import sweep
+    from tests.opkit import describe, file_states, run_op
+
+    folder = sweep.SWEEP_DIR
+    facts = {"NvidiaGpus": None, "FileStates": file_states(
+        {f"{folder}/cap_check.py": Path(sweep.cap_check.__file__).read_text()}, dirs={})}
+    commands, fake = run_op(sweep.sweep_caps, facts, rig=None, target=None, settings=None,
+                            executing=True)
+    assert [describe(c) for c in commands] == [
+        f"mkdir -p {folder}", f"chmod 700 {folder}", f"upload {folder}/sweep_rig.py",
+        f"chmod 644 {folder}/sweep_rig.py", "call _run"]
+    assert [name for name, _ in fake.asked] == ["NvidiaGpus", "FileStates"]

@@ -45,6 +45,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,10 +53,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hfcache import (  # noqa: E402  (rigbook/rigside/hfcache.py, copied beside this file)
+    MANIFEST_ROUTE,
+    MANIFESTS,
+    REFS,
+    SNAPSHOTS,
+    manifest_name,
+    repo_folder,
+)
+
 CHUNK = 1024 * 1024
-REPO_PREFIX = "models--"
-#: Folder of rigbook's manifests inside a repo folder of the cache.
-MANIFESTS = "rigbook"
 #: The systemd credential that holds the fleet's token (LoadCredential=mirror-token:<file>).
 CREDENTIAL = "mirror-token"
 #: Connections served at once; one more is answered 503 and closed. A pull opens one for the
@@ -70,7 +78,7 @@ MAX_BODY = 64 * 1024
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_MANIFEST = re.compile(r"/api/rigbook/manifest/([^/]+/[^/]+)/([^/]+)")
+_MANIFEST = re.compile(re.escape(MANIFEST_ROUTE) + r"/([^/]+/[^/]+)/([^/]+)")
 _API = re.compile(r"/api/models/([^/]+/[^/]+)/(revision|tree|paths-info)/([^/]+)(?:/(.*))?")
 _RESOLVE = re.compile(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)")
 _RANGE = re.compile(r"bytes=(\d+)-")
@@ -170,15 +178,14 @@ class CacheStore(Store):
         self.cache = cache
 
     def _folder(self, repo_id: str) -> str:
-        return os.path.join(self.cache, REPO_PREFIX + repo_id.replace("/", "--"))
+        return os.path.join(self.cache, repo_folder(repo_id))
 
     def exists(self, repo_id: str) -> bool:
         return os.path.isdir(os.path.join(self._folder(repo_id), MANIFESTS))
 
     def manifest(self, repo_id: str, commit: str) -> bytes | None:
         try:
-            with open(os.path.join(self._folder(repo_id), MANIFESTS, f"{commit}.json"),
-                      "rb") as handle:
+            with open(os.path.join(self._folder(repo_id), manifest_name(commit)), "rb") as handle:
                 return handle.read()
         except OSError:
             return None
@@ -188,7 +195,7 @@ class CacheStore(Store):
         commit = revision
         if not _COMMIT.fullmatch(revision):
             try:
-                with open(os.path.join(folder, "refs", revision)) as handle:
+                with open(os.path.join(folder, REFS, revision)) as handle:
                     commit = handle.read().strip()
             except OSError:
                 return None
@@ -198,7 +205,7 @@ class CacheStore(Store):
             manifest = json.loads(self.manifest(repo_id, commit) or b"")
         except ValueError:
             return None
-        snapshot = os.path.join(folder, "snapshots", commit)
+        snapshot = os.path.join(folder, SNAPSHOTS, commit)
         files = {}
         for path, meta in dict(manifest.get("files", {})).items():
             local = os.path.join(snapshot, path)

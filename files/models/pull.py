@@ -76,11 +76,17 @@ from urllib.parse import quote, urljoin, urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cache import untrusted  # noqa: E402  (files/models/cache.py, copied beside this file)
+from hfcache import (  # noqa: E402  (rigbook/rigside/hfcache.py, copied beside this file)
+    BLOBS,
+    MANIFEST_ROUTE,
+    manifest_name,
+    repo_folder,
+    snapshot_dir,
+)
 
 EXIT = {"complete": 0, "refused": 2, "partial": 3, "error": 4}
 MANIFEST_VERSION = 2
-#: rigbook's mirror: its manifest route (mirror.py), and the most bytes read from it.
-MANIFEST_ROUTE = "/api/rigbook/manifest"
+#: The most bytes read from rigbook's mirror for a manifest (at hfcache.MANIFEST_ROUTE).
 MANIFEST_LIMIT = 64 * 1024**2
 _HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "oid": re.compile(r"[0-9a-f]{40}")}
 HASH_CHUNK = 8 * 1024 * 1024
@@ -112,10 +118,6 @@ def no_follow(path: str, flags: int) -> int:
 def new_file(path: str, flags: int) -> int:
     """no_follow for a file of this run's own (a download, a manifest): it must not exist."""
     return no_follow(path, flags | os.O_EXCL)
-
-
-def repo_folder(repo: str) -> str:
-    return "models--" + repo.replace("/", "--")
 
 
 def gib(size: int) -> str:
@@ -212,7 +214,7 @@ def remove_file(path: Path) -> None:
     except OSError:
         blob = None
     path.unlink(missing_ok=True)
-    if blob is not None and blob != path and blob.parent.name == "blobs":
+    if blob is not None and blob != path and blob.parent.name == BLOBS:
         blob.unlink(missing_ok=True)
 
 
@@ -383,7 +385,7 @@ def remove_dead_leftovers(cache: Path, folder: str) -> list[dict]:
     (filelock's FileLock is fcntl.flock on Linux); taking the same lock proves nobody does now.
     """
     removed = []
-    for leftover in sorted((cache / folder / "blobs").glob("*.incomplete")):
+    for leftover in sorted((cache / folder / BLOBS).glob("*.incomplete")):
         etag = leftover.name.split(".", 1)[0]
         lock_path = cache / ".locks" / folder / f"{etag}.lock"
         lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -514,7 +516,7 @@ def fetch(url: str, token: str | None, repo_dir: Path, lock_dir: Path, link: Pat
     the snapshot. The per-file lock is the one huggingface_hub holds while it writes a blob (so
     remove_dead_leftovers leaves this download alone)."""
     etag = etag_of(meta)
-    blob = repo_dir / "blobs" / etag
+    blob = repo_dir / BLOBS / etag
     blob.parent.mkdir(parents=True, exist_ok=True)
     lock_dir.mkdir(parents=True, exist_ok=True)
     temporary = blob.with_name(f"{etag}.{os.urandom(4).hex()}.incomplete")
@@ -541,7 +543,7 @@ def download(args: argparse.Namespace, missing: dict[str, dict]):
     are hashed by verify."""
     cache = Path(args.cache)
     repo_dir = cache / repo_folder(args.repo)
-    snapshot = repo_dir / "snapshots" / args.revision
+    snapshot = Path(snapshot_dir(args.cache, args.repo, args.revision))
     if args.endpoint:
         base = args.endpoint
     else:
@@ -718,8 +720,8 @@ def pull(args: argparse.Namespace) -> dict:
     cache = Path(args.cache)
     folder = repo_folder(args.repo)
     repo_dir = cache / folder
-    snapshot = repo_dir / "snapshots" / args.revision
-    manifest_path = repo_dir / "rigbook" / f"{args.revision}.json"
+    snapshot = Path(snapshot_dir(args.cache, args.repo, args.revision))
+    manifest_path = repo_dir / manifest_name(args.revision)
     result = {"repo": args.repo, "revision": args.revision, "cache": str(cache)}
 
     why = untrusted(str(cache))
@@ -762,7 +764,7 @@ def pull(args: argparse.Namespace) -> dict:
             return {**result, **refusal, "status": "refused"}
 
         downloading = time.monotonic()
-        progress = Progress(snapshot, repo_dir / "blobs", missing, downloading)
+        progress = Progress(snapshot, repo_dir / BLOBS, missing, downloading)
         if missing:
             report("download", files=len(missing), bytes=progress.total)
         with reporting(progress, args.progress_every):

@@ -27,7 +27,6 @@ from pyinfra import host, logger, state
 from pyinfra.api import (
     FactBase,
     FileUploadCommand,
-    OperationError,
     QuoteString,
     StringCommand,
     operation,
@@ -38,6 +37,7 @@ from pyinfra.facts.files import FileContents
 from pyinfra.operations.util.files import chmod, generate_color_diff
 
 from rigbook.core import runfacts
+from rigbook.core.messages import refuse, refuse_now
 from rigbook.core.types import JsonValue
 
 
@@ -116,6 +116,16 @@ def _show_diff(src: str | Path | IO, dest: str, existed: bool) -> None:
     logger.info("")
 
 
+def _refused(message: str) -> Iterator:
+    """Refuse this rig for a path rigbook will not touch, and only this rig: while the deploy is
+    planned, at once (nothing planned for it runs; raising here would abort the whole run);
+    while it executes (-y plans nothing first), by a step that fails it."""
+    if state.is_executing:
+        yield refuse(message)
+    else:
+        refuse_now(f"refused, nothing was changed: {message}", f"refused: {message}")
+
+
 def put_commands(src: str | Path | IO, dest: str, mode: str | None = None) -> Iterator:
     """Upload `src` (a local path or a file-like object) to `dest` when its content differs, or
     its mode when given; nothing, and a no-op line, when it is already there. Without a mode
@@ -124,7 +134,8 @@ def put_commands(src: str | Path | IO, dest: str, mode: str | None = None) -> It
         raise OSError(f"No such file: {src}")
     now = state_of(dest)
     if now is not None and now.kind != "file":
-        raise OperationError(f"{dest} is a {now.kind}, not a file: rigbook will not replace it")
+        yield from _refused(f"{dest} is a {now.kind}, not a file: rigbook will not replace it")
+        return
     wanted = now.mode if mode is None and now is not None else int(mode or "644", 8)
     digest = _sha256(src)
     if now is not None and now.sha256 == digest:
@@ -159,8 +170,9 @@ def absent_commands(path: str) -> Iterator:
         host.noop(f"file {path} does not exist")
         return
     if now.kind != "file":
-        raise OperationError(f"{path} is a {now.kind}, not a regular file: rigbook will not "
-                             "remove it")
+        yield from _refused(f"{path} is a {now.kind}, not a regular file: rigbook will not "
+                            "remove it")
+        return
     quoted = QuoteString(path)
     yield StringCommand(
         "if [ -f", quoted, "] && [ ! -L", quoted, "]; then rm -f --", quoted, "; else echo",
@@ -174,7 +186,9 @@ def directory_commands(path: str, mode: str = "755") -> Iterator:
     wanted = int(mode, 8)
     now = state_of(path)
     if now is not None and now.kind != "directory":
-        raise OperationError(f"{path} is a {now.kind}, not a directory")
+        yield from _refused(f"{path} is a {now.kind}, not a directory: rigbook will not "
+                            "replace it")
+        return
     if now is not None and now.mode == wanted:
         host.noop(f"directory {path} already exists")
         return

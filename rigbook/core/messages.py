@@ -1,18 +1,26 @@
 """How roles speak to the operator from inside an operation: warnings, notices and refusals
-(and `gib`, the one way a size is written in them).
+(and `gib` and `human`, the ways a size is written in them).
 
 An operation body runs at prepare time (when pyinfra diffs) and again at execution, so what it
 says must be said once; and a problem that concerns one rig must fail that rig alone: pyinfra
-aborts the whole run when deploy code raises while it prepares.
+aborts the whole run when deploy code raises while it prepares. `refuse_now` fails a rig while
+the deploy is planned (the preflight's refusals, a path rigbook will not replace), `refuse` and
+`refused` when the step executes; `note` keeps each failed rig's reason for the closing table
+(rigbook/fleet.py).
 """
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 from pyinfra import host, logger
-from pyinfra.api import FunctionCommand, operation
+from pyinfra.api import FunctionCommand, State, operation
 from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS
+from pyinfra.context import ctx_host, ctx_state
 
 _warned: set[tuple[str, str]] = set()
+#: Why each rig of a run failed, by run: its first reason (what came after followed from it).
+REASONS: WeakKeyDictionary = WeakKeyDictionary()
 
 GIB = 1024**3
 
@@ -20,6 +28,13 @@ GIB = 1024**3
 def gib(size_bytes: float) -> str:
     """A size in bytes as GiB with one decimal: 25769803776 -> "24.0 GiB"."""
     return f"{size_bytes / GIB:.1f} GiB"
+
+
+def human(size_bytes: float) -> str:
+    """A size of files as GiB with two decimals or, below 1 GiB, MiB: "262.14 MiB"."""
+    if size_bytes >= GIB:
+        return f"{size_bytes / GIB:.2f} GiB"
+    return f"{size_bytes / 1024**2:.2f} MiB"
 
 
 def warn_once(message: str) -> None:
@@ -47,6 +62,23 @@ def _log_refusal(state, host, message: str) -> bool:
 def notice(message: str) -> FunctionCommand:
     """A command that prints a warning when it executes (so only when the operation ran)."""
     return FunctionCommand(_log_warning, (message,), {})
+
+
+def note(run_state: State, name: str, reason: str) -> None:
+    """Why this rig failed; a rig's first reason is kept (what came after followed from it)."""
+    REASONS.setdefault(run_state, {}).setdefault(name, reason)
+
+
+def refuse_now(message: str, reason: str) -> None:
+    """Fail the current rig while the deploy is planned: no operation planned for it runs, the
+    run (and --dry) exits non-zero, and no prompt stops the other rigs, which go on. `reason`:
+    its line in the run's closing table (rigbook/fleet.py)."""
+    host.log_styled(message, fg="red", log_func=logger.error)
+    this = ctx_host.get()  # the Host itself: `host` is pyinfra's context proxy
+    run_state = ctx_state.get()
+    note(run_state, this.name, reason)
+    run_state.failed_hosts.add(this)
+    run_state.active_hosts.discard(this)
 
 
 def refuse(message: str) -> FunctionCommand:

@@ -13,13 +13,15 @@ the format it lands in, or refused when the format has no way to hold it:
 - `shell`: one word for a POSIX shell (`shlex.quote`), in scripts rigbook generates.
 
 Every template goes through `render(path, **values)` (`render_crlf` for the files Windows' own
-tools read), and every file rigbook writes from one through the `template` operation: one jinja
-environment with these filters, StrictUndefined (a missing value is an error, never an empty
-string) and no autoescape (the filters are the escaping).
+tools read), and every file rigbook writes from one through `template` (or `template_commands`
+inside a larger operation), which hands the text to rigbook.core.managed: one jinja environment
+with these filters, StrictUndefined (a missing value is an error, never an empty string) and no
+autoescape (the filters are the escaping).
 """
 
 from __future__ import annotations
 
+import io
 import re
 import shlex
 from collections.abc import Iterator
@@ -27,9 +29,9 @@ from functools import cache
 from pathlib import Path
 
 from jinja2 import Environment, StrictUndefined
-from pyinfra.api import operation
+from pyinfra.api.arguments import all_global_arguments
 
-from rigbook.core.managed import expect, text_commands
+from rigbook.core.managed import put, text_commands
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Characters systemd reads back unchanged in an unquoted word (no shell: globs are plain).
@@ -92,24 +94,18 @@ def render_crlf(path: Path | str, **values) -> str:
 
 def template_commands(src: Path | str, dest: str, mode: str = "644", **values) -> Iterator:
     """The commands that write a rendered rigbook template to `dest` when its content or mode
-    differs (rigbook.core.managed: one read for all of a rig's files)."""
+    differs, inside a larger operation (rigbook.core.managed: one read for all of a rig's
+    files)."""
     yield from text_commands(render(src, **values), dest, mode)
 
 
-@operation()
-def _template(src: Path | str, dest: str, mode: str = "644", **values):
-    """
-    Write a file rendered from a rigbook template, when its content differs.
-
-    + src: the template (files/<role>/<name>.j2)
-    + dest: where it goes on the rig
-    + mode: its permissions
-    + values: what the template is rendered with (`render`)
-    """
-    yield from template_commands(src, dest, mode, **values)
+#: pyinfra's own arguments of an operation call (name=, _sudo=, _if=...): not template values.
+_OP_ARGS = frozenset(key for key, _ in all_global_arguments())
 
 
 def template(src: Path | str, dest: str, mode: str = "644", **values):
-    """The `_template` operation, its path named while the deploy is planned (one read)."""
-    expect(dest)
-    return _template(src=src, dest=dest, mode=mode, **values)
+    """Write a file rendered from a rigbook template when its content or mode differs: the
+    rendered text goes through rigbook.core.managed's `put`, the one way rigbook writes a file
+    (its path named while the deploy is planned, its write keeping the run's file states)."""
+    op_args = {key: values.pop(key) for key in list(values) if key in _OP_ARGS}
+    return put(io.StringIO(render(src, **values)), dest, mode, **op_args)

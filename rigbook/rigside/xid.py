@@ -29,6 +29,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+#: What the Xid watch (files/guards/rigbook-xid-watch) writes on the rig, and rigbook reads: the
+#: GPU-lost mark (its first line the headline, then the Xid lines), and the engine-faults log.
+GPU_LOST_MARK = "/run/rigbook/gpu-lost"
+GPU_LOST_HEADLINE = "GPU lost: do not restart serving"
+ENGINE_FAULTS_LOG = "/var/log/rigbook/engine-faults.log"
+
 #: Xid code -> (description, immediate action), from NVIDIA's Xid catalogue (codes it marks
 #: unused are left out).
 XID_CATALOGUE: dict[int, tuple[str, str]] = {
