@@ -165,7 +165,10 @@ class ModelCache(FactBase[CacheState]):
     """
 
     def command(self, cache: str) -> StringCommand:
-        source = CACHE_SOURCE.read_text()
+        source = (  # hfcache.py as the module cache.py imports, then cache.py
+            "import sys, types\nhfcache = types.ModuleType('hfcache')\n"
+            f"exec({HFCACHE_SOURCE.read_text()!r}, hfcache.__dict__)\n"
+            "sys.modules['hfcache'] = hfcache\n" + CACHE_SOURCE.read_text())
         return StringCommand("python3", "-c", QuoteString(source), QuoteString(cache))
 
     def process(self, output: list[str]) -> CacheState:

@@ -1,6 +1,8 @@
 """What a Hugging Face cache holds, read on the rig: rigbook's ModelCache fact (roles/models.py).
 
-Sent as `python3 -c <this file> CACHE` (standard library only, nothing of rigbook installed).
+Sent as `python3 -c <rigbook/rigside/hfcache.py as module hfcache, then this file> CACHE`
+(standard library only, nothing of rigbook installed); beside pull.py it imports the copy of
+hfcache.py there.
 Prints one JSON object (sorted keys): per models--ORG--NAME folder its refs, each snapshot's
 file sizes, the blobs' total and .incomplete leftovers, and rigbook's manifests (the
 `rigbook/` folder pull.py writes), each with the sha256 of its bytes (what an operator pins as
@@ -14,6 +16,8 @@ import json
 import os
 import stat
 import sys
+
+from hfcache import BLOBS, MANIFESTS, REFS, REPO_PREFIX, SNAPSHOTS
 
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
@@ -68,8 +72,8 @@ def untrusted(cache: str) -> str | None:
             except OSError:
                 continue  # gone meanwhile
             if stat.S_ISLNK(st.st_mode):
-                if os.path.relpath(path, real).split(os.sep)[1:2] not in (["snapshots"],
-                                                                           ["blobs"]):
+                if os.path.relpath(path, real).split(os.sep)[1:2] not in ([SNAPSHOTS],
+                                                                           [BLOBS]):
                     return (f"{path} is a link where the cache has none (only a repo's "
                             "snapshots and, with Xet, its blobs do)")
                 continue
@@ -86,11 +90,11 @@ def main(argv: list[str]) -> None:
     names = sorted(os.listdir(cache)) if out["exists"] else []
     for name in names:
         top = os.path.join(cache, name)
-        if not name.startswith("models--") or not os.path.isdir(top):
+        if not name.startswith(REPO_PREFIX) or not os.path.isdir(top):
             continue
         repo = {"folder": name, "refs": {}, "snapshots": {}, "manifests": {}, "incomplete": [],
                 "bytes": 0}
-        refs = os.path.join(top, "refs")
+        refs = os.path.join(top, REFS)
         for root, _, found in os.walk(refs):
             for ref in found:
                 path = os.path.join(root, ref)
@@ -99,7 +103,7 @@ def main(argv: list[str]) -> None:
                         repo["refs"][os.path.relpath(path, refs)] = handle.read().strip()
                 except OSError:
                     pass
-        blobs = os.path.join(top, "blobs")
+        blobs = os.path.join(top, BLOBS)
         for blob in sorted(os.listdir(blobs)) if os.path.isdir(blobs) else []:
             try:
                 size = os.stat(os.path.join(blobs, blob)).st_size
@@ -108,7 +112,7 @@ def main(argv: list[str]) -> None:
             repo["bytes"] += size
             if blob.endswith(".incomplete"):
                 repo["incomplete"].append([blob, size])
-        snapshots = os.path.join(top, "snapshots")
+        snapshots = os.path.join(top, SNAPSHOTS)
         for commit in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []:
             base = os.path.join(snapshots, commit)
             if not os.path.isdir(base):
@@ -122,7 +126,7 @@ def main(argv: list[str]) -> None:
                     except OSError:
                         sizes[os.path.relpath(path, base)] = None
             repo["snapshots"][commit] = sizes
-        manifests = os.path.join(top, "rigbook")
+        manifests = os.path.join(top, MANIFESTS)
         for item in sorted(os.listdir(manifests)) if os.path.isdir(manifests) else []:
             if not item.endswith(".json"):
                 continue
