@@ -828,7 +828,7 @@ def hold_serving(reason: str) -> Iterator:
     yield StringCommand("mkdir", "-p", str(Path(HOLD_PATH).parent))
     yield from _put(line + "\n", HOLD_PATH)
     if running:
-        yield stop_command(what == UNIT_NAME)
+        yield stop_command(booted())
 
 
 @operation(is_idempotent=False)
