@@ -180,8 +180,8 @@ def start(conf: dict) -> int:
         print(f"already running (pid {pid})")
         return 0
     why = checks(conf)  # said here too, so that a refused start fails the deploy with it
+    record(conf, why)
     if why is not None:
-        record(conf, why)
         print(f"not starting the engine: {why}")
         return 1
     for path in (conf["pidfile"], conf["log"]):
