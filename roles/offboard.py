@@ -76,7 +76,8 @@ FOOTPRINT = (
     Item(posixpath.dirname(serving.SERVE_LOG), "serving, guards, driver",
          "the supervisor's log, the engine-faults log, the driver bump logs"),
     Item(posixpath.dirname(serving.PIDFILE), "serving, guards, driver",
-         "run-time marks: the supervisor's pidfile, GPU lost, reboot required (tmpfs)"),
+         "run-time marks: the supervisor's pidfile and refused start, GPU lost, reboot "
+         "required (tmpfs)"),
     Item(f"{guards.UNITS_DIR}/{guards.SERVE_UNIT}.d", "guards", "the serving unit's drop-in"),
     Item(f"{guards.UNITS_DIR}/{guards.WATCH_UNIT}", "guards", "the Xid watch unit"),
     Item(f"{guards.UNITS_DIR}/{guards.REAPER_UNIT}", "guards", "the /dev/shm reaper unit"),

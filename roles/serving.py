@@ -127,6 +127,8 @@ SUPERVISE_PATH = f"{SERVING_DIR}/supervise.py"
 SUPERVISE_SOURCE = FILES / "serving" / "supervise.py"
 SUPERVISE_CONF = f"{CONF_DIR}/supervise.json"
 PIDFILE = "/run/rigbook/serve.pid"
+#: The supervisor's record of the start its checks refused last (`supervise.py status`).
+REFUSAL_PATH = "/run/rigbook/serve.refused"
 SERVE_LOG = "/var/log/rigbook/serve.log"
 SUPERVISOR = f"rigbook's supervisor ({SUPERVISE_PATH})"
 #: systemd's TimeoutStopSec: above vLLM's 30 s drain, as the runbook's units carry it
@@ -256,13 +258,22 @@ def render_unit(plan: ServePlan, smi: str | None) -> str:
         exec_start=" ".join(systemd_word(arg) for arg in plan.argv),
         stop_timeout=STOP_TIMEOUT_S, cap_check=CAP_CHECK_PATH if plan.capped else None,
         power_unit=power.UNIT_PATH, tolerance=power.TOLERANCE_W,
-        venv_check=VENV_CHECK_PATH, venv=venv_link(plan.recipe.venv), hold=HOLD_PATH,
+        venv_check=venv_check_args(plan, smi),
     )
+
+
+def venv_check_args(plan: ServePlan, smi: str | None) -> list[str]:
+    """The venv check's argv, the same for the unit's ExecStartPre and the supervisor's check
+    before every start: as root, in an empty environment, an isolated interpreter (the engine's
+    user cannot switch it off); --smi for a GPU recipe (a cpu_only one checks the hold only)."""
+    return ["/usr/bin/env", "-i", "-C", "/", "/usr/bin/python3", "-I", "-S", VENV_CHECK_PATH,
+            "--hold", HOLD_PATH, "--venv", venv_link(plan.recipe.venv),
+            *(("--smi", smi) if plan.gpu and smi else ())]
 
 
 def render_supervise(plan: ServePlan, smi: str | None, caps: Mapping[str, float]) -> str:
     """supervise.json: what files/serving/supervise.py runs in place of the unit (no systemd):
-    the same argv, user, env files, GPU checks before a start and stop timeout."""
+    the same argv, user, env files, GPU and venv checks before a start and stop timeout."""
     cap_check = None
     if plan.capped:
         cap_check = ["/usr/bin/python3", "-I", "-S", CAP_CHECK_PATH, "--smi", smi or "nvidia-smi",
@@ -272,8 +283,9 @@ def render_supervise(plan: ServePlan, smi: str | None, caps: Mapping[str, float]
         "argv": list(plan.argv), "user": SERVE_USER, "home": SERVE_HOME,
         "env_files": [ENV_PATH] + ([KEY_PATH] if plan.key is not None else []),
         "smi": smi if plan.gpu else None, "gpu_lost_mark": GPU_LOST_MARK if plan.gpu else None,
-        "cap_check": cap_check, "stop_timeout": STOP_TIMEOUT_S, "restart_sec": 10,
-        "start_limit": [3, 600], "pidfile": PIDFILE, "log": SERVE_LOG,
+        "cap_check": cap_check, "venv_check": venv_check_args(plan, smi),
+        "stop_timeout": STOP_TIMEOUT_S, "restart_sec": 10,
+        "start_limit": [3, 600], "pidfile": PIDFILE, "log": SERVE_LOG, "refusal": REFUSAL_PATH,
         "reaper": ["/usr/bin/python3", "-I", "-S", REAPER,
                    *(arg for pattern in plan.rig.guards_shm_patterns
                      for arg in ("--pattern", pattern))],
@@ -601,6 +613,12 @@ def supervisor_command(action: str) -> StringCommand:
     return StringCommand("/usr/bin/python3", "-I", "-S", SUPERVISE_PATH, action, SUPERVISE_CONF)
 
 
+def stop_command(systemd: bool) -> StringCommand:
+    """A graceful stop of the engine: the unit's, or the supervisor's (no systemd)."""
+    return StringCommand("systemctl", "stop", UNIT_NAME) if systemd \
+        else supervisor_command("stop")
+
+
 def _await_health(state, host, plan: ServePlan, arguments: dict, systemd: bool = True) -> bool:
     """FunctionCommand body: wait for the API; on failure show the journal (the supervisor's
     log) and stop the engine."""
@@ -616,12 +634,10 @@ def _await_health(state, host, plan: ServePlan, arguments: dict, systemd: bool =
     what = UNIT_NAME if systemd else SUPERVISOR
     if systemd:
         read = StringCommand("journalctl", "-u", UNIT_NAME, "-n", str(JOURNAL_LINES), "--no-pager")
-        stop = StringCommand("systemctl", "stop", UNIT_NAME)
     else:
         read = StringCommand("tail", "-n", str(JOURNAL_LINES), SERVE_LOG)
-        stop = supervisor_command("stop")
     _ok, journal = host.run_shell_command(read, **arguments)
-    host.run_shell_command(stop, **arguments)
+    host.run_shell_command(stop_command(systemd), **arguments)
     lines = journal.stdout
     if plan.key is not None:
         lines = plan.key.redact(lines).replace(plan.key.reveal().split("=", 1)[1], "***")
@@ -678,22 +694,22 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         KEY_PATH: plan.key.sha256 if plan.key else None,
         HEALTH_PATH: _sha(HEALTH_SOURCE.read_bytes()),
         CAP_CHECK_PATH: _sha(CAP_CHECK_SOURCE.read_bytes()),
+        VENV_CHECK_PATH: _sha(VENV_CHECK_SOURCE.read_bytes()),
     }
-    if systemd:  # the unit's check; the supervisor does not run it (docs/no-systemd.md)
-        wanted[VENV_CHECK_PATH] = _sha(VENV_CHECK_SOURCE.read_bytes())
     if runner_source is not None:
         wanted[runner_source] = _sha(SUPERVISE_SOURCE.read_bytes())
     differs = {path for path, sha in wanted.items() if probe.files.get(path) != sha}
     restart = bool(differs & {runner, ENV_PATH, KEY_PATH, SUPERVISE_PATH}) or not probe.running
-    where = f"{host.name}: {UNIT_NAME if systemd else SUPERVISOR} ({plan.label})"
+    what = UNIT_NAME if systemd else SUPERVISOR
+    where = f"{host.name}: {what} ({plan.label})"
 
     if gone is not None:
         yield refuse(f"{where}: GPU check failed, nothing was changed: {gone}")
         return
-    if systemd and restart and probe.files.get(HOLD_PATH) is not None:
+    if restart and probe.files.get(HOLD_PATH) is not None:
         warn_once(f"{where}: serving is held by a driver bump ({HOLD_PATH}): deploys/venvs.py "
                   "rebuilds the venvs and starts it again")
-        host.noop(f"{UNIT_NAME} is held by a driver bump")
+        host.noop(f"{what} is held by a driver bump")
         return
     if restart:
         cache = once(ModelCache, cache=plan.rig.models_cache)
@@ -706,7 +722,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
             index = "\n".join(index) if index else None
         problems = preflight(plan, probe, gpus, cache, venv, topology, index)
         if problems:
-            keeps = f" ({UNIT_NAME if systemd else SUPERVISOR} keeps running)"
+            keeps = f" ({what} keeps running)"
             message = (f"{where}: preflight failed, nothing was changed"
                        + (keeps if probe.running else "") + ":\n"
                        + "\n".join(f"  - {p}" for p in problems))
@@ -715,8 +731,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
             yield refuse(message)
             return
         if probe.running:
-            yield StringCommand("systemctl", "stop", UNIT_NAME) if systemd \
-                else supervisor_command("stop")
+            yield stop_command(systemd)
 
     if not probe.user:
         yield from server.group._inner(SERVE_USER, system=True)
@@ -746,7 +761,6 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         yield FunctionCommand(_await_health, (plan, connector_arguments(), systemd), {})
         return
     answer = probe.answer or {}
-    what = UNIT_NAME if systemd else SUPERVISOR
     if answer.get("ok"):
         host.noop(f"{what} already runs {plan.label} and answers (model {answer['model']})")
     else:
@@ -759,65 +773,103 @@ def serve_recipe(plan: ServePlan) -> Iterator:
 # --- the driver bump's hold -----------------------------------------------------------------------
 
 
+class SupervisorStatus(FactBase[str | None]):
+    """
+    `supervise.py status` of rigbook's supervisor (no systemd), one line::
+
+        running (pid 812)
+        not running: the start at 2026-12-04T19:02:11+0000 was refused: /var/lib/rigbook/...
+
+    Run with this rigbook's supervise.py (sent as ``python3 -c``), so that an older copy on the
+    rig answers alike; None where the rig has no supervise.json (no supervisor set up).
+    """
+
+    def command(self) -> StringCommand:
+        return StringCommand(
+            "test", "-r", SUPERVISE_CONF, "&&", "python3", "-I", "-S", "-c",
+            QuoteString(SUPERVISE_SOURCE.read_text()), "status", SUPERVISE_CONF, "||", "true")
+
+    def process(self, output: list[str]) -> str | None:
+        return output[0].strip() if output else None
+
+
+def _serving_now() -> tuple[str, bool] | None:
+    """(what serves, whether it runs) for the bump's hold: rigbook-serve.service, or rigbook's
+    supervisor where systemd is not PID 1; None when the rig has neither set up."""
+    if booted():
+        if host.get_fact(File, path=UNIT_PATH) is None:
+            return None
+        return UNIT_NAME, state_of(UNIT_NAME).running
+    said = host.get_fact(SupervisorStatus)
+    return None if said is None else (SUPERVISOR, said.startswith("running "))
+
+
 @operation()
 def hold_serving(reason: str) -> Iterator:
     """
-    Stop rigbook-serve.service and keep it from starting until deploys/venvs.py releases it:
-    the hold file (HOLD_PATH) that the unit's venv check refuses a start on, with its line.
+    Stop serving (rigbook-serve.service, or rigbook's supervisor without systemd) and keep it
+    from starting until deploys/venvs.py releases it: the hold file (HOLD_PATH) that the venv
+    check before every start (the unit's ExecStartPre, the supervisor's) refuses on, with its
+    line.
 
     + reason: the hold's one line (which bump, what to run)
 
-    Nothing on a rig without the serving unit (or without systemd), or when held already.
+    Nothing on a rig where neither is set up, or when held already.
     """
-    if not booted() or host.get_fact(File, path=UNIT_PATH) is None:
-        host.noop(f"no {UNIT_NAME}: nothing to hold")
+    serving_now = _serving_now()
+    if serving_now is None:
+        host.noop(f"no {UNIT_NAME if booted() else SUPERVISE_CONF}: nothing to hold")
         return
+    what, running = serving_now
     line = reason.replace("\n", " ")
-    running = state_of(UNIT_NAME).running
     if host.get_fact(FileContents, path=HOLD_PATH) == [line] and not running:
-        host.noop(f"{UNIT_NAME} is held already")
+        host.noop(f"{what} is held already")
         return
     yield StringCommand("mkdir", "-p", str(Path(HOLD_PATH).parent))
     yield from _put(line + "\n", HOLD_PATH)
     if running:
-        yield StringCommand("systemctl", "stop", UNIT_NAME)
+        yield stop_command(booted())
 
 
 @operation(is_idempotent=False)
 def resume_serving(plan: ServePlan) -> Iterator:
     """
     Start serving again after a driver bump held it: remove the hold, start rigbook-serve.service
-    and wait for its health check; nothing when no bump holds it.
+    (without systemd: rigbook's supervisor) and wait for its health check; nothing when no bump
+    holds it.
 
     + plan: the rig's ``ServePlan``
 
-    deploys/venvs.py runs it after its rebuilds. The unit's own venv check still refuses a GPU
-    recipe whose venv does not match the running driver: the start then fails with its line.
+    deploys/venvs.py runs it after its rebuilds. The venv check before the start still refuses
+    a GPU recipe whose venv does not match the running driver: the start then fails with its
+    line.
     """
-    if not booted() or once(ServeProbe, args=probe_args(plan)).files.get(HOLD_PATH) is None:
+    probe = once(ServeProbe, args=probe_args(plan))
+    if probe.files.get(HOLD_PATH) is None:
         host.noop("serving is not held by a driver bump")
         return
     yield StringCommand("rm", "-f", HOLD_PATH)
-    yield start_command(UNIT_NAME)
-    yield FunctionCommand(_await_health, (plan, connector_arguments(), True), {})
+    yield start_command(UNIT_NAME) if probe.systemd else supervisor_command("start")
+    yield FunctionCommand(_await_health, (plan, connector_arguments(), probe.systemd), {})
 
 
 @operation()
 def stop_held(plan: ServePlan) -> Iterator:
     """
-    Stop rigbook-serve.service where a driver bump holds it: after the reboot systemd retries
-    the start its check refused (Restart=on-failure), and a venv swap's try-restart would start
-    it again while held; nothing when no bump holds it or the unit is stopped already.
+    Stop serving where a driver bump holds it: after the reboot systemd retries the start its
+    check refused (Restart=on-failure), and a venv swap's try-restart would start it again
+    while held (without systemd: a supervisor started by hand, or by a copy older than its venv
+    check); nothing when no bump holds it or it is stopped already.
 
     + plan: the rig's ``ServePlan``
     """
     probe = once(ServeProbe, args=probe_args(plan))
-    if not booted() or probe.files.get(HOLD_PATH) is None:
+    if probe.files.get(HOLD_PATH) is None:
         host.noop("serving is not held by a driver bump")
     elif probe.active in ("inactive", "failed"):
-        host.noop(f"{UNIT_NAME} is held and {probe.active}")
+        host.noop(f"{UNIT_NAME if probe.systemd else SUPERVISOR} is held and {probe.active}")
     else:
-        yield StringCommand("systemctl", "stop", UNIT_NAME)
+        yield stop_command(probe.systemd)
 
 
 def _held_plan(rig: Rig) -> ServePlan | None:
@@ -832,10 +884,11 @@ def _held_plan(rig: Rig) -> ServePlan | None:
 
 @deploy("Serving")
 def settle_held(rig: Rig) -> None:
-    """Before deploys/venvs.py rebuilds: a unit held by a driver bump stays stopped."""
+    """Before deploys/venvs.py rebuilds: serving held by a driver bump stays stopped."""
     plan = _held_plan(rig)
     if plan is not None:
-        stop_held(name=f"Keep {UNIT_NAME} stopped while held", plan=plan)
+        what = UNIT_NAME if booted() else "rigbook's supervisor"
+        stop_held(name=f"Keep {what} stopped while held", plan=plan)
 
 
 @deploy("Serving")
@@ -913,9 +966,8 @@ def serving_findings(rig: Rig, facts: Facts, rig_name: str) -> list[Finding]:
         if probe.enabled != "enabled":
             found.append(drift("serving", f"{UNIT_NAME} is {probe.enabled or 'not enabled'}, "
                                           "not enabled: it does not start at boot"))
-        if not probe.running and probe.files.get(HOLD_PATH) is not None:
-            found.append(drift("serving", f"{UNIT_NAME} is held by a driver bump ({HOLD_PATH}): "
-                                          "deploys/venvs.py rebuilds the venvs and starts it"))
+        if probe.files.get(HOLD_PATH) is not None:
+            found.append(held_finding(UNIT_NAME, probe.running))
         elif not probe.running:
             found.append(drift("serving", f"{UNIT_NAME} is {probe.active} ({probe.sub}): recipe "
                                           f"{rig.recipe} is not served; journalctl -u "
@@ -937,11 +989,20 @@ def _supervised_findings(rig: Rig, probe: ServeState, running: str | None) -> li
     if running != rig.recipe:
         found.append(drift("serving", f"{SUPERVISOR} is set up for recipe {running or '?'}, "
                                       f"inventory {rig.recipe}: run deploys/serve.py"))
-    if not probe.running:
+    if probe.files.get(HOLD_PATH) is not None:
+        found.append(held_finding(SUPERVISOR, probe.running))
+    elif not probe.running:
         found.append(drift("serving", f"{SUPERVISOR} is {probe.sub}: recipe {rig.recipe} is not "
                                       f"served (nothing starts it at boot here); {SERVE_LOG}, "
                                       "then deploys/serve.py"))
     return found
+
+
+def held_finding(what: str, running: bool) -> Finding:
+    """A driver bump holds serving (HOLD_PATH): one finding, with systemd or without."""
+    now = "runs all the same (started by hand?)" if running else "is stopped"
+    return drift("serving", "serving held by the driver bump until venvs are rebuilt: run "
+                            f"deploys/venvs.py ({HOLD_PATH}; {what} {now})")
 
 
 def health_text(probe: ServeState) -> str:

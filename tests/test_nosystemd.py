@@ -32,12 +32,15 @@ from rigbook.roles.serving import (
     ENV_PATH,
     HEALTH_PATH,
     HEALTH_SOURCE,
+    HOLD_PATH,
     PIDFILE,
     PROBE_SOURCE,
     SUPERVISE_CONF,
     SUPERVISE_PATH,
     SUPERVISE_SOURCE,
     SUPERVISOR,
+    VENV_CHECK_PATH,
+    VENV_CHECK_SOURCE,
     parse_probe,
     probe_args,
     render_env,
@@ -45,6 +48,7 @@ from rigbook.roles.serving import (
     serve_plan,
     serve_recipe,
     serving_findings,
+    venv_check_args,
 )
 from tests.opkit import describe, run_op
 from tests.test_serving import (
@@ -58,6 +62,7 @@ from tests.test_serving import (
     sha256,
     state,
 )
+from tests.test_serving_hold import REASON
 
 HEALTH = Path(HEALTH_SOURCE)
 #: The rig's python3 (the engine runs as nobody, who cannot reach this checkout's venv).
@@ -166,6 +171,7 @@ def supervised(plan, caps=None) -> dict:
         SUPERVISE_CONF: sha256(render_supervise(plan, SMI, caps or {})),
         ENV_PATH: sha256(render_env(plan, launcher)), HEALTH_PATH: sha256(HEALTH.read_bytes()),
         CAP_CHECK_PATH: sha256(CAP_CHECK_SOURCE.read_bytes()),
+        VENV_CHECK_PATH: sha256(VENV_CHECK_SOURCE.read_bytes()),
         SUPERVISE_PATH: sha256(SUPERVISE_SOURCE.read_bytes()),
     }
 
@@ -384,6 +390,88 @@ def test_a_failed_gpu_check_refuses_the_start(tmp_path, changes, says):
     run = supervise("start", conf)
     assert run.returncode == 1 and run.stdout == f"not starting the engine: {says}\n"
     assert not Path(json.loads(conf.read_text())["pidfile"]).exists()
+
+
+#: A stand-in nvidia-smi for the venv check: `-L` lists a card, a query prints the driver.
+STUB_SMI = """#!/bin/sh
+case "$1" in -L) echo "GPU 0: stand-in (UUID: GPU-0)" ;; *) echo 580.159.04 ;; esac
+"""
+
+
+def venv_check_conf(tmp_path: Path, built_for: str) -> tuple[Path, Path]:
+    """A GPU recipe's supervise.json whose venv check is venv_check_args' argv, its rig paths
+    moved into tmp_path (the check itself from this checkout); (the config, the hold file)."""
+    from rigbook.core.pins import venv_link
+
+    plan = serve_plan(dual_rig(), "rig1")
+    smi, hold, venv = tmp_path / "nvidia-smi", tmp_path / "serving-held", tmp_path / "venv"
+    smi.write_text(STUB_SMI)
+    smi.chmod(0o755)
+    venv.mkdir()
+    (venv / "rigbook-manifest.json").write_text(json.dumps({"driver": built_for}))
+    moved = {VENV_CHECK_PATH: str(VENV_CHECK_SOURCE), HOLD_PATH: str(hold),
+             venv_link(plan.recipe.venv): str(venv), SMI: str(smi)}
+    argv = [moved.get(word, word) for word in venv_check_args(plan, SMI)]
+    assert argv[:4] == ["/usr/bin/env", "-i", "-C", "/"] and argv[-2:] == ["--smi", str(smi)]
+    conf = conf_for(tmp_path, smi=str(smi), venv_check=argv,
+                    refusal=str(tmp_path / "run" / "serve.refused"))
+    return conf, hold
+
+
+def status_of(conf: Path, source: str | None = None) -> subprocess.CompletedProcess:
+    """`supervise.py status`, or SupervisorStatus' own command line (the source sent with -c)."""
+    if source is None:
+        return supervise("status", conf)
+    return subprocess.run([sys.executable, "-I", "-S", "-c", source, "status", str(conf)],
+                          capture_output=True, text=True, timeout=60)
+
+
+@needs_root
+def test_the_venv_check_refuses_a_held_start_and_a_stale_venv_and_status_says_so(
+        tmp_path, stopped_after):
+    from rigbook.roles.serving import SupervisorStatus
+
+    conf, hold = venv_check_conf(tmp_path, built_for="580.95.05")
+    hold.write_text(f"{REASON}\n")
+    run = supervise("start", conf)
+    assert run.returncode == 1, run.stdout
+    assert run.stdout == f"not starting the engine: {hold}: {REASON}\n"
+    assert not Path(json.loads(conf.read_text())["pidfile"]).exists()
+    said = status_of(conf)
+    assert said.returncode == 3
+    assert said.stdout.startswith("not running: the start at ")
+    assert said.stdout.endswith(f" was refused: {hold}: {REASON}\n")
+    fact = SupervisorStatus()
+    same = status_of(conf, SUPERVISE_SOURCE.read_text())  # the fact sends it with -c
+    assert fact.process(same.stdout.splitlines()) == said.stdout.strip()
+
+    hold.unlink()  # released, but the venv was built for the driver before the bump
+    run = supervise("start", conf)
+    assert run.returncode == 1
+    assert run.stdout == ("not starting the engine: venv venv was built for driver 580.95.05, "
+                          "driver 580.159.04 runs: not starting the engine on it; rebuild it: "
+                          "pyinfra INVENTORY deploys/venvs.py\n")
+    assert "was built for driver 580.95.05" in status_of(conf).stdout
+
+    venv = tmp_path / "venv" / "rigbook-manifest.json"
+    venv.write_text(json.dumps({"driver": "580.159.04"}))  # rebuilt: it starts
+    stopped_after(conf)
+    assert supervise("start", conf).returncode == 0
+    supervisor = pid_in(conf)
+    said = status_of(conf)
+    assert said.returncode == 0 and said.stdout == f"running (pid {supervisor})\n"
+    assert fact.process(said.stdout.splitlines()) == f"running (pid {supervisor})"
+    assert not Path(json.loads(conf.read_text())["refusal"]).exists()  # nothing refused now
+
+    # a crash-restart runs the check too: held while it ran, the engine dies, no new start
+    assert wait_for(lambda: answers(conf))
+    hold.write_text(f"{REASON}\n")
+    subprocess.run(["pkill", "-KILL", "-P", str(supervisor)], check=True)
+    assert wait_for(lambda: not Path(f"/proc/{supervisor}").exists())
+    log = Path(json.loads(conf.read_text())["log"]).read_text()
+    assert f"not starting the engine: {hold}: {REASON}" in log
+    assert log.count("starting ") - log.count("not starting") == 1  # never restarted
+    assert status_of(conf).stdout.endswith(f" was refused: {hold}: {REASON}\n")
 
 
 @needs_root

@@ -13,7 +13,13 @@ WSL2 without systemd). One story, each step starting from what the last left:
 4. what cannot be done there is refused with its reason before any change: a power sweep (no
    unit to set the caps back to), the models mirror (a unit);
 5. a switch to tiny-cpu-b stops a gracefully (SIGTERM: uvicorn's own shutdown in the log) and
-   starts b; one engine runs.
+   starts b; one engine runs;
+6. the driver bump (`deploys/driver.py`, without leave to reboot: no reboot there) writes the
+   hold and stops the supervisor's engine before the driver moves;
+7. after a restart of the container the start its entrypoint would run is refused with the
+   hold's line, `supervise.py status` and `rigbook status` say so, and a converge leaves it held;
+8. `deploys/venvs.py` rebuilds the venv for the new driver, removes the hold and serves b again;
+   a converge then changes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ import pytest
 from pyinfra_cli.util import parse_cli_arg
 
 from rigbook.core.units import NO_SYSTEMD
-from rigbook.roles.serving import PIDFILE, SERVE_LOG, SUPERVISE_CONF, SUPERVISE_PATH
+from rigbook.roles.serving import (
+    HOLD_PATH,
+    PIDFILE,
+    SERVE_LOG,
+    SUPERVISE_CONF,
+    SUPERVISE_PATH,
+    SUPERVISOR,
+)
 from rigbook.roles.sweep import NO_UNIT_HERE
 from tests.conftest import ROOT, SANDBOX_INVENTORY, added_rig, rig_ssh, rigbook, run_pyinfra
 from tests.standins import place_model, wheelhouse_for_llama
@@ -176,6 +189,93 @@ def test_a_rig_without_systemd_converges_and_serves_under_the_supervisor(bare_ri
     log = rig_ssh(rig, f"cat {SERVE_LOG}").stdout
     assert "Finished server process" in log  # uvicorn's graceful shutdown of a, on SIGTERM
     assert "the engine exited with" in log and "did not stop in" not in log  # no SIGKILL
+
+    bump_holds_serving_until_the_venvs_are_rebuilt(rig, tmp_path, revision)
+
+
+OLD, NEW = "580.95.05", "580.159.04"
+HOLD_OP = "NVIDIA driver bump | Stop serving and hold it until the venvs match the new driver"
+MOVE_OP = f"NVIDIA driver bump | Move the driver to {NEW}"
+HELD = (f"{HOLD_PATH}: serving is held by the driver bump to {NEW}: rebuild the venvs (pyinfra "
+        "INVENTORY deploys/venvs.py), which starts it again")
+SUPERVISE = f"python3 -I -S {SUPERVISE_PATH} {{}} {SUPERVISE_CONF}"
+
+
+def rig_epoch(rig: dict, stamp: str) -> float:
+    """A time the rig wrote (dpkg.log's, the supervisor log's), as the rig's epoch seconds."""
+    return float(rig_ssh(rig, f"date -d '{stamp}' +%s").stdout)
+
+
+def bump_holds_serving_until_the_venvs_are_rebuilt(rig: dict, tmp_path: Path, revision: str):
+    """Steps 6-8 (the docstring), from step 5's state: tiny-cpu-b served on driver OLD."""
+    name = rig["name"]
+    args = tiny_cpu_args(name, "tiny-cpu-b", revision, power_cap_watts="260")
+    assert answers(rig, 8101) and rig_ssh(rig, f"test -e {HOLD_PATH}", check=False).returncode
+    built = json.loads(rig_ssh(rig, "cat /opt/rigbook/venvs/tiny-cpu/rigbook-manifest.json").stdout)
+    assert built["driver"] == OLD
+
+    # 6. the bump: hold written and the engine stopped, then the driver moved; it stops at the
+    # check (no leave to reboot: the old module still runs)
+    bump = run_pyinfra(SANDBOX_INVENTORY, "deploys/driver.py", *args,
+                       "--data", f"driver_version={NEW}", "--data", "allow_reboot=false")
+    assert bump.returncode != 0, bump.explain()
+    assert f"driver {NEW} is not running" in bump.stderr, bump.explain()
+    said = bump.stdout + bump.stderr  # a failed run prints no results: its log says the order
+    assert -1 < said.find(HOLD_OP.split(" | ")[1]) < said.find(MOVE_OP.split(" | ")[1]), (
+        bump.explain())
+    assert rig_ssh(rig, f"cat {HOLD_PATH}").stdout == HELD.split(": ", 1)[1] + "\n"
+    assert engines(rig) == 0 and not answers(rig, 8101)
+    stopped = rig_ssh(rig, f"grep 'supervisor exits' {SERVE_LOG} | tail -1").stdout.split()[0]
+    moved = rig_ssh(rig, f"grep -m1 ' upgrade nvidia-open:[a-z0-9]* {OLD}-1 {NEW}-1' "
+                         "/var/log/dpkg.log").stdout
+    assert moved, "dpkg.log has no upgrade of nvidia-open"
+    hold_written = float(rig_ssh(rig, f"stat -c %Y {HOLD_PATH}").stdout)
+    dpkg_moved = rig_epoch(rig, " ".join(moved.split()[:2]))
+    assert hold_written <= dpkg_moved and rig_epoch(rig, stopped) <= dpkg_moved
+    said = rig_ssh(rig, SUPERVISE.format("status"), check=False)
+    assert said.returncode == 3 and said.stdout == "not running\n"
+
+    # 7. a restart of the container (a power cycle): the new driver loads; the start its
+    # entrypoint would run is refused with the hold's line, and said by status
+    for action in ("kill", "restart"):
+        done = rigbook("sandbox", action, name, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+    smi = rig_ssh(rig, "nvidia-smi --query-gpu=driver_version --format=csv,noheader")
+    assert smi.stdout.strip() == NEW
+    start = rig_ssh(rig, SUPERVISE.format("start"), check=False)
+    assert start.returncode == 1 and start.stdout == f"not starting the engine: {HELD}\n"
+    said = rig_ssh(rig, SUPERVISE.format("status"), check=False)
+    assert said.returncode == 3 and said.stdout.startswith("not running: the start at ")
+    assert said.stdout.endswith(f" was refused: {HELD}\n"), said.stdout
+    assert engines(rig) == 0
+    new_args = [*args, "--data", f"driver_version={NEW}"]
+    shown = rigbook("status", status_inventory(tmp_path, new_args), "--limit", name, "--json",
+                    check=False)
+    (status,) = json.loads(shown.stdout)["rigs"]
+    reasons = [finding["reason"] for finding in status["findings"]]
+    assert ("serving held by the driver bump until venvs are rebuilt: run deploys/venvs.py "
+            f"({HOLD_PATH}; {SUPERVISOR} is stopped)") in reasons, reasons
+    held = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", *new_args)
+    assert held.returncode == 0, held.explain()
+    assert f"serving is held by a driver bump ({HOLD_PATH})" in held.stdout + held.stderr, (
+        held.explain())
+    assert SERVE_OP.format("tiny-cpu-b") not in held.changed() and engines(rig) == 0
+
+    # 8. the rebuild: the venv for NEW, the hold gone, b served again; then nothing to change
+    rebuild = run_pyinfra(SANDBOX_INVENTORY, "deploys/venvs.py", *new_args)
+    assert rebuild.returncode == 0, rebuild.explain()
+    assert rebuild.changed().get("Serving | Start tiny-cpu-b again (the driver bump's hold)") == [
+        name], rebuild.explain()
+    assert "answers on http://127.0.0.1:8101" in rebuild.stdout + rebuild.stderr
+    built = json.loads(rig_ssh(rig, "cat /opt/rigbook/venvs/tiny-cpu/rigbook-manifest.json").stdout)
+    assert built["driver"] == NEW
+    assert rig_ssh(rig, f"test -e {HOLD_PATH}", check=False).returncode != 0
+    assert answers(rig, 8101) and engines(rig) == 1
+    said = rig_ssh(rig, SUPERVISE.format("status")).stdout
+    assert said == f"running (pid {supervisor_pid(rig)})\n"
+    again = run_pyinfra(SANDBOX_INVENTORY, "deploys/rig.py", *new_args)
+    assert again.returncode == 0, again.explain()
+    assert again.changed() == {}, again.changed()
 
 
 def answers(rig: dict, port: int) -> bool:

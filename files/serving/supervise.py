@@ -6,15 +6,19 @@ systemd is not PID 1 (containers, WSL2 without systemd) and run as root with the
 
     python3 -I -S supervise.py start /etc/rigbook/serving/supervise.json
     python3 -I -S supervise.py stop /etc/rigbook/serving/supervise.json
+    python3 -I -S supervise.py status /etc/rigbook/serving/supervise.json
 
 `start` returns once the supervisor runs in the background (its pid in the pidfile; already
-running: nothing to do), or fails with the reason when a GPU check refuses the start. The
-supervisor does what the unit does: before every start the GPU checks (no GPU-lost mark,
-`nvidia-smi -L` works, the live caps are the rig's), and a failed check ends it without a
-start; the engine runs as the serving user with only the env files' variables, its output
-appended to the log; a failed engine is restarted after 10 s, at most 3 starts in 10 minutes;
-on SIGTERM it stops the engine gracefully (SIGTERM, then SIGKILL after the config's stop
-timeout) and runs the /dev/shm reaper. `stop` asks it to and waits.
+running: nothing to do), or fails with the reason when a check refuses the start. The
+supervisor does what the unit does: before every start the unit's ExecStartPre checks (no
+GPU-lost mark, `nvidia-smi -L` works, the live caps are the rig's, and the venv check: no
+driver bump holds serving and a GPU recipe's venv was built for the running driver), and a
+failed check ends it without a start, its one line in the log and in the refusal record; the
+engine runs as the serving user with only the env files' variables, its output appended to
+the log; a failed engine is restarted after 10 s, at most 3 starts in 10 minutes; on SIGTERM
+it stops the engine gracefully (SIGTERM, then SIGKILL after the config's stop timeout) and
+runs the /dev/shm reaper. `stop` asks it to and waits. `status` prints `running (pid N)`
+(exit 0), or `not running` and the last refused start's line (exit 3).
 """
 
 import json
@@ -74,6 +78,14 @@ def kill(group: int, signum: int) -> None:
         pass
 
 
+def refusal_of(argv: list[str]) -> str | None:
+    """What a check program printed when it refused (exit not 0), as root in /, no environment
+    but a PATH (the venv check's own argv empties even that); None when it passed."""
+    run = subprocess.run(argv, capture_output=True, text=True, cwd="/",
+                         env={"PATH": "/usr/bin:/bin"})
+    return " ".join((run.stdout + run.stderr).split())[-300:] if run.returncode != 0 else None
+
+
 def checks(conf: dict) -> str | None:
     """Why the engine must not start now (the unit's ExecStartPre lines); None: go on."""
     mark = conf.get("gpu_lost_mark")
@@ -86,12 +98,27 @@ def checks(conf: dict) -> str | None:
             return f"{conf['smi']} -L: {error}"
         if run.returncode != 0:
             return f"{conf['smi']} -L failed (exit {run.returncode}): the card is gone"
-    if conf.get("cap_check"):
-        run = subprocess.run(conf["cap_check"], capture_output=True, text=True, cwd="/",
-                             env={"PATH": "/usr/bin:/bin"})
-        if run.returncode != 0:
-            return " ".join((run.stdout + run.stderr).split())[-300:]
+    for check in ("cap_check", "venv_check"):
+        if conf.get(check):
+            why = refusal_of(conf[check])
+            if why is not None:
+                return why
     return None
+
+
+def record(conf: dict, why: str | None) -> None:
+    """Keep the refused start's line for `status` (a tmpfs: gone at the next boot); None: a
+    start went ahead, so nothing is refused any more."""
+    path = conf.get("refusal")
+    if not path:
+        return
+    if why is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    with open(path, "w") as handle:
+        handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {why}\n")
 
 
 def supervise(conf: dict, out) -> int:
@@ -108,6 +135,7 @@ def supervise(conf: dict, out) -> int:
     limit, window = conf.get("start_limit", [3, 600])
     while not stopping:
         why = checks(conf)
+        record(conf, why)
         if why is not None:
             log(out, f"not starting the engine: {why}")
             return 1
@@ -152,6 +180,7 @@ def start(conf: dict) -> int:
         print(f"already running (pid {pid})")
         return 0
     why = checks(conf)  # said here too, so that a refused start fails the deploy with it
+    record(conf, why)
     if why is not None:
         print(f"not starting the engine: {why}")
         return 1
@@ -209,13 +238,29 @@ def stop(conf: dict) -> int:
     return 1
 
 
+def status(conf: dict) -> int:
+    """One line: running and its pid (0), or not running and the last refused start (3)."""
+    pid = running(conf["pidfile"])
+    if pid is not None:
+        print(f"running (pid {pid})")
+        return 0
+    try:
+        with open(conf.get("refusal") or os.devnull) as handle:
+            stamp, _, why = handle.readline().strip().partition(" ")
+    except OSError:
+        why = ""
+    print(f"not running: the start at {stamp} was refused: {why}" if why else "not running")
+    return 3
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[1] not in ("start", "stop"):
-        print(f"usage: {NAME} start|stop CONFIG")
+    actions = {"start": start, "stop": stop, "status": status}
+    if len(argv) != 3 or argv[1] not in actions:
+        print(f"usage: {NAME} start|stop|status CONFIG")
         return 2
     with open(argv[2]) as handle:
         conf = json.load(handle)
-    return start(conf) if argv[1] == "start" else stop(conf)
+    return actions[argv[1]](conf)
 
 
 if __name__ == "__main__":
