@@ -35,6 +35,7 @@ NOT_IN_FOOTPRINT = {
     "/run/rigbook-sim/loaded-version": "the sandbox's simulation",
     "/etc/rigbook-sim/ubuntu-archive.sources": "an Ubuntu sandbox rig's image (its real indexes)",
     "/var/lib/rigbook-sim/ubuntu-lists": "an Ubuntu sandbox rig's image (its real indexes)",
+    "/var/lib/rigbook-sim/hwmon": "the sandbox's stand-in PSU telemetry (simulation)",
 }
 
 
