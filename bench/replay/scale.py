@@ -215,20 +215,33 @@ class Replayed:
     exit: int
 
 
+#: Runs a command and writes its CPU seconds and peak RSS to argv[1]. A child's peak RSS counts
+#: the process it was forked from (Linux keeps the larger of the two across exec), so the command
+#: is started from this small launcher, not from the bench's own, larger, process.
+_LAUNCHER = """
+import json, os, sys
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    json.dump({"cpu": usage.ru_utime + usage.ru_stime, "maxrss_kib": usage.ru_maxrss}, out)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _timed(argv: list[str], env: dict) -> Replayed:
     """Run `argv`: wall seconds, CPU seconds (user + system) and peak RSS of the process."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile(suffix=".json") as usage:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, usage.name, *argv],
+                              cwd=ROOT, env=env, stdout=out, stderr=err)
         wall = time.perf_counter() - start
+        measured = json.loads(Path(usage.name).read_text())
         out.seek(0)
         err.seek(0)
-        figures = {"seconds": round(wall, 2),
-                   "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
-                   "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
-        return Replayed(figures, out.read().decode(), err.read().decode(),
-                        os.waitstatus_to_exitcode(status))
+        figures = {"seconds": round(wall, 2), "cpu_seconds": round(measured["cpu"], 2),
+                   "peak_rss_mib": round(measured["maxrss_kib"] / 1024, 1)}
+        return Replayed(figures, out.read().decode(), err.read().decode(), proc.returncode)
 
 
 def run_replay(tool: str, run: str, rigs: int, recording: Path | None = None) -> Replayed:
