@@ -338,7 +338,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['rigs']} | " + " | ".join(
             _cell(row[tool][run]) for tool, run, _ in COLUMNS) + " |")
     lines += ["", "Stock pyinfra's subset over rigbook's same subset, first / no-change converge "
-              "(above 1.0x: rigbook is faster), in wall time and in the operator's CPU:", "",
+              "(above 1.0x:", "rigbook is faster), in wall time and in the operator's CPU:", "",
               "| rigs | wall, first | wall, no-change | CPU, first | CPU, no-change |",
               "| --- | --- | --- | --- | --- |"]
     for row in rows:
