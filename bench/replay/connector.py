@@ -55,8 +55,11 @@ class ReplayConnector(BaseConnector):
         for variable in ("RIGBOOK_REPLAY", "RIGBOOK_REPLAY_RUN"):
             if not os.environ.get(variable):
                 raise ConnectError(f"replay: {variable} is not set (bench/replay/connector.py)")
-        recording = load(os.environ["RIGBOOK_REPLAY"])
-        self.run = recording.run(os.environ["RIGBOOK_REPLAY_RUN"])
+        recording, run = load(os.environ["RIGBOOK_REPLAY"]), os.environ["RIGBOOK_REPLAY_RUN"]
+        if run not in recording.runs:
+            raise ConnectError(f"replay: no run {run!r} in {os.environ['RIGBOOK_REPLAY']} "
+                               f"(it has {', '.join(recording.runs)})")
+        self.run = recording.runs[run]
         self.swap = recording.swap(int(NAME.fullmatch(self.host.name).group(1)) - 1)
         self.used: Counter = Counter()
         self.broken: str | None = None

@@ -140,12 +140,6 @@ class Recording:
         self.contents: list[str] = data["contents"]
         self.runs = {name: _run(run) for name, run in data["runs"].items()}
 
-    def run(self, name: str) -> Run:
-        if name not in self.runs:
-            raise Unrecorded(f"replay: no run {name!r} in this recording (it has "
-                             f"{', '.join(self.runs)})")
-        return self.runs[name]
-
     def swap(self, index: int) -> Swap:
         return Swap(self.identity, identity(index, self.identity), self.contents)
 
