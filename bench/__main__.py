@@ -13,6 +13,9 @@ At size 1, on the rig just measured, the run also breaks the no-change converge 
 (bench/breakdown.py) and times a model pull against curl and a venv rebuild against a bare uv
 install (bench/transfer.py).
 
+With --replay, fleets of replayed rigs instead (bench/replay/, default sizes 16,100,300,1000):
+bench/results/replay.json and replay.md, and the plot docs/img/replay-scale.png.
+
 With --peers (the default), each size also measures what users would otherwise run
 (bench/peers/): rigbook's roles for the subset the peers manage, an Ansible playbook and stock
 pyinfra, each on its own fresh rigs: a first converge, then the median of --repeat no-change
@@ -38,6 +41,7 @@ from bench import breakdown, transfer
 from bench.peers import ansible as ansible_peer
 from bench.peers import table as peers_table
 from bench.peers.render import render as render_peers
+from bench.replay import scale
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -178,27 +182,52 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _machine() -> dict:
+    return {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+            "python": platform.python_version(), "pyinfra": version("pyinfra")}
+
+
+def replay_main(args) -> None:
+    """`--replay`: record where asked (or a recording is missing), replay every size, write
+    bench/results/replay.json, replay.md and docs/img/replay-scale.png."""
+    missing = [tool for tool in scale.TOOLS if not (scale.RECORDINGS / f"{tool}.json").exists()]
+    if args.record or missing:
+        scale.record(list(scale.TOOLS) if args.record else missing)
+    sizes = [int(size) for size in (args.sizes or "16,100,300,1000").split(",")]
+    report = {**_machine(), "replay_command": "python -m bench " + " ".join(sys.argv[1:])}
+
+    def write(rows: list[dict]) -> None:  # after every size: a long run keeps what it measured
+        report["replay"] = rows
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "replay.json").write_text(json.dumps(report, indent=2) + "\n")
+        (RESULTS / "replay.md").write_text(scale.markdown(report))
+        scale.plot(rows, ROOT / "docs" / "img" / "replay-scale.png")
+
+    scale.measure(sizes, write)
+    print(scale.markdown(report))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,2,4,8", help="fleet sizes (default 1,2,4,8)")
+    parser.add_argument("--sizes", help="fleet sizes (default 1,2,4,8; --replay: "
+                        "16,100,300,1000)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per median (default 3)")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure the peers (bench/peers/; default: on)")
     parser.add_argument("--ansible-repeat", type=int, default=1,
                         help="no-change runs per median for the Ansible peer (default 1)")
+    parser.add_argument("--replay", action="store_true",
+                        help="replayed rigs instead of sandbox rigs (bench/replay/)")
+    parser.add_argument("--record", action="store_true",
+                        help="with --replay: record every tool again on a sandbox rig first")
     args = parser.parse_args()
+    if args.replay:
+        return replay_main(args)
     if args.peers:
         ansible_peer.require()
-    sizes = [int(size) for size in args.sizes.split(",")]
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python -m bench " + " ".join(sys.argv[1:]),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "pyinfra": version("pyinfra"),
-        "sizes": [],
-        "peers": [],
-    }
+    sizes = [int(size) for size in (args.sizes or "1,2,4,8").split(",")]
+    report = {**_machine(), "command": "python -m bench " + " ".join(sys.argv[1:]),
+              "sizes": [], "peers": []}
     LOCK.parent.mkdir(parents=True, exist_ok=True)
     with LOCK.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as the tests: one user of the rigs

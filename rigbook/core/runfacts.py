@@ -51,14 +51,13 @@ def _run(run_state: State) -> _Run:
 
 
 def _changes(run_state: State, rig: Host) -> tuple[int, int]:
-    """Completed operations on this rig that changed it: all of them, and those not `ours`."""
-    ops = run_state.ops.get(rig, {})
+    """Completed operations on this rig that changed it: all of them, and those not `ours`.
+    Only this rig's operations: the fleet's order (`get_op_order`) would cost every rig's
+    operations on every read, a run's cost growing with the square of its rigs."""
     ours = _run(run_state).ours
     every = others = 0
-    for op_hash in run_state.get_op_order():
-        data = ops.get(op_hash)
-        if data is not None and data.operation_meta.is_complete() \
-                and data.operation_meta.did_change():
+    for op_hash, data in run_state.ops.get(rig, {}).items():
+        if data.operation_meta.is_complete() and data.operation_meta.did_change():
             every += 1
             others += op_hash not in ours
     return every, others
