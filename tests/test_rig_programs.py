@@ -26,9 +26,14 @@ from tests.test_facts_data import captured
 from tests.test_serving import cpu_rig
 
 PROGRAMS = {"probe": FILES / "serving" / "probe.py", "cache": FILES / "models" / "cache.py"}
+#: rigbook's rig-side modules a program may import: sent with it, stdlib only themselves
+#: (tests/test_layers.py).
+RIGSIDE = {"hfcache"}
 
 
 def load(name: str):
+    for module in RIGSIDE:  # as the fact's command defines them before the program
+        sys.modules.setdefault(module, importlib.import_module(f"rigbook.rigside.{module}"))
     spec = importlib.util.spec_from_file_location(f"rigbook_{name}", PROGRAMS[name])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -43,7 +48,7 @@ def test_a_rig_program_imports_the_standard_library_only(name):
             imported.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
-    assert imported and imported <= sys.stdlib_module_names
+    assert imported and imported <= sys.stdlib_module_names | RIGSIDE
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -84,8 +89,11 @@ def test_the_fact_reads_its_program_when_it_builds_the_command(monkeypatch, tmp_
     def sent() -> list[str]:
         return shlex.split(fact().command(**argument).get_raw_value())
 
-    assert sent() == ["python3", "-c", getattr(module, name).read_text(), *argument.values()]
+    # the program's text ends the -c script (the cache's sends rigside's hfcache ahead of it)
+    python, flag, script, *rest = sent()
+    assert [python, flag, *rest] == ["python3", "-c", *argument.values()]
+    assert script.endswith(getattr(module, name).read_text())
     other = tmp_path / "program.py"
     other.write_text("print('{}')  # only this copy\n")
     monkeypatch.setattr(module, name, Path(other))
-    assert sent()[2] == other.read_text()
+    assert sent()[2].endswith(other.read_text())
