@@ -45,7 +45,7 @@ def test_rungs_and_needle_sizes():
                                                                    [90000])
 
 
-def test_stress_passes_with_salted_needles_and_a_ceiling(server):
+def test_stress_passes_with_salted_needles_and_a_ceiling(server):  # noqa: F811
     fake, url = server
     fake.context = 1024
     run = run_ladder(target(url, 1024), STRESS, vram=reader((40000,), (39000,)))
@@ -67,7 +67,7 @@ def test_stress_passes_with_salted_needles_and_a_ceiling(server):
     assert step(none, "stress-needles").skipped
 
 
-def test_a_context_beyond_what_the_engine_holds_gives_the_real_ceiling(server):
+def test_a_context_beyond_what_the_engine_holds_gives_the_real_ceiling(server):  # noqa: F811
     """The recipe says 1024; the engine holds 512: the first refused rung is the ceiling."""
     fake, url = server
     run = run_ladder(target(url, 512), replace(STRESS, context_len=1024, stress_needles=(100,)),
@@ -82,7 +82,7 @@ def test_a_context_beyond_what_the_engine_holds_gives_the_real_ceiling(server):
     assert 470 <= run.ceiling.ceiling < 512
 
 
-def test_a_prompt_that_crashes_the_engine_is_the_ceiling_and_thin_margins_warn(server):
+def test_a_prompt_that_crashes_the_engine_is_the_ceiling_and_thin_margins_warn(server):  # noqa: F811
     fake, url = server
     fake.context, fake.fits = 1024, 700  # an out-of-memory at ~700 tokens kills the engine
     run = run_ladder(target(url, 1024), replace(STRESS, stress_needles=(100,)),
@@ -97,7 +97,7 @@ def test_a_prompt_that_crashes_the_engine_is_the_ceiling_and_thin_margins_warn(s
                         "a longer prompt, a second request or a display may not fit",)
 
 
-def test_soak_passes_and_measures(server):
+def test_soak_passes_and_measures(server):  # noqa: F811
     fake, url = server
     fake.context = 1024
     run = run_ladder(target(url, 1024), SOAK, vram=reader((30000,), (29990,)))
@@ -114,7 +114,7 @@ def test_soak_passes_and_measures(server):
     assert step(run, "soak").detail.startswith("12 turns in 4 session(s)")
 
 
-def test_soak_counts_planted_empty_replies(server):
+def test_soak_counts_planted_empty_replies(server):  # noqa: F811
     fake, url = server
     fake.context = 1024
     fake.empty_streams = {4, 9}  # the 5th and 10th turns answer 200 with no text
@@ -129,7 +129,7 @@ def test_soak_counts_planted_empty_replies(server):
     assert ok.ok and any("free VRAM not read" in w for w in step(ok, "soak").warnings)
 
 
-def test_soak_stops_at_an_engine_that_dies_and_at_its_bounds(server):
+def test_soak_stops_at_an_engine_that_dies_and_at_its_bounds(server):  # noqa: F811
     fake, url = server
     fake.context = 1024
     fake.fits = 200  # the conversation's second turn passes 200 tokens: the engine dies
@@ -164,7 +164,7 @@ def test_retention_and_vram_growth_fail_beyond_the_noise():
     assert "(inside the noise)" in detail
 
 
-def test_the_bench_is_a_measurement_and_ab_says_what_is_noise(server, tmp_path: Path,
+def test_the_bench_is_a_measurement_and_ab_says_what_is_noise(server, tmp_path: Path,  # noqa: F811
                                                               monkeypatch, capsys):
     fake, url = server
     monkeypatch.setenv("RIGBOOK_VERIFY_DIR", str(tmp_path))
