@@ -218,8 +218,8 @@ def bench_ab(runs, a: str, b: str, *, as_json: bool) -> int:
         print(json.dumps(ab_json(first, second), indent=2))
         return 0
     Console(width=160).print(ab_table(first, second))
-    for line in differences(first, second) or ["the same configuration and settings"]:
-        print(f"differs: {line}" if line != "the same configuration and settings" else line)
+    for line in differences(first, second):
+        print(f"differs: {line}")
     return 0
 
 

@@ -19,11 +19,22 @@ fixed narrative and a fixed code prompt, streamed: time to first token and decod
 median and range, single stream and at verify_bench_concurrency). A step that does not apply
 to the recipe is stored as skipped, with the reason.
 
+That is the `quick` level (host data verify_level, the default). `stress` runs health and chat,
+then `stress-needles` (a salted needle in the middle of a prompt of each verify_stress_needles
+size the context holds) and `ceiling` (prompts from verify_ceiling_start up to 0.92 of the
+context, free VRAM read on the rig after each, the first failing rung reported as the real
+ceiling; rigbook.roles.stress). `soak` runs health and chat, then `soak` (sessions of
+verify_soak_turns turns whose context ramps, bounded by verify_soak_requests and
+verify_soak_seconds: empty replies, errors, VRAM growth, tok/s retention; rigbook.roles.soak).
+The bench's figures keep their values, mean, spread and coefficient of variation (intervals:
+rigbook.core.stats), and every run its configuration's fingerprint.
+
 Prompt sizes are in tokens of the served model: the ladder calibrates words -> tokens with two
 small requests (the usage the engine reports), so no tokenizer is needed here.
 
 Every run is stored as JSON (`VerifyRun`) under results_dir()/<rig>/<recipe>/<driver>/<cap>/,
-history kept; `rigbook bench compare` tables them (and draws a PNG). docs/verify.md.
+history kept, every level beside the others; `rigbook bench compare` tables them (and draws a
+PNG), `--ab A B` compares two (rigbook.roles.benchab). docs/verify.md.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from typing import Literal
 import requests
 from pydantic import ValidationError
 from pyinfra import host, logger
-from pyinfra.api import FunctionCommand, deploy, operation
+from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
 from rigbook.core import stats
 from rigbook.core.errors import RigbookError
@@ -647,9 +658,9 @@ class Ladder:
         return self.client.chat(f"{lead}{text}\n\n{question}", max_tokens=ANSWER_TOKENS)
 
     def _needle_probe(self, step: str, tokens: int, depth: float, salt: str = "",
-                      hints: tuple[str, str] = ("", "")) -> int:
+                      stressed: bool = False) -> int:
         """One needle at `depth` of a ~`tokens`-token prompt, asked back; the prompt tokens the
-        engine counted. `hints`: for a refused prompt, and for a needle not recalled."""
+        engine counted. `stressed`: a failure says what a long prompt's failure means."""
         code = str(random.Random().randrange(1_000_000, 10_000_000))
         response = self._haystack_request(
             tokens, f"The secret number of the rig is {code}.", depth,
@@ -657,13 +668,14 @@ class Ladder:
         data = _json(response)
         where = f"the needle at depth {depth:g} of a ~{tokens}-token context"
         if response.status_code != 200 or answer_shape_problem(data):
-            refused = hints[0] and (stress.CONTEXT_HINT if CONTEXT_ERROR.search(response.text)
-                                    else stress.OOM_HINT)
+            refused = "" if not stressed else (
+                stress.CONTEXT_HINT if CONTEXT_ERROR.search(response.text) else stress.OOM_HINT)
             raise StepFailed(step, f"{where} to be accepted and answered "
                                    f"(context {self.context})", _said(response), refused)
         answer = data["choices"][0]["message"]["content"]
         if self.settings.needle_exact and not re.search(rf"\b{code}\b", answer):
-            raise StepFailed(step, f"{where} answered with {code}", repr(answer), hints[1])
+            raise StepFailed(step, f"{where} answered with {code}", repr(answer),
+                             stress.NEEDLE_HINT if stressed else "")
         return data["usage"]["prompt_tokens"]
 
     def needle(self) -> str:
@@ -718,7 +730,7 @@ class Ladder:
         for size in fits:
             begun = time.monotonic()
             counted = self._needle_probe("stress-needles", size, 0.5, secrets.token_hex(8),
-                                         ("refused", stress.NEEDLE_HINT))
+                                         stressed=True)
             notes.append(f"{size}: {counted} tok "
                          + ("recalled" if self.settings.needle_exact else "accepted")
                          + f" in {time.monotonic() - begun:.1f} s")
@@ -1131,7 +1143,7 @@ def free_vram_reader(host) -> Callable[[], tuple[int, ...] | None]:
 
     def read() -> tuple[int, ...] | None:
         fact = NvidiaGpus()
-        ok, output = host.run_shell_command(fact.command(), print_output=False)
+        ok, output = host.run_shell_command(StringCommand(fact.command()), print_output=False)
         probe = fact.process(output.stdout_lines) if ok else None
         if probe is None or not probe.ok:
             return None
