@@ -238,3 +238,38 @@ def test_old_runs_still_load(tmp_path: Path):
            "settings": {}}
     run = VerifyRun.model_validate(old)
     assert run.level == "quick" and run.fingerprint is None and run.bench[0].wall_tps is None
+
+
+def test_free_vram_is_read_on_the_rig_with_the_gpu_facts_command():
+    """The reader sends NvidiaGpus' own command over the rig's connection and parses the real
+    H200 capture (143771 MiB total, 0 used); a broken nvidia-smi reads as unknown."""
+    from rigbook.core.facts import NvidiaGpus
+    from rigbook.roles.verify import free_vram_reader
+    from tests.test_gpus import MISMATCH, SMI, attempt, query_lines
+
+    class Output:
+        def __init__(self, lines):
+            self.stdout_lines = lines
+
+    class Rig:
+        sent: list = []
+        lines = attempt(SMI, query_lines(), 0)
+
+        def run_shell_command(self, command, **kwargs):
+            self.sent.append(str(command))
+            return True, Output(self.lines)
+
+    rig = Rig()
+    read = free_vram_reader(rig)
+    assert read() == (143771,) and rig.sent == [NvidiaGpus().command()]
+    rig.lines = attempt("/usr/bin/nvidia-smi", [MISMATCH], 18)
+    assert read() is None
+
+
+def test_a_long_needle_lost_says_what_a_lost_needle_means(server):  # noqa: F811
+    fake, url = server
+    fake.context, fake.recall = 1024, False
+    run = run_ladder(target(url, 1024), STRESS)
+    assert run.failed_step == "stress-needles" and run.failure().hint == stress.NEEDLE_HINT
+    assert run.failure().expected.startswith("the needle at depth 0.5 of a ~100-token context "
+                                             "answered with")
