@@ -217,7 +217,8 @@ class BenchFigures(StrictModel):
 
 
 class Fingerprint(StrictModel):
-    """What a run measured: two runs with the same key measured the same configuration."""
+    """What a run measured: two runs with equal fingerprints measured the same configuration
+    (`rigbook bench compare --ab` lists the fields that differ)."""
 
     recipe: str
     recipe_hash: str | None
@@ -226,12 +227,6 @@ class Fingerprint(StrictModel):
     engine_version: str | None  # the engine package's version in that build
     driver: str | None
     caps_w: tuple[float, ...]
-
-    @property
-    def key(self) -> str:
-        import hashlib
-
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:12]
 
 
 class VerifyRun(StrictModel):
@@ -643,8 +638,9 @@ class Ladder:
     def _haystack_request(self, tokens: int, needle: str | None, depth: float,
                           question: str, salt: str = "", step: str = "needle",
                           ) -> requests.Response:
-        """A haystack of about `tokens` prompt tokens in all (needle, question and a salt at
-        its very start counted: a salted prompt shares no cached prefix with another)."""
+        """A haystack of about `tokens` prompt tokens in all (with a needle, the needle, the
+        question and the salt are measured and counted). A salt at its very start: a salted
+        prompt shares no cached prefix with another."""
         fixed = 0.0
         lead = f"{salt} " if salt else ""
         if needle is not None:  # measure what the needle and the question add on their own
@@ -789,7 +785,7 @@ class Ladder:
                         delta = delta if isinstance(delta, dict) else {}
                         text = delta.get("content")
                         said = (text if isinstance(text, str) else "") + (
-                            thinkcheck.reasoning_of(delta) or "")
+                            thinkcheck.reasoning_of(delta))
                         if said:
                             events.append((time.monotonic(), said, isinstance(text, str)))
                     if isinstance(chunk.get("usage"), dict):
