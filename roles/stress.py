@@ -119,5 +119,5 @@ def verdict(ceiling: Ceiling) -> str:
     raise StressProblem(
         f"a {failed.tokens}-token prompt to be served (the ladder climbs to "
         f"{CEILING_FILL:g} of the {ceiling.context}-token context)",
-        f"{failed.error}; {below} ({_free(failed.free_mib)} after the failure)",
+        f"{below} ({_free(failed.free_mib)} after the failure); the rung: {failed.error}",
         OOM_HINT if failed.oom else CONTEXT_HINT)
