@@ -23,7 +23,8 @@ ERROR_HINT = ("the engine stopped answering under sustained traffic: read the un
               "conversation); turn speculation off or lower max_model_len, then soak again")
 EMPTY_HINT = ("the engine answered 200 with no text: clients show nothing and retry. Read the "
               "journal around those turns (an aborted request, a full KV cache that preempted "
-              "the sequence, a template that ends the turn at once)")
+              "the sequence, a conversation beyond the context: llama-cpp-python ends such a "
+              "stream with nothing, a template that ends the turn at once)")
 VRAM_HINT = ("free VRAM fell during the soak: memory that grows with traffic (a leak, a "
              "cache without a bound) ends in an out-of-memory; compare nvidia-smi's processes "
              "before and after, and the engine's release notes")
@@ -40,9 +41,10 @@ class SoakProblem(Exception):
         self.expected, self.got, self.hint = expected, got, hint
 
 
-def chunk_tokens(target: int, turns: int, answer: int) -> int:
-    """Tokens of new notes each turn adds so the last turn's prompt is about `target`."""
-    return max((target - turns * answer) // turns, 16)
+def chunk_tokens(target: int, turns: int, fixed: int) -> int:
+    """Tokens of new notes each turn adds so the last turn's prompt is about `target`, when
+    each turn also adds `fixed` (its question and the answer before it)."""
+    return max((target - turns * fixed) // turns, 16)
 
 
 class Turn(StrictModel):

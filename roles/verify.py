@@ -803,12 +803,24 @@ class Ladder:
         return soak.Turn(**place, prompt_tokens=counted, tokens=sample.tokens,
                          decode_tps=round(sample.decode_tps, 3)), answer
 
+    def _turn_tokens(self) -> int:
+        """Prompt tokens a soak turn's wrapper and question add, measured on the engine."""
+        response = self.client.chat(f"Notes, part 1: \n\n{soak.QUESTION}", max_tokens=1)
+        usage = _json(response).get("usage") or {}
+        if response.status_code != 200 or not isinstance(usage.get("prompt_tokens"), int):
+            raise StepFailed("soak", "usage.prompt_tokens of the bare question", _said(response))
+        return max(round(usage["prompt_tokens"] - self.sizer.base), 1)
+
     def soak_(self) -> str:
         """Sessions of soak_turns turns, each adding notes so the context ramps to
         soak_context_tokens, until soak_requests or soak_seconds (checked between requests)."""
         s = self.settings
         target = min(s.soak_context_tokens, int(0.9 * self.context))
-        words = self.sizer.words(soak.chunk_tokens(target, s.soak_turns, s.bench_tokens))
+        # what a turn adds besides its notes: its question, measured, and the answer before
+        # it, at twice its tokens (a text that is tokenized again may take more)
+        fixed = self._turn_tokens() + 2 * s.bench_tokens
+        chunk = soak.chunk_tokens(target, s.soak_turns, fixed)
+        words = self.sizer.words(chunk)
         began = time.monotonic()
         free_start, turns, session = self.vram(), [], 0
 
@@ -819,7 +831,9 @@ class Ladder:
         while more():
             salt, messages = secrets.token_hex(8), []
             for turn in range(s.soak_turns):
-                if not more():
+                # never a turn the context cannot hold (the estimate, not the engine, ends it)
+                if not more() or self.sizer.base + (turn + 1) * (chunk + fixed) \
+                        + s.bench_tokens > self.context:
                     break
                 lead = f"Session {salt}. " if turn == 0 else ""
                 messages.append({"role": "user", "content": f"{lead}Notes, part {turn + 1}: "

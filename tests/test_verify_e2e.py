@@ -152,16 +152,17 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         assert "failed at step ceiling: expected a 621-token prompt to be served" in ceiling.stderr
         assert "the real ceiling is 3" in ceiling.stderr
         assert "This model's maximum context length is 512 tokens" in ceiling.stderr
-        # the soak: two sessions of four turns whose context ramps to ~300 tokens (retention is
-        # measured, not judged: the sandbox's CPU is shared)
-        soaked = verify(verify_level="soak", verify_soak_seconds="120", verify_soak_requests="8",
-                        verify_soak_turns="4", verify_soak_context_tokens="300",
+        # the soak: sessions of up to three turns whose context ramps (the tiny vocabulary spells
+        # the question out, so the estimate ends each session before a turn 512 cannot hold;
+        # llama-cpp-python answers such a turn with an empty stream). Retention is measured,
+        # not judged: the sandbox's CPU is shared. Its streams carry no usage: no prompt sizes.
+        soaked = verify(verify_level="soak", verify_soak_seconds="120", verify_soak_requests="6",
+                        verify_soak_turns="3", verify_soak_context_tokens="400",
                         verify_soak_min_retention="0.0")
         print(soaked.stderr)
         run = load_runs()[-1]
-        assert run.level == "soak" and run.soak.requests == 8 and run.soak.sessions == 2
-        prompts = [t.prompt_tokens for t in run.soak.turns if t.session == 0]
-        assert prompts == sorted(prompts) and prompts[-1] > 2 * prompts[0]
+        assert run.level == "soak" and run.soak.requests == 6 and run.soak.sessions >= 2
+        assert [t.turn for t in run.soak.turns if t.session == 0][:2] == [0, 1]  # multi-turn
         assert not run.soak.errors and run.soak.vram_growth_mib is None
         # the random model may end a turn at once: an empty reply, counted and failing
         assert (soaked.returncode == 0) == (not run.soak.empty), soaked.explain()

@@ -107,7 +107,7 @@ def test_soak_passes_and_measures(server):  # noqa: F811
     assert figures.requests == 12 and figures.sessions == 4
     # the context ramps over the turns of each session
     prompts = [t.prompt_tokens for t in figures.turns if t.session == 0]
-    assert prompts[0] < prompts[1] < prompts[2] <= 300 + 3 * 16
+    assert prompts[0] < prompts[1] < prompts[2] <= 300
     assert figures.vram_growth_mib == 10 and not figures.empty and not figures.errors
     kept = figures.retention()
     assert kept is not None and kept[0] > 0
@@ -132,15 +132,26 @@ def test_soak_counts_planted_empty_replies(server):  # noqa: F811
 def test_soak_stops_at_an_engine_that_dies_and_at_its_bounds(server):  # noqa: F811
     fake, url = server
     fake.context = 1024
-    fake.fits = 200  # the conversation's second turn passes 200 tokens: the engine dies
+    fake.fits = 200  # the conversation's third turn passes 200 tokens: the engine dies
     run = run_ladder(target(url, 1024), SOAK)
     assert run.failed_step == "soak" and run.failure().hint == soak.ERROR_HINT
-    assert run.soak.requests == 2 and run.soak.turns[0].error is None
-    assert "turn 2 of session 1" in run.failure().got and "ConnectionError" in run.failure().got
+    assert run.soak.requests == 3 and run.soak.turns[1].error is None
+    assert "turn 3 of session 1" in run.failure().got and "ConnectionError" in run.failure().got
     fake.fits = None
     one = run_ladder(target(url, 1024), replace(SOAK, soak_requests=2))
     assert one.ok and one.soak.requests == 2
     assert "retention not measured" in step(one, "soak").detail
+
+
+def test_a_session_ends_before_a_turn_the_context_cannot_hold(server):  # noqa: F811
+    """A ramp the context cannot take: the estimate ends each session, no turn is refused."""
+    fake, url = server
+    run = run_ladder(target(url, 512), replace(SOAK, soak_context_tokens=5000, soak_turns=20,
+                                                soak_requests=20))
+    assert run.ok, run.failure()
+    # 20 turns of at least 16 tokens of notes, a question and an answer do not fit 512
+    assert run.soak.sessions >= 2 and 5 < max(t.turn for t in run.soak.turns) + 1 < 20
+    assert max(t.prompt_tokens for t in run.soak.turns) < 512 - 8
 
 
 def test_retention_and_vram_growth_fail_beyond_the_noise():
