@@ -188,6 +188,8 @@ def bench_compare(args: argparse.Namespace) -> int:
     from rigbook.roles.verify import compare_rows, compare_table, load_runs, results_dir
 
     runs = load_runs()
+    if args.ab:
+        return bench_ab(runs, *args.ab, as_json=args.json)
     rows = compare_rows(runs, args.rig)
     if not rows:
         which = f" of rig {args.rig}" if args.rig else ""
@@ -202,6 +204,22 @@ def bench_compare(args: argparse.Namespace) -> int:
         with open(args.png, "wb") as out:
             out.write(compare_png(runs, args.rig))
         print(f"wrote {args.png}")
+    return 0
+
+
+def bench_ab(runs, a: str, b: str, *, as_json: bool) -> int:
+    """Two runs, figure by figure, with the noise said; what differs between them."""
+    from rich.console import Console
+
+    from rigbook.roles.benchab import ab_json, ab_table, differences, pick
+
+    first, second = pick(runs, a), pick(runs, b)
+    if as_json:
+        print(json.dumps(ab_json(first, second), indent=2))
+        return 0
+    Console(width=160).print(ab_table(first, second))
+    for line in differences(first, second):
+        print(f"differs: {line}")
     return 0
 
 
@@ -250,6 +268,10 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     compare.add_argument("--rig", help="every stored run of this rig, oldest first")
     compare.add_argument("--png", help="also write a bar chart of decode tok/s to this file")
     compare.add_argument("--json", action="store_true", help="print the runs as JSON")
+    compare.add_argument("--ab", nargs=2, metavar=("A", "B"),
+                         help="two runs (a stored JSON file, or a prefix of its name such as "
+                         "20261204T1903), figure by figure: means, 95 %% intervals, the change "
+                         "and whether it is inside the noise")
     compare.set_defaults(func=bench_compare)
     sweep = actions.add_parser(
         "sweep", help="power sweeps (deploys/power_sweep.py): table, chart, suggested caps"

@@ -17,6 +17,7 @@ from types import ModuleType
 from rigbook.core.checks import Check, unique
 from rigbook.core.spec import Rig
 from rigbook.roles import (
+    benchab,
     capadvice,
     charts,
     cuda,
@@ -33,10 +34,11 @@ from rigbook.roles import (
     power,
     recipes,
     serving,
+    soak,
     specmetrics,
+    stress,
     sweep,
     sweepresult,
-    sweepstats,
     thinkcheck,
     tokens,
     toolcheck,
@@ -78,9 +80,9 @@ ROLES = (
          ("recipe", "serving_")),
     Role("health", (health,), health.CHECKS, None, "status.md"),
     Role("disks", (disks,), disks.CHECKS, None, "status.md"),
-    Role("sweep", (sweep, sweepresult, sweepstats, charts), (), None, "sweep.md", ("sweep_",)),
-    Role("verify", (verify, toolcheck, thinkcheck, degeneration, specmetrics), (), None,
-         "verify.md", ("verify_",)),
+    Role("sweep", (sweep, sweepresult, charts), (), None, "sweep.md", ("sweep_",)),
+    Role("verify", (verify, toolcheck, thinkcheck, degeneration, specmetrics, stress, soak,
+                    benchab), (), None, "verify.md", ("verify_",)),
     Role("offboard", (offboard,), (), None, "footprint.md", ("offboard_",)),
 )
 #: Host-data keys that no one role owns, by group: the rig's hardware, read by most roles, and

@@ -130,8 +130,8 @@ def sweep_figure(run: SweepRun, workload: str, note: str | None = None):
 def probe_figure(run: SweepRun, note: str | None = None):
     """The concurrency probe's chart (a matplotlib Figure): aggregate tok/s per level, its
     band, the plateau starred, the levels within noise of the best shaded."""
+    from rigbook.core.stats import indistinguishable
     from rigbook.roles.sweepresult import probe_line
-    from rigbook.roles.sweepstats import indistinguishable
 
     plt = _pyplot()
     if plt is None:

@@ -4,7 +4,7 @@ A window is one workload class and prompt at one cap, bounded by time (decode: t
 first token; prefill: the cold prefills' own spans). What the meter sampled inside it becomes its
 evidence (docs/sweep.md lists every field); the token rate binned on the same 0.5 s grid as the
 draw gives tok/s and tok/s per W with intervals that count the series' autocorrelation
-(rigbook.roles.sweepstats). The suggestion per class names the cap with the best tok/s per W and the
+(rigbook.core.stats). The suggestion per class names the cap with the best tok/s per W and the
 caps indistinguishable from it; caps whose draw stays below them get a diagnosis line, after the
 hardware notes' "draw plateaued below cap" table.
 """
@@ -22,9 +22,9 @@ from typing import Literal
 from pydantic import ValidationError
 
 from rigbook.core.errors import RigbookError
+from rigbook.core.stats import Estimate, estimate, indistinguishable, ratio, resolvable
 from rigbook.core.types import StrictModel
 from rigbook.roles.power import watts as w
-from rigbook.roles.sweepstats import Estimate, estimate, indistinguishable, ratio, resolvable
 from rigbook.roles.verify import _part, results_dir, truncate
 
 Workload = Literal["decode-single", "decode-concurrent", "prefill-heavy"]

@@ -19,11 +19,22 @@ fixed narrative and a fixed code prompt, streamed: time to first token and decod
 median and range, single stream and at verify_bench_concurrency). A step that does not apply
 to the recipe is stored as skipped, with the reason.
 
+That is the `quick` level (host data verify_level, the default). `stress` runs health and chat,
+then `stress-needles` (a salted needle in the middle of a prompt of each verify_stress_needles
+size the context holds) and `ceiling` (prompts from verify_ceiling_start up to 0.92 of the
+context, free VRAM read on the rig after each, the first failing rung reported as the real
+ceiling; rigbook.roles.stress). `soak` runs health and chat, then `soak` (sessions of
+verify_soak_turns turns whose context ramps, bounded by verify_soak_requests and
+verify_soak_seconds: empty replies, errors, VRAM growth, tok/s retention; rigbook.roles.soak).
+The bench's figures keep their values, mean, spread and coefficient of variation (intervals:
+rigbook.core.stats), and every run its configuration's fingerprint.
+
 Prompt sizes are in tokens of the served model: the ladder calibrates words -> tokens with two
 small requests (the usage the engine reports), so no tokenizer is needed here.
 
 Every run is stored as JSON (`VerifyRun`) under results_dir()/<rig>/<recipe>/<driver>/<cap>/,
-history kept; `rigbook bench compare` tables them (and draws a PNG). docs/verify.md.
+history kept, every level beside the others; `rigbook bench compare` tables them (and draws a
+PNG), `--ab A B` compares two (rigbook.roles.benchab). docs/verify.md.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import json
 import os
 import random
 import re
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -44,11 +56,14 @@ from typing import Literal
 import requests
 from pydantic import ValidationError
 from pyinfra import host, logger
-from pyinfra.api import FunctionCommand, deploy, operation
+from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
+from rigbook.core import stats
 from rigbook.core.errors import RigbookError
 from rigbook.core.types import StrictModel
-from rigbook.roles import degeneration, specmetrics, thinkcheck, toolcheck
+from rigbook.roles import degeneration, soak, specmetrics, stress, thinkcheck, toolcheck
+from rigbook.roles.soak import Soak
+from rigbook.roles.stress import Ceiling, Rung
 
 #: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
 CONTEXT_ERROR = re.compile(
@@ -68,6 +83,7 @@ CODE_PROMPT = (
     "index, watts) and returns the mean and peak watts per GPU, with type hints and a docstring."
 )
 BENCH_PROMPTS = {"narrative": NARRATIVE_PROMPT, "code": CODE_PROMPT}
+Level = Literal["quick", "stress", "soak"]
 HAYSTACK = (
     "The rig hums in the corner of the workshop while the fans turn slowly and the night "
     "goes on outside. A kettle boils, the clock ticks, and the model answers every question "
@@ -92,6 +108,16 @@ class Settings:
     bench_tokens: int = 256
     bench_concurrency: int = 4
     timeout_s: float = 300
+    #: quick: the ladder; stress: salted needles and the context ceiling; soak: minutes of turns
+    level: Level = "quick"
+    stress_needles: tuple[int, ...] = stress.NEEDLE_TOKENS
+    ceiling_start: int = stress.CEILING_START
+    ceiling_rungs: int = 5
+    soak_seconds: int = 600
+    soak_requests: int = 200
+    soak_turns: int = 8
+    soak_context_tokens: int = 25000
+    soak_min_retention: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,9 @@ class Target:
     reasoning_parser: str | None = None
     #: The recipe speculates: the acceptance length its draft must reach (None: it does not).
     min_acceptance_length: float | None = None
+    venv: str | None = None
+    #: sha256 of the recipe as validated (12 hex): an edited recipe is another configuration.
+    recipe_hash: str | None = None
 
 
 class StepFailed(Exception):
@@ -128,21 +157,41 @@ def truncate(text: str, limit: int = EVIDENCE_CHARS) -> str:
 
 
 class Stat(StrictModel):
+    """A measurement over runs: median and range, mean with its 95 % interval (runs in order,
+    their autocorrelation counted: rigbook.core.stats), spread and coefficient of variation.
+    Runs stored before the bench kept its values have the median and range only."""
+
     median: float
     min: float
     max: float
+    mean: float | None = None
+    sd: float | None = None
+    cv: float | None = None
+    half_width: float | None = None
+    values: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, values: list[float]) -> Stat:
-        return cls(median=statistics.median(values), min=min(values), max=max(values))
+        found = stats.estimate(values, 1.0)
+        finite = found.half_width if found.half_width != float("inf") else None
+        return cls(median=statistics.median(values), min=min(values), max=max(values),
+                   mean=found.mean, sd=found.sd,
+                   cv=found.sd / found.mean if found.mean else None, half_width=finite,
+                   values=tuple(values))
+
+    def estimate(self) -> stats.Estimate | None:
+        """The stored values' estimate (None: a run stored without them)."""
+        return stats.estimate(self.values, 1.0) if self.values else None
 
     def text(self, digits: int = 1) -> str:
-        return f"{self.median:.{digits}f} [{self.min:.{digits}f}-{self.max:.{digits}f}]"
+        cv = f" cv {self.cv:.0%}" if self.cv is not None else ""
+        return f"{self.median:.{digits}f} [{self.min:.{digits}f}-{self.max:.{digits}f}]{cv}"
 
 
 class Step(StrictModel):
     name: Literal["health", "chat", "tools", "tools-stream", "thinking", "long-generation",
-                  "prefill", "needle", "speculative", "bench"]
+                  "prefill", "needle", "speculative", "bench", "stress-needles", "ceiling",
+                  "soak"]
     ok: bool
     skipped: bool = False
     seconds: float
@@ -150,6 +199,7 @@ class Step(StrictModel):
     expected: str | None = None
     got: str | None = None
     hint: str | None = None
+    warnings: tuple[str, ...] = ()
 
 
 class BenchFigures(StrictModel):
@@ -162,6 +212,21 @@ class BenchFigures(StrictModel):
     ttft_s: Stat
     decode_tps: Stat
     aggregate_tps: Stat
+    #: tokens / (last token - request sent): what a user waits for, TTFT included
+    wall_tps: Stat | None = None
+
+
+class Fingerprint(StrictModel):
+    """What a run measured: two runs with equal fingerprints measured the same configuration
+    (`rigbook bench compare --ab` lists the fields that differ)."""
+
+    recipe: str
+    recipe_hash: str | None
+    engine: str
+    engine_build: str | None  # the venv's live build (its spec hash and build time)
+    engine_version: str | None  # the engine package's version in that build
+    driver: str | None
+    caps_w: tuple[float, ...]
 
 
 class VerifyRun(StrictModel):
@@ -182,6 +247,10 @@ class VerifyRun(StrictModel):
     steps: tuple[Step, ...]
     bench: tuple[BenchFigures, ...] = ()
     settings: dict[str, object]
+    level: Level = "quick"
+    fingerprint: Fingerprint | None = None
+    ceiling: Ceiling | None = None
+    soak: Soak | None = None
 
     @property
     def cap_label(self) -> str:
@@ -427,6 +496,7 @@ def figures(prompt: str, concurrency: int, runs: list[list[Sample]]) -> BenchFig
         ttft_s=Stat.of([s.ttft_s for s in streams]),
         decode_tps=Stat.of([s.decode_tps for s in streams]),
         aggregate_tps=Stat.of(aggregate),
+        wall_tps=Stat.of([s.tokens / max(s.last - s.started, 1e-9) for s in streams]),
     )
 
 
@@ -436,11 +506,15 @@ def figures(prompt: str, concurrency: int, runs: list[list[Sample]]) -> BenchFig
 class Ladder:
     """The steps, in order, against one target."""
 
-    def __init__(self, target: Target, settings: Settings) -> None:
-        self.target, self.settings = target, settings
+    def __init__(self, target: Target, settings: Settings,
+                 vram: Callable[[], tuple[int, ...] | None] = lambda: None) -> None:
+        self.target, self.settings, self.vram = target, settings, vram
         self.client = Client(target, settings.timeout_s)
         self.context = settings.context_len or target.max_model_len
         self.bench: list[BenchFigures] = []
+        self.ceiling: Ceiling | None = None
+        self.soak: Soak | None = None
+        self.warnings: list[str] = []  # the running step's, taken by run_ladder
         self._sizer: Sizer | None = None
 
     @property
@@ -562,38 +636,50 @@ class Ladder:
         return f"{got} prompt tokens in {took:.2f} s ({got / took:.0f} tok/s prefill)"
 
     def _haystack_request(self, tokens: int, needle: str | None, depth: float,
-                          question: str) -> requests.Response:
-        """A haystack of about `tokens` prompt tokens in all (needle and question counted)."""
+                          question: str, salt: str = "", step: str = "needle",
+                          ) -> requests.Response:
+        """A haystack of about `tokens` prompt tokens in all (with a needle, the needle, the
+        question and the salt are measured and counted). A salt at its very start: a salted
+        prompt shares no cached prefix with another."""
         fixed = 0.0
+        lead = f"{salt} " if salt else ""
         if needle is not None:  # measure what the needle and the question add on their own
-            alone = self.client.chat(f"{needle}\n\n{question}", max_tokens=1)
+            alone = self.client.chat(f"{lead}{needle}\n\n{question}", max_tokens=1)
             usage = _json(alone).get("usage") or {}
             if alone.status_code != 200 or not isinstance(usage.get("prompt_tokens"), int):
-                raise StepFailed("needle", "usage.prompt_tokens of the bare question",
+                raise StepFailed(step, "usage.prompt_tokens of the bare question",
                                  _said(alone))
             fixed = usage["prompt_tokens"] - self.sizer.base
         text = haystack_words(self.sizer.words(int(tokens - fixed)), needle, depth)
-        return self.client.chat(f"{text}\n\n{question}", max_tokens=ANSWER_TOKENS)
+        return self.client.chat(f"{lead}{text}\n\n{question}", max_tokens=ANSWER_TOKENS)
+
+    def _needle_probe(self, step: str, tokens: int, depth: float, salt: str = "",
+                      stressed: bool = False) -> int:
+        """One needle at `depth` of a ~`tokens`-token prompt, asked back; the prompt tokens the
+        engine counted. `stressed`: a failure says what a long prompt's failure means."""
+        code = str(random.Random().randrange(1_000_000, 10_000_000))
+        response = self._haystack_request(
+            tokens, f"The secret number of the rig is {code}.", depth,
+            "What is the secret number of the rig? Answer with the number only.", salt, step)
+        data = _json(response)
+        where = f"the needle at depth {depth:g} of a ~{tokens}-token context"
+        if response.status_code != 200 or answer_shape_problem(data):
+            refused = "" if not stressed else (
+                stress.CONTEXT_HINT if CONTEXT_ERROR.search(response.text) else stress.OOM_HINT)
+            raise StepFailed(step, f"{where} to be accepted and answered "
+                                   f"(context {self.context})", _said(response), refused)
+        answer = data["choices"][0]["message"]["content"]
+        if self.settings.needle_exact and not re.search(rf"\b{code}\b", answer):
+            raise StepFailed(step, f"{where} answered with {code}", repr(answer),
+                             stress.NEEDLE_HINT if stressed else "")
+        return data["usage"]["prompt_tokens"]
 
     def needle(self) -> str:
         fill = int(self.settings.needle_fill * self.context) - 2 * ANSWER_TOKENS
-        rng = random.Random()
         notes = []
         for depth in self.settings.needle_depths:
-            code = str(rng.randrange(1_000_000, 10_000_000))
-            response = self._haystack_request(
-                fill, f"The secret number of the rig is {code}.", depth,
-                "What is the secret number of the rig? Answer with the number only.",
-            )
-            data = _json(response)
-            where = f"the needle at depth {depth:g} of a ~{fill}-token context"
-            if response.status_code != 200 or answer_shape_problem(data):
-                raise StepFailed("needle", f"{where} to be accepted and answered "
-                                           f"(context {self.context})", _said(response))
-            answer = data["choices"][0]["message"]["content"]
-            if self.settings.needle_exact and not re.search(rf"\b{code}\b", answer):
-                raise StepFailed("needle", f"{where} answered with {code}", repr(answer))
-            notes.append(f"{depth:g}: {data['usage']['prompt_tokens']} tok "
+            counted = self._needle_probe("needle", fill, depth)
+            notes.append(f"{depth:g}: {counted} tok "
                          + ("recalled" if self.settings.needle_exact else "accepted"))
         beyond = int(self.context * 1.25)
         response = self._haystack_request(beyond, None, 0, "Say OK.")
@@ -629,6 +715,144 @@ class Ladder:
                              "recipe's speculative.min_acceptance_length)", grown.text(),
                              specmetrics.FLOOR_HINT)
         return f"{grown.text()} (floor {floor:g})"
+
+    def stress_sizes(self) -> tuple[list[int], list[int]]:
+        return stress.needle_sizes(self.context, self.settings.stress_needles, 4 * ANSWER_TOKENS)
+
+    def stress_needles(self) -> str:
+        """A salted needle in the middle of a prompt of each size that fits the context."""
+        fits, skipped = self.stress_sizes()
+        notes = []
+        for size in fits:
+            begun = time.monotonic()
+            counted = self._needle_probe("stress-needles", size, 0.5, secrets.token_hex(8),
+                                         stressed=True)
+            notes.append(f"{size}: {counted} tok "
+                         + ("recalled" if self.settings.needle_exact else "accepted")
+                         + f" in {time.monotonic() - begun:.1f} s")
+        if skipped:
+            notes.append(f"{', '.join(map(str, skipped))} skipped (beyond the "
+                         f"{self.context}-token context)")
+        return "; ".join(notes)
+
+    def _rung(self, size: int) -> Rung:
+        """One rung of the ceiling ladder: a salted prompt of ~size tokens, then free VRAM."""
+        begun, counted, error, oom = time.monotonic(), None, None, False
+        try:
+            response = self._haystack_request(size, None, 0, "Say OK.", secrets.token_hex(8),
+                                              "ceiling")
+            data = _json(response)
+            if response.status_code == 200 and not answer_shape_problem(data):
+                counted = data["usage"]["prompt_tokens"]
+            else:
+                error = truncate(_said(response))
+                oom = not CONTEXT_ERROR.search(response.text)
+        except requests.RequestException as failed:  # a crash, a hang past verify_timeout_s
+            error, oom = truncate(repr(failed)), True
+        return Rung(tokens=size, prompt_tokens=counted, seconds=round(time.monotonic() - begun, 3),
+                    free_mib=self.vram(), error=error, oom=oom)
+
+    def ceiling_(self) -> str:
+        """Prompts from ceiling_start to 0.92 of the context, stopped at the first failure."""
+        s = self.settings
+        before, done = self.vram(), []
+        for size in stress.rungs(self.context, s.ceiling_start, s.ceiling_rungs):
+            done.append(self._rung(size))
+            if done[-1].error is not None:
+                break
+        self.ceiling = Ceiling(context=self.context, free_before_mib=before, rungs=tuple(done))
+        self.warnings += stress.margin_warnings(self.ceiling)
+        try:
+            return stress.verdict(self.ceiling)
+        except stress.StressProblem as problem:
+            raise StepFailed("ceiling", problem.expected, problem.got, problem.hint) from None
+
+    def _soak_turn(self, messages: list[dict], session: int, turn: int,
+                   at_s: float) -> tuple[soak.Turn, str]:
+        """One streamed turn of a conversation: what it gave back, and its answer's text."""
+        body = {"model": self.target.served_name, "max_tokens": self.settings.bench_tokens,
+                "temperature": 0, "seed": 0, "messages": messages, "stream": True,
+                "stream_options": {"include_usage": True}}
+        place = {"session": session, "turn": turn, "at_s": round(at_s, 3)}
+        events, usage, started = [], {}, time.monotonic()
+        try:
+            with self.client.post("/v1/chat/completions", body, stream=True) as response:
+                if response.status_code != 200:
+                    return soak.Turn(**place, error=truncate(_said(response))), ""
+                for chunk in sse_chunks(response.iter_lines()):
+                    for choice in chunk.get("choices") or []:
+                        delta = choice.get("delta") if isinstance(choice, dict) else None
+                        delta = delta if isinstance(delta, dict) else {}
+                        text = delta.get("content")
+                        said = (text if isinstance(text, str) else "") + (
+                            thinkcheck.reasoning_of(delta))
+                        if said:
+                            events.append((time.monotonic(), said, isinstance(text, str)))
+                    if isinstance(chunk.get("usage"), dict):
+                        usage = chunk["usage"]
+        except (requests.RequestException, ValueError) as error:
+            return soak.Turn(**place, error=truncate(repr(error))), ""
+        counted = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) \
+            else None
+        if not "".join(text for _, text, _ in events).strip():  # silent: nothing to show
+            return soak.Turn(**place, prompt_tokens=counted, empty=True), ""
+        tokens = usage.get("completion_tokens")
+        sample = sample_of(started, [(t, x) for t, x, _ in events],
+                           tokens if isinstance(tokens, int) else None)
+        answer = "".join(text for _, text, content in events if content)
+        return soak.Turn(**place, prompt_tokens=counted, tokens=sample.tokens,
+                         decode_tps=round(sample.decode_tps, 3)), answer
+
+    def _turn_tokens(self) -> int:
+        """Prompt tokens a soak turn's wrapper and question add, measured on the engine."""
+        response = self.client.chat(f"Notes, part 1: \n\n{soak.QUESTION}", max_tokens=1)
+        usage = _json(response).get("usage") or {}
+        if response.status_code != 200 or not isinstance(usage.get("prompt_tokens"), int):
+            raise StepFailed("soak", "usage.prompt_tokens of the bare question", _said(response))
+        return max(round(usage["prompt_tokens"] - self.sizer.base), 1)
+
+    def soak_(self) -> str:
+        """Sessions of soak_turns turns, each adding notes so the context ramps to
+        soak_context_tokens, until soak_requests or soak_seconds (checked between requests)."""
+        s = self.settings
+        target = min(s.soak_context_tokens, int(0.9 * self.context))
+        # what a turn adds besides its notes: its question, measured, and the answer before
+        # it, at twice its tokens (a text that is tokenized again may take more)
+        fixed = self._turn_tokens() + 2 * s.bench_tokens
+        chunk = soak.chunk_tokens(target, s.soak_turns, fixed)
+        words = self.sizer.words(chunk)
+        began = time.monotonic()
+        free_start, turns, session = self.vram(), [], 0
+
+        def more() -> bool:
+            return (len(turns) < s.soak_requests and time.monotonic() - began < s.soak_seconds
+                    and not (turns and turns[-1].error))
+
+        while more():
+            salt, messages = secrets.token_hex(8), []
+            for turn in range(s.soak_turns):
+                # never a turn the context cannot hold (the estimate, not the engine, ends it)
+                if not more() or self.sizer.base + (turn + 1) * (chunk + fixed) \
+                        + s.bench_tokens > self.context:
+                    break
+                lead = f"Session {salt}. " if turn == 0 else ""
+                messages.append({"role": "user", "content": f"{lead}Notes, part {turn + 1}: "
+                                 f"{haystack_words(words)}\n\n{soak.QUESTION}"})
+                result, answer = self._soak_turn(messages, session, turn,
+                                                 time.monotonic() - began)
+                turns.append(result)
+                messages.append({"role": "assistant", "content": answer})
+            session += 1
+        self.soak = Soak(seconds=round(time.monotonic() - began, 3), limit_s=s.soak_seconds,
+                         limit_requests=s.soak_requests, turns_per_session=s.soak_turns,
+                         target_tokens=target, free_start_mib=free_start,
+                         free_end_mib=self.vram(), turns=tuple(turns))
+        try:
+            detail, warnings = soak.verdict(self.soak, s.soak_min_retention)
+        except soak.SoakProblem as problem:
+            raise StepFailed("soak", problem.expected, problem.got, problem.hint) from None
+        self.warnings += warnings
+        return detail
 
     def levels(self) -> tuple[list[int], str]:
         """The bench's concurrencies for this engine, and why one was skipped ("" if none)."""
@@ -672,6 +896,15 @@ class Ladder:
         """Each step, or the reason it does not apply to the recipe."""
         yield "health", self.health
         yield "chat", self.chat
+        if self.settings.level == "stress":
+            yield "stress-needles", (self.stress_needles if self.stress_sizes()[0] else
+                                     f"no size of {list(self.settings.stress_needles)} fits the "
+                                     f"{self.context}-token context")
+            yield "ceiling", self.ceiling_
+            return
+        if self.settings.level == "soak":
+            yield "soak", self.soak_
+            return
         # the engine parses calls and thinking only with its parser
         no_tools = "the recipe has no tool_parser: the engine parses no tool calls"
         yield "tools", self.tools if self.target.tool_parser else no_tools
@@ -688,9 +921,13 @@ class Ladder:
 
 def run_ladder(target: Target, settings: Settings, *, driver: str | None = None,
                caps_w: tuple[float, ...] = (),
+               engine_build: tuple[str | None, str | None] = (None, None),
+               vram: Callable[[], tuple[int, ...] | None] = lambda: None,
                log: Callable[[str], None] = lambda line: None) -> VerifyRun:
-    """Every step in order until the first failure; returns the run (ok or not) to store."""
-    ladder = Ladder(target, settings)
+    """Every step of the settings' level in order until the first failure; returns the run (ok
+    or not) to store. `vram` reads free VRAM (MiB per GPU) on the rig; `engine_build` is the
+    venv's live build and the engine's version there."""
+    ladder = Ladder(target, settings, vram)
     started, clock = datetime.now(UTC), time.monotonic()
     steps: list[Step] = []
     for name, step in ladder.steps():
@@ -705,15 +942,20 @@ def run_ladder(target: Target, settings: Settings, *, driver: str | None = None,
         except StepFailed as failed:
             steps.append(Step(name=name, ok=False, seconds=time.monotonic() - begun,
                               detail=f"{failed.step}: failed", expected=failed.expected,
-                              got=failed.got, hint=failed.hint or None))
+                              got=failed.got, hint=failed.hint or None,
+                              warnings=tuple(ladder.warnings)))
             break
         except (requests.RequestException, ValueError) as error:
             steps.append(Step(name=name, ok=False, seconds=time.monotonic() - begun,
                               detail="request failed", expected="an answer from the engine",
                               got=truncate(repr(error))))
             break
-        steps.append(Step(name=name, ok=True, seconds=time.monotonic() - begun, detail=detail))
+        steps.append(Step(name=name, ok=True, seconds=time.monotonic() - begun, detail=detail,
+                          warnings=tuple(ladder.warnings)))
         log(f"{name}: ok, {detail}")
+        for warning in ladder.warnings:
+            log(f"{name}: WARNING {warning}")
+        ladder.warnings = []
     failed = next((s for s in steps if not s.ok), None)
     return VerifyRun(
         rig=target.rig, recipe=target.recipe, engine=target.engine,
@@ -722,6 +964,10 @@ def run_ladder(target: Target, settings: Settings, *, driver: str | None = None,
         failed_step=failed.name if failed else None, steps=tuple(steps),
         bench=tuple(ladder.bench),
         settings=json.loads(json.dumps({**settings.__dict__, "context": ladder.context})),
+        level=settings.level, ceiling=ladder.ceiling, soak=ladder.soak,
+        fingerprint=Fingerprint(recipe=target.recipe, recipe_hash=target.recipe_hash,
+                                engine=target.engine, engine_build=engine_build[0],
+                                engine_version=engine_build[1], driver=driver, caps_w=caps_w),
     )
 
 
@@ -744,12 +990,13 @@ def _bench(run: VerifyRun, prompt: str, concurrency: int) -> BenchFigures | None
 
 
 def compare_rows(runs: list[VerifyRun], rig: str | None = None) -> list[VerifyRun]:
-    """Across rigs: the latest run per rig, recipe, driver and cap; one rig: all its runs."""
+    """Across rigs: the latest run per rig, recipe, driver, cap and level; one rig: all its
+    runs."""
     if rig is not None:
         return [r for r in runs if r.rig == rig]
     latest: dict[tuple, VerifyRun] = {}
     for run in runs:
-        latest[(run.rig, run.recipe, run.driver, run.caps_w)] = run
+        latest[(run.rig, run.recipe, run.driver, run.caps_w, run.level)] = run
     return sorted(latest.values(), key=lambda r: (r.rig, r.recipe, r.started))
 
 
@@ -757,10 +1004,11 @@ def compare_table(runs: list[VerifyRun], rig: str | None = None):
     """A rich Table of the rows compare_rows picks."""
     from rich.table import Table
 
-    title = f"verify runs of {rig}" if rig else "latest verify run per rig, recipe, driver, cap"
+    title = (f"verify runs of {rig}" if rig else
+             "latest verify run per rig, recipe, driver, cap and level")
     table = Table(title=title)
-    for column in ("rig", "recipe", "driver", "cap W", "when (UTC)", "ladder",
-                   "narrative tok/s", "code tok/s", "TTFT s", "xN all tok/s"):
+    for column in ("rig", "recipe", "driver", "cap W", "when (UTC)", "level", "ladder",
+                   "narrative tok/s", "code tok/s", "TTFT s", "xN all tok/s", "stress / soak"):
         table.add_column(column, justify="right" if "tok" in column or "TTFT" in column
                          else "left")
     for run in compare_rows(runs, rig):
@@ -774,8 +1022,18 @@ def compare_table(runs: list[VerifyRun], rig: str | None = None):
         cells.append(f"x{many.concurrency} {many.aggregate_tps.text()}" if many else "-")
         ladder = "pass" if run.ok else f"FAIL {run.failed_step}"
         table.add_row(run.rig, run.recipe, run.driver or "none", run.cap_label,
-                      run.started.strftime("%Y-%m-%d %H:%M:%S"), ladder, *cells)
+                      run.started.strftime("%Y-%m-%d %H:%M:%S"), run.level, ladder, *cells,
+                      level_summary(run))
     return table
+
+
+def level_summary(run: VerifyRun) -> str:
+    """The stress level's ceiling or the soak's figures, in one cell ("-" for the quick one)."""
+    if run.ceiling is not None:
+        return run.ceiling.summary()
+    if run.soak is not None:
+        return run.soak.summary()
+    return "-"
 
 
 def settings_of(rig) -> Settings:
@@ -785,6 +1043,11 @@ def settings_of(rig) -> Settings:
         context_len=rig.verify_context_len, bench_warmups=rig.verify_bench_warmups,
         bench_runs=rig.verify_bench_runs, bench_tokens=rig.verify_bench_tokens,
         bench_concurrency=rig.verify_bench_concurrency, timeout_s=rig.verify_timeout_s,
+        level=rig.verify_level, stress_needles=rig.verify_stress_needles,
+        ceiling_start=rig.verify_ceiling_start, ceiling_rungs=rig.verify_ceiling_rungs,
+        soak_seconds=rig.verify_soak_seconds, soak_requests=rig.verify_soak_requests,
+        soak_turns=rig.verify_soak_turns, soak_context_tokens=rig.verify_soak_context_tokens,
+        soak_min_retention=rig.verify_soak_min_retention,
     )
 
 
@@ -842,12 +1105,15 @@ def verify_plan(rig, rig_name: str, address: str) -> tuple[Target, Settings]:
     except RigbookError as error:
         raise RigbookError(f"{rig_name}: {error}") from None
     url = api_url(rig, rig_name, address, bind_of(recipe, rig), port_of(recipe, rig))
+    import hashlib
+
     target = Target(rig=rig_name, recipe=recipe.name, engine=recipe.engine,
                     served_name=recipe.served_name(), max_model_len=max_model_len_of(recipe, rig),
                     url=url, key=key, tool_parser=recipe.tool_parser,
                     reasoning_parser=recipe.reasoning_parser,
                     min_acceptance_length=recipe.speculative.min_acceptance_length
-                    if recipe.speculative else None)
+                    if recipe.speculative else None, venv=recipe.venv,
+                    recipe_hash=hashlib.sha256(recipe.model_dump_json().encode()).hexdigest()[:12])
     return target, settings
 
 
@@ -862,14 +1128,57 @@ def _hardware(host) -> tuple[str | None, tuple[float, ...]]:
     return probe.driver_version, caps
 
 
+#: The engine's package in a venv's manifest, by recipe engine.
+ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "llama.cpp": "llama-cpp-python"}
+
+
+def _engine_build(host, target: Target) -> tuple[str | None, str | None]:
+    """The recipe's venv's live build and the engine's version in it (None: not known)."""
+    from rigbook.roles.venvs import VenvBuilds
+
+    if target.venv is None:
+        return None, None
+    state = host.get_fact(VenvBuilds, venv_name=target.venv)
+    packages = (state.manifest or {}).get("packages") or {}
+    want = ENGINE_PACKAGES.get(target.engine, target.engine)
+    version = next((str(v) for k, v in packages.items()
+                    if re.sub(r"[-_.]+", "-", str(k)).lower() == want), None)
+    return state.target_build, version
+
+
+def free_vram_reader(host) -> Callable[[], tuple[int, ...] | None]:
+    """Free VRAM (MiB per GPU: nvidia-smi's memory.total less memory.used) read on the rig each
+    call, with the command and parse of the GPU fact (NvidiaGpus); None where it cannot."""
+    from rigbook.core.facts import NvidiaGpus
+
+    def read() -> tuple[int, ...] | None:
+        fact = NvidiaGpus()
+        ok, output = host.run_shell_command(StringCommand(fact.command()), print_output=False)
+        probe = fact.process(output.stdout_lines) if ok else None
+        if probe is None or not probe.ok:
+            return None
+        free = tuple(g.memory_total_mib - g.memory_used_mib for g in probe.gpus
+                     if g.memory_total_mib is not None and g.memory_used_mib is not None)
+        return free or None
+
+    return read
+
+
 def _verify(state, host, target: Target, settings: Settings, root: Path | None) -> bool:
     """FunctionCommand body: run the ladder, store the run, fail this rig alone on a failure."""
     driver, caps = _hardware(host)
+
+    def say(line: str) -> None:
+        (logger.warning if "WARNING" in line else logger.info)(
+            f"{host.print_prefix}verify {line}")
+
     run = run_ladder(target, settings, driver=driver, caps_w=caps,
-                     log=lambda line: logger.info(f"{host.print_prefix}verify {line}"))
+                     engine_build=_engine_build(host, target), vram=free_vram_reader(host),
+                     log=say)
     path = save_run(run, root)
     if run.ok:
-        logger.info(f"{host.print_prefix}{target.recipe} passed the verify ladder in "
+        logger.info(f"{host.print_prefix}{target.recipe} passed the verify ladder "
+                    f"({settings.level}) in "
                     f"{run.seconds:.1f} s; stored {path}")
         return True
     host.log_styled(f"{failure_message(run)}\nStored {path}", fg="red", log_func=logger.error)

@@ -153,6 +153,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--wheels", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-only", action="store_true", help="stop after the dry plan")
+    parser.add_argument("--verify-level", action="append", choices=("stress", "soak"),
+                        default=[], help="also run deploys/verify.py at this level after the "
+                        "quick one (repeatable; docs/verify.md)")
     args = parser.parse_args(argv)
     wheels, kit = args.wheels.resolve(), Kit(args.out)
 
@@ -220,6 +223,9 @@ def main(argv: list[str]) -> int:
     port = 8110
     kit.run("verify", [pyinfra, "-y", str(inventory), "deploys/verify.py"], env=env,
             timeout=150)
+    for level in args.verify_level:  # the soak's own bound is verify_soak_seconds (600)
+        kit.run(f"verify-{level}", [pyinfra, "-y", str(inventory), "deploys/verify.py",
+                                    "--data", f"verify_level={level}"], env=env, timeout=900)
     kit.run("nvidia-smi-serving", ["bash", "-c", "nvidia-smi; nvidia-smi --query-compute-apps="
                                    "pid,process_name,used_memory --format=csv; ps -o pid,user,"
                                    "args -C python3 -C python || true"])

@@ -276,10 +276,11 @@ def test_every_numeric_key_has_an_upper_and_a_lower_bound():
                if any(word in str(field.annotation) for word in ("int", "float"))]
     unbounded = {name for name in numeric if range_of(name) is None}
     # each of these is checked by its own validator (OUT_OF_RANGE has them) or is free:
-    # driver_branch one of a set, verify_needle_depths each 0..1, sweep_watts each a cap in
-    # 1..2000 W (the sweep's parser), sysctl_extra the values of other kernel keys (the kernel
-    # decides; the preflight refuses a key the kernel lacks)
-    assert unbounded == {"driver_branch", "verify_needle_depths", "sweep_watts", "sysctl_extra"}
+    # driver_branch one of a set, verify_needle_depths each 0..1, verify_stress_needles each
+    # 64..MAX_TOKENS, sweep_watts each a cap in 1..2000 W (the sweep's parser), sysctl_extra the
+    # values of other kernel keys (the kernel decides; the preflight refuses a key it lacks)
+    assert unbounded == {"driver_branch", "verify_needle_depths", "verify_stress_needles",
+                         "sweep_watts", "sysctl_extra"}
 
 
 def _tiny(**data):

@@ -19,6 +19,7 @@ from rigbook import cli
 from rigbook.core.checks import Facts
 from rigbook.core.errors import RigbookError
 from rigbook.core.spec import MAX_CAPS, parse_rig, parse_watts
+from rigbook.core.stats import Estimate
 from rigbook.rigside.gpus import GpuProbe
 from rigbook.roles.power import PowerUnit
 from rigbook.roles.sweep import (
@@ -48,7 +49,6 @@ from rigbook.roles.sweepresult import (
     suggestions,
     summary_rows,
 )
-from rigbook.roles.sweepstats import Estimate
 from tests.test_power import DUAL, SMI, UUID0, UUID1, rtx3090
 
 ROOT = Path(__file__).resolve().parent.parent

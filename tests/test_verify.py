@@ -73,6 +73,12 @@ class Fake:
     essay: str | None = None
     # the /metrics texts the engine serves, one per GET (the speculative step reads two)
     metrics: list = []
+    # prompts of this many tokens or more crash the engine (the connection drops unanswered,
+    # as when an out-of-memory kills it); None: every prompt the context allows is served
+    fits: int | None = None
+    # the streamed answers (counted from 0) that carry no text: a silent empty reply
+    empty_streams: set = set()
+    streams = 0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -113,13 +119,18 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(200, self.fake.think_stream, "text/event-stream")
             return self._send(*self.fake.think_answer)
         content = body["messages"][0]["content"]
+        every = " ".join(m["content"] for m in body["messages"])  # a conversation's turns
         if content == degeneration.ESSAY_PROMPT and self.fake.essay is not None:
             return self._send(200, {
                 "object": "chat.completion", "model": self.fake.model,
                 "choices": [{"index": 0, "finish_reason": "length",
                              "message": {"role": "assistant", "content": self.fake.essay}}],
                 "usage": {"prompt_tokens": 40, "completion_tokens": body["max_tokens"]}})
-        prompt = len(content.split()) + 4
+        prompt = len(every.split()) + 4
+        if self.fake.fits is not None and prompt >= self.fake.fits:
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return None
         if self.fake.reject and prompt >= self.fake.context:
             return self._send(400, {"error": {"message": (
                 f"This model's maximum context length is {self.fake.context} tokens. However, "
@@ -127,9 +138,14 @@ class Handler(BaseHTTPRequestHandler):
         code = re.search(r"secret number of the rig is (\d+)", content)
         answer = code.group(1) if code and self.fake.recall else "OK"
         if body.get("stream"):
+            self.fake.streams += 1
             words = [f"w{i} " for i in range(body["max_tokens"])]
-            lines = [json.dumps({"choices": [{"delta": {"content": w}}]}) for w in words]
-            lines.append(json.dumps({"choices": [], "usage": {"completion_tokens": len(words)}}))
+            if self.fake.streams - 1 in self.fake.empty_streams:
+                words = []  # the role chunk, an empty content and the finish: nothing to show
+            lines = [json.dumps({"choices": [{"delta": {"role": "assistant"}}]})]
+            lines += [json.dumps({"choices": [{"delta": {"content": w}}]}) for w in words or [""]]
+            lines.append(json.dumps({"choices": [], "usage": {"prompt_tokens": prompt,
+                                                               "completion_tokens": len(words)}}))
             text = "".join(f"data: {line}\n\n" for line in lines) + "data: [DONE]\n\n"
             return self._send(200, text, "text/event-stream")
         if not self.fake.shape_ok:
@@ -145,7 +161,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     class Local(Fake):
-        tool_bodies, think_bodies, metrics = [], [], []
+        tool_bodies, think_bodies, metrics, empty_streams = [], [], [], set()
 
     handler = type("H", (Handler,), {"fake": Local})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)

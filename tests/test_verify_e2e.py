@@ -10,8 +10,11 @@ rig's own address, as an operator's machine reaches a rig on the LAN. One story:
    a planted degeneration: the same engine, one word forced by logit_bias, loops, and the
    long-generation step's detector says so;
 2. a ladder told the context is 1024 fails at the needle step with the engine's own error;
-3. with the engine stopped, the ladder fails at its first step;
-4. `rigbook bench compare` tables the runs and writes a PNG.
+3. the stress level passes (salted needles, the ceiling ladder to 0.92 of 512 tokens); told the
+   context is 1024, its ceiling ladder fails at the first rung beyond 512 and names the real
+   ceiling; the soak level runs its bounded multi-turn sessions on the same engine;
+4. with the engine stopped, the ladder fails at its first step;
+5. `rigbook bench compare` tables the runs of every level and writes a PNG; `--ab` compares two.
 """
 
 from __future__ import annotations
@@ -124,15 +127,56 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         assert "(context 1024)" in beyond.stderr
         assert "This model's maximum context length is 512 tokens" in beyond.stderr
 
-        # 3. the engine stopped: the first step fails
+        # 3. the stress level: needles that fit (60000 does not), a ceiling of three rungs
+        stressed = verify(verify_level="stress", verify_stress_needles="[100, 300, 60000]",
+                          verify_ceiling_rungs="3")
+        print(stressed.stderr)
+        assert stressed.returncode == 0, stressed.explain()
+        assert "tiny-cpu-a passed the verify ladder (stress)" in stressed.stderr
+        run = load_runs()[-1]
+        assert run.level == "stress"
+        assert [s.name for s in run.steps] == ["health", "chat", "stress-needles", "ceiling"]
+        needles = run.steps[2].detail
+        assert needles.count("accepted") == 2 and "60000 skipped (beyond the 512-token" in needles
+        assert [r.tokens for r in run.ceiling.rungs] == [235, 353, 471]
+        assert run.ceiling.failed is None and run.ceiling.ceiling > 471
+        # rig1 has no driver in this story: no nvidia-smi answers, and the step says so
+        assert [r.free_mib for r in run.ceiling.rungs] == [None] * 3
+        assert "free VRAM not read" in run.steps[3].detail
+        # the context set beyond what the engine holds: the first rung beyond 512 fails
+        ceiling = verify(verify_level="stress", verify_stress_needles="[100]",
+                         verify_ceiling_rungs="3", verify_ceiling_start="300",
+                         verify_context_len="1024")
+        print(ceiling.stderr)
+        assert ceiling.returncode != 0
+        assert "failed at step ceiling: expected a 621-token prompt to be served" in ceiling.stderr
+        assert "the real ceiling is 3" in ceiling.stderr
+        assert "This model's maximum context length is 512 tokens" in ceiling.stderr
+        # the soak: sessions of up to three turns whose context ramps (the tiny vocabulary spells
+        # the question out, so the estimate ends each session before a turn 512 cannot hold;
+        # llama-cpp-python answers such a turn with an empty stream). Retention is measured,
+        # not judged: the sandbox's CPU is shared. Its streams carry no usage: no prompt sizes.
+        soaked = verify(verify_level="soak", verify_soak_seconds="120", verify_soak_requests="6",
+                        verify_soak_turns="3", verify_soak_context_tokens="400",
+                        verify_soak_min_retention="0.0")
+        print(soaked.stderr)
+        run = load_runs()[-1]
+        assert run.level == "soak" and run.soak.requests == 6 and run.soak.sessions >= 2
+        assert [t.turn for t in run.soak.turns if t.session == 0][:2] == [0, 1]  # multi-turn
+        assert not run.soak.errors and run.soak.vram_growth_mib is None
+        # the random model may end a turn at once: an empty reply, counted and failing
+        assert (soaked.returncode == 0) == (not run.soak.empty), soaked.explain()
+
+        # 4. the engine stopped: the first step fails
         rig_ssh(rig, f"systemctl stop {UNIT_NAME}")
         dead = verify()
         print(dead.stderr)
         assert dead.returncode != 0
         assert "failed at step health" in dead.stderr and "ConnectionError" in dead.stderr
-        assert [r.failed_step for r in load_runs()] == [None, "needle", "health"]
+        assert [r.failed_step for r in load_runs()][:4] == [None, "needle", None, "ceiling"]
+        assert load_runs()[-1].failed_step == "health"
 
-        # 4. the compare table and the chart
+        # 5. the compare table and the chart
         capsys.readouterr()
         png = tmp_path / "bench.png"
         assert cli.main(["bench", "compare", "--rig", "rig1", "--png", str(png)]) == 0
@@ -140,7 +184,12 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         with capsys.disabled():
             print(table)
         assert table.count("rig1") >= 3 and "FAIL needle" in table and "FAIL health" in table
+        assert "FAIL ceiling" in table and "stress" in table and "soak" in table
         assert png.read_bytes().startswith(b"\x89PNG")
+        first, stressed_run = load_runs()[0], load_runs()[2]
+        assert cli.main(["bench", "compare", "--ab", str(stored), str(stored)]) == 0
+        assert "inside the noise" in capsys.readouterr().out
+        assert first.fingerprint.engine == "llama.cpp" and stressed_run.fingerprint is not None
     finally:
         rig_ssh(rig, f"systemctl disable --now {UNIT_NAME}; rm -rf {UNIT_PATH} {CONF_DIR} "
                      f"{CACHE}/models--local--tiny {VENVS_DIR}/tiny-cpu {VENVS_DIR}/tiny-cpu-* "

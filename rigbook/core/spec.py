@@ -590,6 +590,47 @@ class Rig(StrictModel):
     verify_timeout_s: StrictInt = Field(
         300, ge=5, le=3600, description="Limit of one request (the longest prefill included)."
     )
+    verify_level: Literal["quick", "stress", "soak"] = Field(
+        "quick",
+        description="Run option: quick = the ladder (health to bench); stress = salted needles "
+        "at verify_stress_needles tokens and the context ceiling ladder with free VRAM per "
+        "rung; soak = multi-turn sessions for verify_soak_seconds / verify_soak_requests "
+        "(docs/verify.md).",
+    )
+    verify_stress_needles: tuple[StrictInt, ...] = Field(
+        (10000, 30000, 60000, 90000), min_length=1, max_length=16,
+        description="Run option (stress): prompt sizes (tokens) of the salted needles; those "
+        "that do not fit the context are skipped.",
+    )
+    verify_ceiling_start: StrictInt = Field(
+        95000, ge=64, le=MAX_TOKENS,
+        description="Run option (stress): the ceiling ladder's first prompt (tokens); half of "
+        "the top rung when that is not above it.",
+    )
+    verify_ceiling_rungs: StrictInt = Field(
+        5, ge=1, le=20,
+        description="Run option (stress): rungs from verify_ceiling_start to 0.92 of the context.",
+    )
+    verify_soak_seconds: StrictInt = Field(
+        600, ge=5, le=7200,
+        description="Run option (soak): no new turn after this many seconds.",
+    )
+    verify_soak_requests: StrictInt = Field(
+        200, ge=2, le=5000, description="Run option (soak): at most this many turns in all."
+    )
+    verify_soak_turns: StrictInt = Field(
+        8, ge=2, le=64, description="Run option (soak): turns of each session."
+    )
+    verify_soak_context_tokens: StrictInt = Field(
+        25000, ge=64, le=MAX_TOKENS,
+        description="Run option (soak): the prompt a session's last turn ramps to (at most 0.9 "
+        "of the context); the hardware notes' multi-turn out-of-memory came at ~22-25K.",
+    )
+    verify_soak_min_retention: StrictFloat = Field(
+        0.8, ge=0, le=1,
+        description="Run option (soak): the last session's decode tok/s over the first's must "
+        "reach this, unless the difference is inside the noise.",
+    )
 
     # -- power sweep (roles/sweep.py, deploys/power_sweep.py) ----------------------------------
     sweep_watts: tuple[float, ...] = Field(
@@ -629,6 +670,14 @@ class Rig(StrictModel):
     @classmethod
     def _sweep_watts(cls, value: Any) -> tuple[float, ...]:
         return parse_watts(value)
+
+    @field_validator("verify_stress_needles")
+    @classmethod
+    def _stress_needles(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        for size in sizes:
+            if not 64 <= size <= MAX_TOKENS:
+                raise ValueError(f"needle size {size} is outside 64..{MAX_TOKENS} tokens")
+        return tuple(sorted(set(sizes)))
 
     @field_validator("verify_needle_depths")
     @classmethod

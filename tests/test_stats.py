@@ -12,8 +12,7 @@ import re
 
 import pytest
 
-from rigbook.roles.sweepresult import evidence, samples_of
-from rigbook.roles.sweepstats import (
+from rigbook.core.stats import (
     autocorrelation_time,
     estimate,
     indistinguishable,
@@ -21,6 +20,7 @@ from rigbook.roles.sweepstats import (
     resolvable,
     t95,
 )
+from rigbook.roles.sweepresult import evidence, samples_of
 from tests.conftest import ROOT
 
 

@@ -1,4 +1,4 @@
-"""Statistics of a power sweep: how far a mean of an autocorrelated series can be trusted.
+"""How far a mean of a series can be trusted: the power sweep's samples and verify's bench runs.
 
 Power draw and token rates sampled every 0.5 s are not independent samples: a card's draw
 wanders over seconds (the power-sweep runbook measured DC power with sd ~50 W and an
