@@ -48,6 +48,7 @@ VERIFY = {
     "verify_prefill_tokens": 300, "verify_needle_exact": False, "verify_bench_warmups": 1,
     "verify_bench_runs": 3, "verify_bench_tokens": 64, "verify_bench_concurrency": 2,
     "verify_timeout_s": 60,
+    "verify_soak_seconds": 120,  # --verify-level soak inside one device call with the converge
 }
 
 
