@@ -31,6 +31,27 @@ LOCK = Path("/run/lock/rigbook-sandbox.lock")
 RIGS = int(os.environ.get("RIGBOOK_TEST_RIGS", "3"))
 
 
+def _keep_the_hub_awake():
+    """In a pytest-xdist worker: a timer on the main thread's gevent hub, for the whole session.
+
+    Importing pyinfra_cli monkey-patches threading while the worker's channel thread already
+    runs; the worker's main thread then waits for its next test on a gevent lock that the
+    channel thread releases, and a hub with nothing of its own to watch ends that wait at once
+    with LoopExit. A timer gives the hub something to watch (it fires once a second and does
+    nothing).
+    """
+    import gevent
+    import pyinfra_cli  # noqa: F401 (the patching, before the hub is made)
+
+    timer = gevent.get_hub().loop.timer(1.0, 1.0)
+    timer.start(lambda: None)
+    return timer
+
+
+#: The xdist worker's timer (kept referenced for the session).
+_HUB_TIMER = _keep_the_hub_awake() if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+
 def sandbox_unavailable() -> str | None:
     """Why sandbox rigs cannot run here, or None when they can."""
     if os.geteuid() != 0:

@@ -65,6 +65,7 @@ from rigbook.roles.tokens import (
 )
 from tests.hubstub import Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import run_op, shell
+from tests.standins import filling
 from tests.test_facts_data import captured
 from tests.test_progress import FakeRig
 from tests.test_rig_programs import load
@@ -765,18 +766,18 @@ def _wheel_requirements() -> list[str]:
 
 def ensure_wheels(requirements: list[str], wheelhouse: Path) -> None:
     """Put wheels for `requirements` (and their dependencies) in the wheelhouse if missing."""
-    wheelhouse.mkdir(parents=True, exist_ok=True)
-    offline = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-index", "--find-links",
-         str(wheelhouse), "--dest", str(wheelhouse), *requirements],
-        capture_output=True, text=True,
-    )
-    if offline.returncode != 0:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-             "--dest", str(wheelhouse), *requirements],
-            capture_output=True, text=True, check=True, timeout=600,
+    with filling(wheelhouse):
+        offline = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-index", "--find-links",
+             str(wheelhouse), "--dest", str(wheelhouse), *requirements],
+            capture_output=True, text=True,
         )
+        if offline.returncode != 0:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+                 "--dest", str(wheelhouse), *requirements],
+                capture_output=True, text=True, check=True, timeout=600,
+            )
 
 
 @pytest.fixture(scope="session")
