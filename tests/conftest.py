@@ -2,7 +2,9 @@
 
 End-to-end tests boot sandbox rigs (systemd-nspawn hosts with real systemd, sshd and apt) and
 drive them with the `pyinfra` command exactly as a user does. One set of rigs serves the whole
-session; a file lock keeps two test runs on one machine from fighting over them.
+session; a file lock keeps two test runs on one machine from fighting over them. On pytest-xdist
+workers (`-n 2 --dist loadfile -m sandbox`), worker gwK boots set RIGBOOK_SANDBOX_SET+K of its
+own (rigbook.sandbox: other names, subnet and state dir, and its own lock here).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from pathlib import Path
 import pytest
 
 from rigbook.core import messages
+from rigbook.sandbox import MAX_SET, SET_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 SANDBOX_INVENTORY = "inventory/sandbox.py"
+#: The default set's lock; set N's is rigbook-sandbox-N.lock beside it.
 LOCK = Path("/run/lock/rigbook-sandbox.lock")
 #: rig1 dual-3090, rig2 single-4090, rig3 wsl2-3090 (profiles are assigned round-robin).
 RIGS = int(os.environ.get("RIGBOOK_TEST_RIGS", "3"))
@@ -164,14 +168,31 @@ def fresh_warnings():
     messages._warned.clear()
 
 
+def _session_set(config: pytest.Config) -> int:
+    """The set of rigs this session boots (exported for every rigbook and pyinfra it starts):
+    RIGBOOK_SANDBOX_SET (0 when unset), plus K on xdist worker gwK. Workers must take whole
+    files (--dist loadfile): an e2e file's tests run in order on one set of rigs."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and config.getoption("dist", "no") not in ("loadfile", "loadscope"):
+        pytest.fail("e2e tests on xdist workers need --dist loadfile (a file's tests run in "
+                    "order, on one set of rigs)", pytrace=False)
+    number = int(os.environ.get(SET_ENV, "0")) + int((worker or "gw0").removeprefix("gw"))
+    if number > MAX_SET:
+        pytest.fail(f"sandbox set {number} is past the last one ({MAX_SET})", pytrace=False)
+    os.environ[SET_ENV] = str(number)
+    return number
+
+
 @pytest.fixture(scope="session")
-def sandbox():
+def sandbox(request):
     """RIGS sandbox rigs, up for the whole session, down (and cleaned) at its end."""
     reason = sandbox_unavailable()
     if reason:
         pytest.skip(reason)
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("w") as lock:
+    number = _session_set(request.config)
+    path = LOCK.with_name(f"rigbook-sandbox-{number}.lock") if number else LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             up = rigbook("sandbox", "up", str(RIGS), check=False)
