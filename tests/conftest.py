@@ -168,12 +168,20 @@ def fresh_warnings():
     messages._warned.clear()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(xdist, on the controller) Tells each worker how tests are handed out: a worker's own
+    --dist reads "no"."""
+    node.workerinput["rigbook_dist"] = node.config.getoption("dist")
+
+
 def _session_set(config: pytest.Config) -> int:
     """The set of rigs this session boots (exported for every rigbook and pyinfra it starts):
     RIGBOOK_SANDBOX_SET (0 when unset), plus K on xdist worker gwK. Workers must take whole
     files (--dist loadfile): an e2e file's tests run in order on one set of rigs."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and config.getoption("dist", "no") not in ("loadfile", "loadscope"):
+    dist = getattr(config, "workerinput", {}).get("rigbook_dist")
+    if worker and dist not in ("loadfile", "loadscope"):
         pytest.fail("e2e tests on xdist workers need --dist loadfile (a file's tests run in "
                     "order, on one set of rigs)", pytrace=False)
     number = int(os.environ.get(SET_ENV, "0")) + int((worker or "gw0").removeprefix("gw"))
