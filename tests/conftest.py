@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +64,25 @@ def sandbox_unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"sandbox rigs need {tool}"
     return None
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+              make: Callable[[Path], None]) -> Path:
+    """A folder of this run's temporary files that `make(folder)` fills once for the whole run:
+    the xdist workers of one run share it (a worker's own base is one level below the run's),
+    and the first that asks makes it, under a lock, while the others wait."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder, made = base / name, base / f"{name}.made"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed make left
+            folder.mkdir()
+            make(folder)
+            made.touch()
+    return folder
 
 
 def rigbook(*args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:

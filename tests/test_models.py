@@ -63,6 +63,7 @@ from rigbook.roles.tokens import (
     parse_secret_file,
     rig_tokens,
 )
+from tests.conftest import made_once
 from tests.hubstub import Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import run_op, shell
 from tests.standins import filling
@@ -782,7 +783,8 @@ def ensure_wheels(requirements: list[str], wheelhouse: Path) -> None:
 
 @pytest.fixture(scope="session")
 def hf_python(tmp_path_factory) -> str:
-    """A throwaway venv with the pinned huggingface_hub, from the rigs' wheelhouse."""
+    """A throwaway venv with the pinned huggingface_hub, from the rigs' wheelhouse (one for
+    the run, which its xdist workers share)."""
     from rigbook.sandbox import wheelhouse
 
     requirements = _wheel_requirements()
@@ -790,11 +792,14 @@ def hf_python(tmp_path_factory) -> str:
         ensure_wheels(requirements, wheelhouse())
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
         pytest.skip(f"no wheels for {requirements}: {error}")
-    venv = tmp_path_factory.mktemp("hfvenv")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "--no-index",
-                    "--find-links", str(wheelhouse()), *requirements], check=True)
-    return str(venv / "bin/python")
+
+    def make(venv: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet",
+                        "--no-index", "--find-links", str(wheelhouse()), *requirements],
+                       check=True)
+
+    return str(made_once(tmp_path_factory, "hfvenv", make) / "bin/python")
 
 
 @pytest.fixture
