@@ -6,7 +6,9 @@ sandbox/simulated/. A profile with `"systemd": false` (nosystemd-4090, started b
 tests that need it) runs sshd directly instead, with no systemctl: a GPU container's shape.
 Everything made on this machine is named `rigbook-rigI` (network namespace, host-side veth,
 cgroup folders) or lives under the state dir, so any run can find and remove what
-an interrupted one left.
+an interrupted one left. RIGBOOK_SANDBOX_SET=N (1-9) keeps another set of rigs beside that one,
+for e2e tests run on parallel workers: named `rigbookN-rigI`, on 10.(231+N).I.0/24, with its own
+state dir; each set's commands see and remove only their own set's rigs.
 """
 
 from __future__ import annotations
@@ -97,9 +99,12 @@ SIM_SOURCES = "etc/apt/sources.list.d/rigbook-sim.sources"
 UBUNTU_SIGNERS = frozenset({"F6ECB3762474EDA9D21B7022871920D1991BC93C"})
 PREFIX = "rigbook-"
 RIG_NAME = re.compile(r"rig(\d+)")
-THING_NAME = re.compile(PREFIX + r"rig\d+")
 SUBNET = "10.231"
 MAX_RIGS = 200
+SET_ENV = "RIGBOOK_SANDBOX_SET"
+#: Sets beside the default one (0): one digit keeps `rigbookN-rig200` within an interface
+#: name's 15 characters.
+MAX_SET = 9
 SSH_WAIT_S = 60
 STOP_WAIT_S = 20
 REBOOT_EXIT = 133
@@ -145,6 +150,24 @@ exec /usr/sbin/sshd -D -e
 """
 
 
+def sandbox_set() -> int:
+    """Which set of rigs this process works on (RIGBOOK_SANDBOX_SET; 0, the default set)."""
+    value = os.environ.get(SET_ENV, "0")
+    if not value.isdigit() or int(value) > MAX_SET:
+        raise RigbookError(f"{SET_ENV} must be a number from 0 to {MAX_SET}, not {value!r}")
+    return int(value)
+
+
+def prefix() -> str:
+    """What the names of this set's things start with: `rigbook-`, or `rigbookN-` for set N."""
+    number = sandbox_set()
+    return f"rigbook{number}-" if number else PREFIX
+
+
+def _thing_name() -> re.Pattern:
+    return re.compile(re.escape(prefix()) + r"rig\d+")
+
+
 @dataclass(frozen=True)
 class Rig:
     """One sandbox rig; its names and addresses all derive from its index."""
@@ -159,15 +182,15 @@ class Rig:
     @property
     def thing(self) -> str:
         """Name of its network namespace, host-side veth and cgroup folders."""
-        return PREFIX + self.name
+        return prefix() + self.name
 
     @property
     def address(self) -> str:
-        return f"{SUBNET}.{self.index}.2"
+        return f"{_subnet()}.{self.index}.2"
 
     @property
     def host_address(self) -> str:
-        return f"{SUBNET}.{self.index}.1"
+        return f"{_subnet()}.{self.index}.1"
 
     @property
     def dir(self) -> Path:
@@ -180,6 +203,12 @@ class Rig:
     @property
     def console(self) -> Path:
         return self.dir / "console.log"
+
+
+def _subnet() -> str:
+    """10.231 for the default set, 10.(231+N) for set N."""
+    first, second = SUBNET.split(".")
+    return f"{first}.{int(second) + sandbox_set()}"
 
 
 def cache_dir() -> Path:
@@ -195,8 +224,11 @@ def wheelhouse() -> Path:
 
 
 def state_dir() -> Path:
-    """Where the rigs' disks, logs, key and hosts.json live (RIGBOOK_SANDBOX_DIR)."""
-    return Path(os.environ.get("RIGBOOK_SANDBOX_DIR", "/var/lib/rigbook/sandbox"))
+    """Where the rigs' disks, logs, key and hosts.json live (RIGBOOK_SANDBOX_DIR; set N's
+    default is /var/lib/rigbook/sandbox-N)."""
+    number = sandbox_set()
+    default = f"/var/lib/rigbook/sandbox-{number}" if number else "/var/lib/rigbook/sandbox"
+    return Path(os.environ.get("RIGBOOK_SANDBOX_DIR", default))
 
 
 def hosts_file() -> Path:
@@ -238,7 +270,7 @@ def up(count: int = 2, profile: str | None = None) -> list[dict]:
         log.info("starting %s", ", ".join(f"{r.name} ({r.profile})" for r in rigs))
         built: set[Path] = set()  # each repository afresh, once
         for rig in rigs:
-            base = _extract_base(ensure_rootfs(rig.release))
+            base = _base(rig.release)
             repo = _sim_repo(rig.release, fresh=_repo_dir(rig.release) not in built)
             built.add(repo)
             _create_network(rig)
@@ -264,7 +296,7 @@ def add(profile: str) -> dict:
         entries = _entries()
         index = max((int(RIG_NAME.fullmatch(e["name"]).group(1)) for e in entries), default=0)
         rig = Rig(index + 1, profile)
-        base = _extract_base(ensure_rootfs(rig.release))
+        base = _base(rig.release)
         repo = _sim_repo(rig.release)
         key = _ensure_key()
         log.info("starting %s (%s)", rig.name, profile)
@@ -291,7 +323,7 @@ def remove(name: str) -> None:
     if RIG_NAME.fullmatch(name) is None:
         raise RigbookError(f"not a sandbox rig name: {name!r} (rig1, rig2, ...)")
     with _locked():
-        thing = PREFIX + name
+        thing = prefix() + name
         _stop_processes([c for c in _rig_cgroups() if c.name == thing])
         _unmount_under(state_dir() / name)
         _remove_cgroups(thing)
@@ -340,7 +372,7 @@ def restart(name: str) -> None:
                         os.rmdir(folder)
             root = rig.dir / "root"
             if root not in _mount_points():
-                _mount_root(rig, _extract_base(ensure_rootfs(rig.release)))
+                _mount_root(rig, _base(rig.release))
             _start(rig, root, _sim_repo(rig.release))
         else:
             log.info("rebooting %s", name)
@@ -380,6 +412,16 @@ def rigs() -> list[dict]:
         raise RigbookError(
             f"no sandbox rigs ({hosts_file()} is missing): run `rigbook sandbox up` first"
         ) from None
+
+
+def _base(release: Release) -> Path:
+    """The release's rootfs, built and unpacked into the cache if missing, which every set of
+    rigs shares: one process at a time builds or unpacks there (each set holds only its own
+    state dir's lock)."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _extract_base(ensure_rootfs(release))
 
 
 def ensure_rootfs(release: Release = RELEASES[SUITE]) -> Path:
@@ -809,7 +851,7 @@ def _rig_cgroups() -> list[Path]:
         for root in _cgroup_roots()
         if root.is_dir()
         for path in root.iterdir()
-        if THING_NAME.fullmatch(path.name) and path.is_dir()
+        if _thing_name().fullmatch(path.name) and path.is_dir()
     ]
 
 
@@ -1000,11 +1042,12 @@ def _remove_network(thing: str | None = None) -> None:
 
     In that order: a namespace's deletion frees its veth pair only some time later.
     """
+    things = _thing_name()
     for line in _run(["ip", "-o", "link", "show"]).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        if THING_NAME.fullmatch(name) and thing in (None, name):
+        if things.fullmatch(name) and thing in (None, name):
             _run(["ip", "link", "delete", name])
     for line in _run(["ip", "netns", "list"]).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if THING_NAME.fullmatch(name) and thing in (None, name):
+        if things.fullmatch(name) and thing in (None, name):
             _run(["ip", "netns", "delete", name])

@@ -2,7 +2,9 @@
 
 End-to-end tests boot sandbox rigs (systemd-nspawn hosts with real systemd, sshd and apt) and
 drive them with the `pyinfra` command exactly as a user does. One set of rigs serves the whole
-session; a file lock keeps two test runs on one machine from fighting over them.
+session; a file lock keeps two test runs on one machine from fighting over them. On pytest-xdist
+workers (`-n 2 --dist loadfile -m sandbox`), worker gwK boots set RIGBOOK_SANDBOX_SET+K of its
+own (rigbook.sandbox: other names, subnet and state dir, and its own lock here).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +24,36 @@ from pathlib import Path
 import pytest
 
 from rigbook.core import messages
+from rigbook.sandbox import MAX_SET, SET_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 SANDBOX_INVENTORY = "inventory/sandbox.py"
+#: The default set's lock; set N's is rigbook-sandbox-N.lock beside it.
 LOCK = Path("/run/lock/rigbook-sandbox.lock")
 #: rig1 dual-3090, rig2 single-4090, rig3 wsl2-3090 (profiles are assigned round-robin).
 RIGS = int(os.environ.get("RIGBOOK_TEST_RIGS", "3"))
+
+
+def _keep_the_hub_awake():
+    """In a pytest-xdist worker: a timer on the main thread's gevent hub, for the whole session.
+
+    Importing pyinfra_cli monkey-patches threading while the worker's channel thread already
+    runs; the worker's main thread then waits for its next test on a gevent lock that the
+    channel thread releases, and a hub with nothing of its own to watch ends that wait at once
+    with LoopExit. A timer gives the hub something to watch (it fires once a second and does
+    nothing).
+    """
+    import gevent
+    import pyinfra_cli  # noqa: F401 (the patching, before the hub is made)
+
+    timer = gevent.get_hub().loop.timer(1.0, 1.0)
+    timer.start(lambda: None)
+    return timer
+
+
+#: The xdist worker's timer (kept referenced for the session).
+_HUB_TIMER = _keep_the_hub_awake() if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
 def sandbox_unavailable() -> str | None:
@@ -39,6 +64,25 @@ def sandbox_unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"sandbox rigs need {tool}"
     return None
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+              make: Callable[[Path], None]) -> Path:
+    """A folder of this run's temporary files that `make(folder)` fills once for the whole run:
+    the xdist workers of one run share it (a worker's own base is one level below the run's),
+    and the first that asks makes it, under a lock, while the others wait."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder, made = base / name, base / f"{name}.made"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed make left
+            folder.mkdir()
+            make(folder)
+            made.touch()
+    return folder
 
 
 def rigbook(*args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -143,14 +187,40 @@ def fresh_warnings():
     messages._warned.clear()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(xdist, on the controller) Tells each worker how tests are handed out: a worker's own
+    --dist reads "no"."""
+    node.workerinput["rigbook_dist"] = node.config.getoption("dist")
+
+
+def _session_set(config: pytest.Config) -> int:
+    """The set of rigs this session boots (exported for every rigbook and pyinfra it starts):
+    RIGBOOK_SANDBOX_SET (0 when unset), plus K on xdist worker gwK. Workers must take whole
+    files (--dist loadfile): an e2e file's tests run in order on one set of rigs."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    dist = getattr(config, "workerinput", {}).get("rigbook_dist")
+    if worker and dist not in ("loadfile", "loadscope"):
+        pytest.fail("e2e tests on xdist workers need --dist loadfile (a file's tests run in "
+                    "order, on one set of rigs)", pytrace=False)
+    number = int(os.environ.get(SET_ENV, "0")) + int((worker or "gw0").removeprefix("gw"))
+    if number > MAX_SET:
+        pytest.fail(f"sandbox set {number} is past the last one ({MAX_SET})", pytrace=False)
+    if number:  # the default set's runs see the environment they always saw
+        os.environ[SET_ENV] = str(number)
+    return number
+
+
 @pytest.fixture(scope="session")
-def sandbox():
+def sandbox(request):
     """RIGS sandbox rigs, up for the whole session, down (and cleaned) at its end."""
     reason = sandbox_unavailable()
     if reason:
         pytest.skip(reason)
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("w") as lock:
+    number = _session_set(request.config)
+    path = LOCK.with_name(f"rigbook-sandbox-{number}.lock") if number else LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             up = rigbook("sandbox", "up", str(RIGS), check=False)

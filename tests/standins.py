@@ -19,11 +19,14 @@ rigbook pull leaves it (tests/tinymodel.py makes the same bytes every time).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rigbook.core.tools import TOOLS_PINS
@@ -46,6 +49,18 @@ CACHE = "/var/lib/rigbook/hf/hub"
 TINY_GGUF = wheelhouse().parent / "tiny-model" / FILE
 
 
+@contextmanager
+def filling(house: Path | None = None) -> Iterator[Path]:
+    """The wheelhouse (or `house`), filled by one process at a time: the unit tier's xdist
+    workers, and other test runs on this machine, fill it at once, and pip writes a download
+    in place (another pip would read half a wheel)."""
+    house = wheelhouse() if house is None else house
+    house.mkdir(parents=True, exist_ok=True)
+    with open(house / ".filling.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield house
+
+
 def pip(*args: str, timeout: int = 600, env: dict | None = None) -> None:
     done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -59,39 +74,41 @@ def fill_wheelhouse(*extra: str) -> None:
         "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux2014_x86_64",
         "--platform", "manylinux_2_17_x86_64", "--dest", str(wheelhouse()),
     ]
-    for requirements in (
-        [f"{name}=={version}" for name, version in TOOLS_PINS.items()],
-        ["six==1.16.0"],
-        ["six==1.17.0"],
-        *([list(extra)] if extra else []),
-    ):
-        subprocess.run([*download, *requirements], check=True, timeout=600,
-                       capture_output=True, text=True)
+    with filling():
+        for requirements in (
+            [f"{name}=={version}" for name, version in TOOLS_PINS.items()],
+            ["six==1.16.0"],
+            ["six==1.17.0"],
+            *([list(extra)] if extra else []),
+        ):
+            subprocess.run([*download, *requirements], check=True, timeout=600,
+                           capture_output=True, text=True)
 
 
 def wheelhouse_for_llama() -> float:
     """Fill the wheelhouse for the engine venv; returns the seconds spent building the wheel."""
-    house = wheelhouse()
-    built = 0.0
-    if not list(house.glob("llama_cpp_python-0.3.36-*.whl")):
-        with tempfile.TemporaryDirectory() as tmp:
-            pip("download", "--no-deps", "--no-binary=:all:", LLAMA, "-d", tmp)
-            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-            env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS,
-                   "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-            start = time.monotonic()
-            pip("wheel", "--no-deps", "-w", str(house), str(sdist), timeout=3600, env=env)
-            built = time.monotonic() - start
-    platforms = (
-        "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "linux_x86_64",
-    )
-    pip(
-        "download", "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
-        "--abi", "cp311", *(f"--platform={p}" for p in platforms), "--find-links", str(house),
-        "-d", str(house), LLAMA_SERVER,
-        *(f"{name}=={version}" for name, version in TOOLS_PINS.items()),
-    )
-    return built
+    with filling() as house:
+        built = 0.0
+        if not list(house.glob("llama_cpp_python-0.3.36-*.whl")):
+            with tempfile.TemporaryDirectory() as tmp:
+                pip("download", "--no-deps", "--no-binary=:all:", LLAMA, "-d", tmp)
+                sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+                env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS,
+                       "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+                start = time.monotonic()
+                pip("wheel", "--no-deps", "-w", str(house), str(sdist), timeout=3600, env=env)
+                built = time.monotonic() - start
+        platforms = (
+            "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+            "linux_x86_64",
+        )
+        pip(
+            "download", "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
+            "--abi", "cp311", *(f"--platform={p}" for p in platforms), "--find-links", str(house),
+            "-d", str(house), LLAMA_SERVER,
+            *(f"{name}=={version}" for name, version in TOOLS_PINS.items()),
+        )
+        return built
 
 
 #: Debian packages for the rigs, downloaded once with this machine's apt (Debian 12, as the rigs).
@@ -152,9 +169,10 @@ def place_model(rig: dict, gguf: Path, revision: str) -> None:
 
 def tiny_model() -> tuple[Path, str]:
     """The tiny GGUF on this machine and its revision, written once."""
-    if not TINY_GGUF.exists():
-        TINY_GGUF.parent.mkdir(parents=True, exist_ok=True)
-        write_tiny_gguf(TINY_GGUF)
+    with filling():
+        if not TINY_GGUF.exists():
+            TINY_GGUF.parent.mkdir(parents=True, exist_ok=True)
+            write_tiny_gguf(TINY_GGUF)
     return TINY_GGUF, revision_of(TINY_GGUF)
 
 

@@ -91,7 +91,7 @@ def holding(rig: dict) -> bool:
 
 def link(rig: dict, state: str) -> None:
     """The rig's side of its veth (host0, inside its network namespace) up or down."""
-    subprocess.run(["ip", "-n", f"{sandboxes.PREFIX}{rig['name']}", "link", "set", "host0",
+    subprocess.run(["ip", "-n", sandboxes.prefix() + rig["name"], "link", "set", "host0",
                     state],
                    check=True, timeout=10)
 

@@ -62,8 +62,10 @@ from rigbook.roles.tokens import (
     parse_secret_file,
     rig_tokens,
 )
+from tests.conftest import made_once
 from tests.hubstub import PROGRAMS, Hub, StubHandler, huge_repo, mirror, serve, tiny_repo
 from tests.opkit import run_op, shell
+from tests.standins import filling
 from tests.test_facts_data import captured
 from tests.test_progress import FakeRig
 from tests.test_rig_programs import load
@@ -764,23 +766,24 @@ def _wheel_requirements() -> list[str]:
 
 def ensure_wheels(requirements: list[str], wheelhouse: Path) -> None:
     """Put wheels for `requirements` (and their dependencies) in the wheelhouse if missing."""
-    wheelhouse.mkdir(parents=True, exist_ok=True)
-    offline = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-index", "--find-links",
-         str(wheelhouse), "--dest", str(wheelhouse), *requirements],
-        capture_output=True, text=True,
-    )
-    if offline.returncode != 0:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-             "--dest", str(wheelhouse), *requirements],
-            capture_output=True, text=True, check=True, timeout=600,
+    with filling(wheelhouse):
+        offline = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-index", "--find-links",
+             str(wheelhouse), "--dest", str(wheelhouse), *requirements],
+            capture_output=True, text=True,
         )
+        if offline.returncode != 0:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+                 "--dest", str(wheelhouse), *requirements],
+                capture_output=True, text=True, check=True, timeout=600,
+            )
 
 
 @pytest.fixture(scope="session")
 def hf_python(tmp_path_factory) -> str:
-    """A throwaway venv with the pinned huggingface_hub, from the rigs' wheelhouse."""
+    """A throwaway venv with the pinned huggingface_hub, from the rigs' wheelhouse (one for
+    the run, which its xdist workers share)."""
     from rigbook.sandbox import wheelhouse
 
     requirements = _wheel_requirements()
@@ -788,11 +791,14 @@ def hf_python(tmp_path_factory) -> str:
         ensure_wheels(requirements, wheelhouse())
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
         pytest.skip(f"no wheels for {requirements}: {error}")
-    venv = tmp_path_factory.mktemp("hfvenv")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "--no-index",
-                    "--find-links", str(wheelhouse()), *requirements], check=True)
-    return str(venv / "bin/python")
+
+    def make(venv: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet",
+                        "--no-index", "--find-links", str(wheelhouse()), *requirements],
+                       check=True)
+
+    return str(made_once(tmp_path_factory, "hfvenv", make) / "bin/python")
 
 
 @pytest.fixture

@@ -21,27 +21,30 @@ from pathlib import Path
 import pytest
 
 from rigbook.docs import generated_docs
-from tests.conftest import ROOT, SANDBOX_INVENTORY, run_pyinfra
+from tests.conftest import ROOT, SANDBOX_INVENTORY, made_once, run_pyinfra
 from tests.test_spec import listener  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
-    """The sdist and the wheel `python -m build` makes of this checkout, as a release has them."""
-    base = tmp_path_factory.mktemp("package")
-    # Built from a copy of the tracked files (what a fresh clone has): a build in the checkout
-    # leaves build/ there, whose stale modules would slip into the next wheel.
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
-                             check=True).stdout.decode().split("\0")
-    for name in filter(None, tracked):
-        (base / "src" / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, base / "src" / name)
-    built = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(base / "dist"),
-         str(base / "src")], capture_output=True, text=True, timeout=300,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    return base / "dist"
+    """The sdist and the wheel `python -m build` makes of this checkout, as a release has them
+    (built once for the run, which its xdist workers share)."""
+
+    def make(base: Path) -> None:
+        # Built from a copy of the tracked files (what a fresh clone has): a build in the
+        # checkout leaves build/ there, whose stale modules would slip into the next wheel.
+        tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout.decode().split("\0")
+        for name in filter(None, tracked):
+            (base / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, base / "src" / name)
+        built = subprocess.run(
+            [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(base / "dist"),
+             str(base / "src")], capture_output=True, text=True, timeout=300,
+        )
+        assert built.returncode == 0, built.stdout + built.stderr
+
+    return made_once(tmp_path_factory, "package", make) / "dist"
 
 
 def fresh_venv(where: Path, package: Path) -> Path:

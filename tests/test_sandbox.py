@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rigbook.sandbox import REPO_MOUNT, Rig, _sim_gpus, cache_dir, state_dir
+from rigbook import sandbox
+from rigbook.core.errors import RigbookError
+from rigbook.sandbox import REPO_MOUNT, Rig, _sim_gpus, cache_dir, prefix, state_dir
 from tests.conftest import ROOT, rig_ssh, rigbook
 
 SIM = ROOT / "sandbox" / "simulated"
@@ -70,12 +72,13 @@ def driver(rigs):
 
 @pytest.mark.sandbox
 def test_up_lists_the_rigs_and_they_answer_over_ssh(rigs):
+    one, two = Rig(1, "dual-3090").address, Rig(2, "single-4090").address  # 10.231.I.2 in set 0
     assert [(r["name"], r["address"], r["profile"]) for r in rigs.values()][:2] == [
-        ("rig1", "10.231.1.2", "dual-3090"),
-        ("rig2", "10.231.2.2", "single-4090"),
+        ("rig1", one, "dual-3090"),
+        ("rig2", two, "single-4090"),
     ]
     assert rigbook("sandbox", "list").stdout.split()[:6] == [
-        "rig1", "10.231.1.2", "dual-3090", "rig2", "10.231.2.2", "single-4090",
+        "rig1", one, "dual-3090", "rig2", two, "single-4090",
     ]  # fmt: skip
     for name, rig in rigs.items():
         assert ok(rig, "hostname").strip() == name
@@ -192,9 +195,9 @@ def test_down_twice_leaves_nothing_behind(rigs):
             rigbook("sandbox", "down")
         netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
         links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
-        assert "rigbook-" not in netns.stdout + links.stdout
+        assert prefix() not in netns.stdout + links.stdout  # this set's; others keep theirs
         for hierarchy in ("systemd", "unified", ""):
-            assert not list(Path("/sys/fs/cgroup", hierarchy).glob("rigbook-*"))
+            assert not list(Path("/sys/fs/cgroup", hierarchy).glob(prefix() + "*"))
         assert str(state_dir()) not in Path("/proc/self/mountinfo").read_text()
         left = sorted(p.name for p in state_dir().iterdir() if p.name != ".lock")
         assert left == []  # the rigs' SSH key too: `up` makes a new one
@@ -202,6 +205,27 @@ def test_down_twice_leaves_nothing_behind(rigs):
     finally:
         # Later test files share the session's rigs: hand them a fresh set back.
         rigbook("sandbox", "up", str(len(rigs)))
+
+
+def test_each_set_of_rigs_has_its_own_names_subnet_and_state_dir(monkeypatch):
+    """Set 0 is the sandbox as it always was; set N (parallel e2e workers) names, addresses and
+    keeps nothing that set 0's teardown would take for its own, nor the other way round."""
+    monkeypatch.delenv("RIGBOOK_SANDBOX_DIR", raising=False)
+    monkeypatch.delenv(sandbox.SET_ENV, raising=False)
+    rig = Rig(12, "dual-3090")
+    assert (rig.thing, rig.address, rig.host_address, state_dir()) == (
+        "rigbook-rig12", "10.231.12.2", "10.231.12.1", Path("/var/lib/rigbook/sandbox"))
+    default = sandbox._thing_name()
+    monkeypatch.setenv(sandbox.SET_ENV, "2")
+    assert (rig.thing, rig.address, rig.host_address, state_dir()) == (
+        "rigbook2-rig12", "10.233.12.2", "10.233.12.1", Path("/var/lib/rigbook/sandbox-2"))
+    assert default.fullmatch("rigbook2-rig12") is None
+    assert sandbox._thing_name().fullmatch("rigbook-rig12") is None
+    assert len(Rig(sandbox.MAX_RIGS, "dual-3090").thing) <= 15  # an interface name's most
+    for wrong in ("10", "-1", "two", ""):
+        monkeypatch.setenv(sandbox.SET_ENV, wrong)
+        with pytest.raises(RigbookError, match="RIGBOOK_SANDBOX_SET must be a number"):
+            sandbox.sandbox_set()
 
 
 def run_sim(tool: str, root: Path, *args: str) -> subprocess.CompletedProcess:
