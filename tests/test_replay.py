@@ -1,5 +1,9 @@
 """The bench's replay connector (bench/replay/), from the committed recordings of one sandbox
-rig: replayed rigs through the real pyinfra and rigbook CLIs, no SSH, no container."""
+rig: replayed rigs through the real pyinfra and rigbook CLIs, no SSH, no container.
+
+A change to the commands rigbook (or the stock peer) sends makes the replayed converges fail,
+naming the command the recording lacks: record again on a sandbox rig, `.venv/bin/python -m
+bench --replay --record --sizes 16` (about 30 s), and commit bench/replay/recordings/."""
 
 from __future__ import annotations
 

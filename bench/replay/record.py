@@ -26,7 +26,7 @@ from pyinfra.api.util import get_file_io
 from pyinfra.connectors.ssh import SSHConnector
 from pyinfra.connectors.util import make_unix_command_for_host
 
-from bench.replay.recording import command_key
+from bench.replay.recording import STDIN, command_key
 
 EVENTS: dict[str, list[dict]] = defaultdict(list)
 #: Hosts inside a put or get: their commands belong to it.
@@ -57,8 +57,8 @@ def _command(method):
         status, output = method(self, command, print_output, print_input, **arguments)
         event = {"kind": "command", "command": text, "exit": _EXIT.pop(self.host.name),
                  "stdout": output.stdout_lines, "stderr": output.stderr_lines}
-        if key != text:
-            event["stdin"] = key.split("\0stdin\0", 1)[1]
+        if arguments.get("_stdin") is not None:  # (the key is scrubbed: compare no text)
+            event["stdin"] = key.split(STDIN, 1)[1]
         EVENTS[self.host.name].append(event)
         return status, output
     return wrapper
