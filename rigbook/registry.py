@@ -36,6 +36,7 @@ from rigbook.roles import (
     serving,
     soak,
     specmetrics,
+    stepproblem,
     stress,
     sweep,
     sweepresult,
@@ -82,7 +83,7 @@ ROLES = (
     Role("disks", (disks,), disks.CHECKS, None, "status.md"),
     Role("sweep", (sweep, sweepresult, charts), (), None, "sweep.md", ("sweep_",)),
     Role("verify", (verify, toolcheck, thinkcheck, degeneration, specmetrics, stress, soak,
-                    benchab), (), None, "verify.md", ("verify_",)),
+                    benchab, stepproblem), (), None, "verify.md", ("verify_",)),
     Role("offboard", (offboard,), (), None, "footprint.md", ("offboard_",)),
 )
 #: Host-data keys that no one role owns, by group: the rig's hardware, read by most roles, and

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from rigbook.core import stats
 from rigbook.core.types import StrictModel
+from rigbook.roles.stepproblem import StepProblem
 from rigbook.roles.stress import MARGIN_MIB
 
 QUESTION = ("Summarise what the notes so far say about the rig, in a numbered list of short "
@@ -32,13 +33,6 @@ RETENTION_HINT = ("decode tok/s fell from the first session to the last beyond t
                   "thermal or power throttling (nvidia-smi -q -d PERFORMANCE), a prefix cache "
                   "that thrashes, or memory pressure; look at clocks and the journal")
 
-
-class SoakProblem(Exception):
-    """What the soak expected, what came back, and what to do."""
-
-    def __init__(self, expected: str, got: str, hint: str) -> None:
-        super().__init__(f"expected {expected}; got {got}")
-        self.expected, self.got, self.hint = expected, got, hint
 
 
 def chunk_tokens(target: int, turns: int, fixed: int) -> int:
@@ -128,27 +122,27 @@ class Soak(StrictModel):
 
 
 def verdict(soak: Soak, min_retention: float) -> tuple[str, list[str]]:
-    """(the detail, warnings) of a soak that passed; SoakProblem for the first hard failure:
+    """(the detail, warnings) of a soak that passed; StepProblem for the first hard failure:
     an error, an empty reply, VRAM growth beyond MARGIN_MIB, retention under the floor beyond
     the noise."""
     if soak.errors:
         bad = soak.errors[0]
-        raise SoakProblem("every turn answered", f"turn {bad.turn + 1} of session "
+        raise StepProblem("every turn answered", f"turn {bad.turn + 1} of session "
                           f"{bad.session + 1} at {bad.at_s:.0f} s: {bad.error}; "
                           f"{soak.summary()}", ERROR_HINT)
     if soak.empty:
         where = ", ".join(f"s{t.session + 1}/t{t.turn + 1}" for t in soak.empty[:10])
-        raise SoakProblem("no empty reply", f"{len(soak.empty)} of {soak.requests} replies empty "
+        raise StepProblem("no empty reply", f"{len(soak.empty)} of {soak.requests} replies empty "
                           f"({where}); {soak.summary()}", EMPTY_HINT)
     growth = soak.vram_growth_mib
     if growth is not None and growth > MARGIN_MIB:
-        raise SoakProblem(f"free VRAM to fall by at most {MARGIN_MIB} MiB",
+        raise StepProblem(f"free VRAM to fall by at most {MARGIN_MIB} MiB",
                           f"{soak.free_start_mib} -> {soak.free_end_mib} MiB free; "
                           f"{soak.summary()}", VRAM_HINT)
     kept = soak.retention()
     if kept is not None and kept[0] < min_retention and not kept[1]:
         first, last = soak.windows()
-        raise SoakProblem(f"decode tok/s retention of {min_retention:g} or more",
+        raise StepProblem(f"decode tok/s retention of {min_retention:g} or more",
                           f"{kept[0]:.2f} (first session {sum(first) / len(first):.1f}, last "
                           f"{sum(last) / len(last):.1f} tok/s); {soak.summary()}",
                           RETENTION_HINT)

@@ -16,6 +16,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from rigbook.roles.stepproblem import StepProblem
+
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -34,13 +36,6 @@ FLOOR_HINT = ("the draft does not pay: a quantised MTP head accepted 1.07-1.27 i
               "log where a working draft model reached 3.7-4.2; use an unquantised (BF16) head "
               "or a separate draft model, or fewer num_speculative_tokens (docs/verify.md)")
 
-
-class SpecProblem(Exception):
-    """What the metrics should have shown, what they showed, and what to do about it."""
-
-    def __init__(self, expected: str, got: str, hint: str) -> None:
-        super().__init__(expected)
-        self.expected, self.got, self.hint = expected, got, hint
 
 
 def counters(text: str) -> dict[str, float]:
@@ -77,14 +72,14 @@ class Acceptance:
 
 
 def acceptance(before: str, after: str) -> Acceptance:
-    """The acceptance between two /metrics texts; SpecProblem when it cannot be read."""
+    """The acceptance between two /metrics texts; StepProblem when it cannot be read."""
     start, end = counters(before), counters(after)
     missing = [name for name in COUNTERS if name not in start or name not in end]
     if missing:
-        raise SpecProblem(f"the engine's /metrics to carry {', '.join(COUNTERS)}",
+        raise StepProblem(f"the engine's /metrics to carry {', '.join(COUNTERS)}",
                           f"no {', '.join(missing)}", NO_METRICS_HINT)
     grown = Acceptance(*(end[name] - start[name] for name in COUNTERS))
     if grown.drafts <= 0:
-        raise SpecProblem(f"{DRAFTS} to grow during the step's generation",
+        raise StepProblem(f"{DRAFTS} to grow during the step's generation",
                           f"{start[DRAFTS]:g} before, {end[DRAFTS]:g} after", NO_DRAFTS_HINT)
     return grown

@@ -11,6 +11,7 @@ failure taken as the real ceiling.
 from __future__ import annotations
 
 from rigbook.core.types import StrictModel
+from rigbook.roles.stepproblem import StepProblem
 
 #: Prompt sizes (tokens) of the salted needles; those that do not fit the context are skipped.
 NEEDLE_TOKENS = (10_000, 30_000, 60_000, 90_000)
@@ -33,13 +34,6 @@ NEEDLE_HINT = ("the model lost the needle at this length: a context extension (r
                "the engine does not apply, a KV cache dtype that is too lossy, or a model that "
                "does not hold this length; serve a shorter max_model_len")
 
-
-class StressProblem(Exception):
-    """What a stress step expected, what came back, and what to do."""
-
-    def __init__(self, expected: str, got: str, hint: str) -> None:
-        super().__init__(f"expected {expected}; got {got}")
-        self.expected, self.got, self.hint = expected, got, hint
 
 
 def needle_sizes(context: int, sizes: tuple[int, ...], room: int) -> tuple[list[int], list[int]]:
@@ -108,7 +102,7 @@ def margin_warnings(ceiling: Ceiling) -> list[str]:
 
 
 def verdict(ceiling: Ceiling) -> str:
-    """The detail of a ladder whose every rung passed; StressProblem naming the real ceiling
+    """The detail of a ladder whose every rung passed; StepProblem naming the real ceiling
     at the first failing rung."""
     failed = ceiling.failed
     if failed is None:
@@ -116,7 +110,7 @@ def verdict(ceiling: Ceiling) -> str:
                          for r in ceiling.rungs) + f"; {ceiling.summary()}"
     real = ceiling.ceiling
     below = f"the real ceiling is {real} tokens" if real else "no rung passed"
-    raise StressProblem(
+    raise StepProblem(
         f"a {failed.tokens}-token prompt to be served (the ladder climbs to "
         f"{CEILING_FILL:g} of the {ceiling.context}-token context)",
         f"{below} ({_free(failed.free_mib)} after the failure); the rung: {failed.error}",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from rigbook.roles.toolcheck import ToolProblem as ThinkProblem
+from rigbook.roles.stepproblem import StepProblem
 from rigbook.roles.toolcheck import first_choice  # one evidence shape for the steps
 
 PROMPT = "What is 12 + 30? Think it through briefly, then answer with the number."
@@ -64,16 +64,16 @@ def check_parts(reasoning: str, content: str, finish: str | None, *, where: str)
     leaked = MARKUP.search(content)
     if leaked:
         start = max(leaked.start() - 40, 0)
-        raise ThinkProblem("the thinking apart from the content, no thinking markup in it",
+        raise StepProblem("the thinking apart from the content, no thinking markup in it",
                            f"{leaked.group(0)!r} in content {content[start:start + 200]!r}",
                            LEAK_HINT)
     if not reasoning.strip():
-        raise ThinkProblem(f"the model's reasoning in {where}",
+        raise StepProblem(f"the model's reasoning in {where}",
                            f"no reasoning; finish_reason {finish!r}, content {_quote(content)}",
                            NONE_HINT)
     if not content.strip():
         hint = LENGTH_HINT if finish == "length" else EMPTY_HINT
-        raise ThinkProblem("the answer in content after the reasoning",
+        raise StepProblem("the answer in content after the reasoning",
                            f"content empty, finish_reason {finish!r}, reasoning "
                            f"{_quote(reasoning)} ({len(reasoning)} chars)", hint)
     return (f"{len(reasoning)} chars of reasoning in {where}, answer {_quote(content, 60)}, "
@@ -84,7 +84,7 @@ def check_answer(data: dict) -> str:
     first = first_choice(data)
     message = first.get("message")
     if not isinstance(message, dict):
-        raise ThinkProblem("an OpenAI chat completion with choices[0].message",
+        raise StepProblem("an OpenAI chat completion with choices[0].message",
                            str(data)[:300], SHAPE_HINT)
     content = message.get("content") if isinstance(message.get("content"), str) else ""
     return check_parts(reasoning_of(message), content, first.get("finish_reason"),

@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from rigbook.roles.stepproblem import StepProblem
+
 #: The one tool asked for (the function of SGLang's and vLLM's tool-calling docs).
 TOOL_NAME = "get_current_weather"
 TOOL = {
@@ -60,13 +62,6 @@ FINISH_HINT = ("the stream did not end with finish_reason tool_calls: clients th
                "never run the tool; update the engine or use a parser that streams calls")
 
 
-class ToolProblem(Exception):
-    """What the answer should have been, what came back, and what to do about it."""
-
-    def __init__(self, expected: str, got: str, hint: str) -> None:
-        super().__init__(expected)
-        self.expected, self.got, self.hint = expected, got, hint
-
 
 def request(model: str, engine: str, *, stream: bool) -> dict:
     """The chat completion body. tool_choice "auto" where the engine's parser reads the answer
@@ -103,22 +98,22 @@ def check_calls(calls: list[Call], content: str, finish: str | None, *, where: s
     leaked = _markup(content)
     if not calls:
         if leaked:
-            raise ToolProblem(f"the call in {where}, not in the text", leaked, LEAK_HINT)
-        raise ToolProblem(f"a call of {TOOL_NAME} in {where}",
+            raise StepProblem(f"the call in {where}, not in the text", leaked, LEAK_HINT)
+        raise StepProblem(f"a call of {TOOL_NAME} in {where}",
                           f"finish_reason {finish!r}, content {_quote(content)}", NO_CALL_HINT)
     first = calls[0]
     if first.name != TOOL_NAME:
-        raise ToolProblem(f"{where}[0] to call {TOOL_NAME}", repr(first.name), NAME_HINT)
+        raise StepProblem(f"{where}[0] to call {TOOL_NAME}", repr(first.name), NAME_HINT)
     try:
         arguments = json.loads(first.arguments)
     except ValueError as error:
-        raise ToolProblem(f"{where}[0].function.arguments to parse as JSON",
+        raise StepProblem(f"{where}[0].function.arguments to parse as JSON",
                           f"{first.arguments!r} ({error})", ARGS_HINT) from None
     if not isinstance(arguments, dict):
-        raise ToolProblem(f"{where}[0].function.arguments to be a JSON object",
+        raise StepProblem(f"{where}[0].function.arguments to be a JSON object",
                           repr(first.arguments), ARGS_HINT)
     if leaked:
-        raise ToolProblem(f"no call markup left in the content beside {where}", leaked, LEAK_HINT)
+        raise StepProblem(f"no call markup left in the content beside {where}", leaked, LEAK_HINT)
     return (f"{TOOL_NAME}({json.dumps(arguments, sort_keys=True)[:80]}), "
             f"{len(calls)} call(s), finish_reason {finish}")
 
@@ -135,7 +130,7 @@ def check_answer(data: dict) -> str:
     first = first_choice(data)
     message = first.get("message") if isinstance(first.get("message"), dict) else None
     if message is None:
-        raise ToolProblem("an OpenAI chat completion with choices[0].message",
+        raise StepProblem("an OpenAI chat completion with choices[0].message",
                           json.dumps(data)[:300], SHAPE_HINT)
     calls = []
     for item in _list(message.get("tool_calls")):
@@ -180,7 +175,7 @@ def check_stream(chunks: Iterable[dict]) -> str:
     text = "".join(content)
     detail = check_calls([calls[i] for i in sorted(calls)], text, finish, where="delta.tool_calls")
     if finish != "tool_calls":
-        raise ToolProblem("the stream to end with finish_reason 'tool_calls'",
+        raise StepProblem("the stream to end with finish_reason 'tool_calls'",
                           f"finish_reason {finish!r} after {deltas} tool-call delta(s)",
                           FINISH_HINT)
     return f"{detail}, {deltas} delta(s)" + (f", after {thought} reasoning delta(s)"

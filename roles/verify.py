@@ -63,6 +63,7 @@ from rigbook.core.errors import RigbookError
 from rigbook.core.types import StrictModel
 from rigbook.roles import degeneration, soak, specmetrics, stress, thinkcheck, toolcheck
 from rigbook.roles.soak import Soak
+from rigbook.roles.stepproblem import StepProblem
 from rigbook.roles.stress import Ceiling, Rung
 
 #: How an engine says a prompt is longer than its context (llama-cpp-python, vLLM, SGLang).
@@ -563,14 +564,14 @@ class Ladder:
     def tools(self) -> str:
         try:
             return toolcheck.check_answer(_json(self._tool_request("tools", False)))
-        except toolcheck.ToolProblem as problem:
+        except StepProblem as problem:
             raise StepFailed("tools", problem.expected, problem.got, problem.hint) from None
 
     def tools_stream(self) -> str:
         with self._tool_request("tools-stream", True) as response:
             try:
                 return toolcheck.check_stream(sse_chunks(response.iter_lines()))
-            except toolcheck.ToolProblem as problem:
+            except StepProblem as problem:
                 raise StepFailed("tools-stream", problem.expected, problem.got,
                                  problem.hint) from None
             except ValueError as error:  # a chunk that is not JSON
@@ -591,7 +592,7 @@ class Ladder:
             plain = thinkcheck.check_answer(_json(self._thinking_request(False)))
             with self._thinking_request(True) as response:
                 streamed = thinkcheck.check_stream(sse_chunks(response.iter_lines()))
-        except thinkcheck.ThinkProblem as problem:
+        except StepProblem as problem:
             raise StepFailed("thinking", problem.expected, problem.got, problem.hint) from None
         except ValueError as error:  # a chunk that is not JSON
             raise StepFailed("thinking", "a stream of JSON chunks", str(error),
@@ -708,7 +709,7 @@ class Ladder:
             raise StepFailed("speculative", "HTTP 200 to a chat completion", _said(response))
         try:
             grown = specmetrics.acceptance(before, self._metrics())
-        except specmetrics.SpecProblem as problem:
+        except StepProblem as problem:
             raise StepFailed("speculative", problem.expected, problem.got, problem.hint) from None
         if grown.length < floor:
             raise StepFailed("speculative", f"an acceptance length of {floor:g} or more (the "
@@ -764,7 +765,7 @@ class Ladder:
         self.warnings += stress.margin_warnings(self.ceiling)
         try:
             return stress.verdict(self.ceiling)
-        except stress.StressProblem as problem:
+        except StepProblem as problem:
             raise StepFailed("ceiling", problem.expected, problem.got, problem.hint) from None
 
     def _soak_turn(self, messages: list[dict], session: int, turn: int,
@@ -849,7 +850,7 @@ class Ladder:
                          free_end_mib=self.vram(), turns=tuple(turns))
         try:
             detail, warnings = soak.verdict(self.soak, s.soak_min_retention)
-        except soak.SoakProblem as problem:
+        except StepProblem as problem:
             raise StepFailed("soak", problem.expected, problem.got, problem.hint) from None
         self.warnings += warnings
         return detail

@@ -19,6 +19,7 @@ from rigbook import cli
 from rigbook.core.errors import RigbookError
 from rigbook.core.spec import parse_rig
 from rigbook.roles import degeneration, toolcheck
+from rigbook.roles.stepproblem import StepProblem
 from rigbook.roles.verify import (
     Settings,
     Target,
@@ -372,11 +373,11 @@ def test_an_engine_without_auto_tool_choice_refuses_tools(server):
     '{"name" : "get_current_weather", "parameters": {}}',
 ])
 def test_each_familys_call_markup_in_the_text_is_a_leak(text):
-    with pytest.raises(toolcheck.ToolProblem) as problem:
+    with pytest.raises(StepProblem) as problem:
         toolcheck.check_calls([], f"Sure. {text}", "stop", where="tool_calls")
     assert problem.value.hint == toolcheck.LEAK_HINT
     plain = "The weather in Boston is mild; I would call a weather service for you."
-    with pytest.raises(toolcheck.ToolProblem) as problem:
+    with pytest.raises(StepProblem) as problem:
         toolcheck.check_calls([], plain, "stop", where="tool_calls")
     assert problem.value.hint == toolcheck.NO_CALL_HINT
 
@@ -387,19 +388,19 @@ def test_adversarial_tool_answers_fail_the_step_not_the_ladder():
                  {"choices": [{"message": {"tool_calls": ["x", {"function": 3}]}}]},
                  {"choices": [{"message": {"content": 5, "tool_calls": [
                      {"function": {"name": None, "arguments": None}}]}}]}):
-        with pytest.raises(toolcheck.ToolProblem) as problem:
+        with pytest.raises(StepProblem) as problem:
             toolcheck.check_answer(data)
         assert problem.value.hint in (toolcheck.SHAPE_HINT, toolcheck.NO_CALL_HINT,
                                       toolcheck.NAME_HINT), data
     odd = ['data: {"choices":[{"delta":{"tool_calls":["x",{"index":[1],"function":'
            '{"name":"get_current_weather","arguments":7}}]}}]}', "data: [DONE]"]
-    with pytest.raises(toolcheck.ToolProblem, match="to parse as JSON"):
+    with pytest.raises(StepProblem, match="to parse as JSON"):
         toolcheck.check_stream(sse_chunks(odd))
     for line in ("data: [1]", 'data: {"choices":5}', 'data: {"choices":["x",{"delta":3}]}',
                  'data: {"choices":[{"delta":{"tool_calls":7},"finish_reason":9}]}'):
-        with pytest.raises(toolcheck.ToolProblem, match="a call of get_current_weather"):
+        with pytest.raises(StepProblem, match="a call of get_current_weather"):
             toolcheck.check_stream(sse_chunks([line, "data: [DONE]"]))
-    with pytest.raises(toolcheck.ToolProblem, match="a call of"):
+    with pytest.raises(StepProblem, match="a call of"):
         toolcheck.check_answer({"choices": [{"message": {"content": "hi", "tool_calls": 5}}]})
     with pytest.raises(ValueError, match="'{not json' "):
         list(sse_chunks(["data: {not json", "data: [DONE]"]))

@@ -13,6 +13,7 @@ import pytest
 from rigbook import cli
 from rigbook.core.errors import RigbookError
 from rigbook.roles import benchab, soak, stress
+from rigbook.roles.stepproblem import StepProblem
 from rigbook.roles.verify import Stat, VerifyRun, load_runs, run_ladder, save_run
 from tests.test_verify import SMALL, server, step, target  # noqa: F401 (server: a fixture)
 from tests.test_verify import rig as parse_rig_with
@@ -161,11 +162,11 @@ def test_retention_and_vram_growth_fail_beyond_the_noise():
     figures = soak.Soak(seconds=9, limit_s=60, limit_requests=9, turns_per_session=3,
                         target_tokens=300, free_start_mib=(10000,), free_end_mib=(10000,),
                         turns=tuple(turns))
-    with pytest.raises(soak.SoakProblem, match="retention of 0.8") as found:
+    with pytest.raises(StepProblem, match="retention of 0.8") as found:
         soak.verdict(figures, 0.8)
     assert found.value.got.startswith("0.50 (first session 100.0, last 50.0 tok/s)")
     grown = figures.model_copy(update={"free_end_mib": (8000,)})
-    with pytest.raises(soak.SoakProblem, match="fall by at most 1024 MiB"):
+    with pytest.raises(StepProblem, match="fall by at most 1024 MiB"):
         soak.verdict(grown, 0.1)
     # a noisy drop is inside the noise: no failure
     noisy = [soak.Turn(session=s, turn=t, at_s=0, tokens=8, decode_tps=tps)

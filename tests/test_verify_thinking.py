@@ -9,6 +9,7 @@ import json
 import pytest
 
 from rigbook.roles import thinkcheck
+from rigbook.roles.stepproblem import StepProblem
 from rigbook.roles.verify import Target, run_ladder, sse_chunks
 from tests.test_verify import SMALL, THINKING, fixture, server, step, target  # noqa: F401
 
@@ -72,14 +73,14 @@ def test_no_reasoning_and_a_thinking_cut_short():
     plain = json.loads(fixture("sglang-r1-reasoning.json", THINKING))
     message = plain["choices"][0]["message"]
     message["reasoning_content"] = None  # planted: an engine that returned no reasoning
-    with pytest.raises(thinkcheck.ThinkProblem) as problem:
+    with pytest.raises(StepProblem) as problem:
         thinkcheck.check_answer(plain)
     assert problem.value.hint == thinkcheck.NONE_HINT
     assert problem.value.expected == "the model's reasoning in message.reasoning_content/reasoning"
     # planted: the reasoning ran to max_tokens (vLLM's `reasoning` field), no answer yet
     message.update(reasoning="Let me think. " * 3, content=None)
     plain["choices"][0]["finish_reason"] = "length"
-    with pytest.raises(thinkcheck.ThinkProblem) as problem:
+    with pytest.raises(StepProblem) as problem:
         thinkcheck.check_answer(plain)
     assert problem.value.hint == thinkcheck.LENGTH_HINT
     # vLLM sends reasoning and reasoning_content alike in some releases: read once
@@ -88,5 +89,5 @@ def test_no_reasoning_and_a_thinking_cut_short():
             "data: [DONE]"]
     assert thinkcheck.check_stream(sse_chunks(both)).startswith("2 chars of reasoning")
     for shape in ({}, {"choices": ["x"]}, {"choices": [{"message": 3}]}):
-        with pytest.raises(thinkcheck.ThinkProblem, match="an OpenAI chat completion"):
+        with pytest.raises(StepProblem, match="an OpenAI chat completion"):
             thinkcheck.check_answer(shape)
