@@ -14,7 +14,11 @@ rig's own address, as an operator's machine reaches a rig on the LAN. One story:
    context is 1024, its ceiling ladder fails at the first rung beyond 512 and names the real
    ceiling; the soak level runs its bounded multi-turn sessions on the same engine;
 4. with the engine stopped, the ladder fails at its first step;
-5. `rigbook bench compare` tables the runs of every level and writes a PNG; `--ab` compares two.
+5. `rigbook bench compare` tables the runs of every level and writes a PNG; `--ab` compares two;
+6. the tool-call steps on tiny-cpu-tools (llama-cpp-python's chatml-function-calling, the tool
+   named in tool_choice, so its grammar writes the call): the random model's call is cut off
+   inside a string (the grammar allows any character there) and `tools` fails on its arguments;
+   the GGUF written to call (tests/tinymodel.py, caller) passes `tools` and `tools-stream`.
 """
 
 from __future__ import annotations
@@ -190,6 +194,36 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         assert cli.main(["bench", "compare", "--ab", str(stored), str(stored)]) == 0
         assert "inside the noise" in capsys.readouterr().out
         assert first.fingerprint.engine == "llama.cpp" and stressed_run.fingerprint is not None
+
+        # 6. tool calls: the random model under the parser's grammar never closes a string
+        def tools_on(gguf_revision: str):
+            args = data_args("tiny-cpu-tools", gguf_revision, key_file)
+            served = run_pyinfra(SANDBOX_INVENTORY, CONVERGE, *args)
+            assert served.returncode == 0, served.explain()
+            return run_pyinfra(SANDBOX_INVENTORY, VERIFY, *args, *extra())
+
+        cut = tools_on(revision)
+        print(cut.stderr)
+        assert cut.returncode != 0
+        assert "failed at step tools: expected choices[0].message.tool_calls[0].function." \
+            "arguments to parse as JSON" in cut.stderr
+        assert "{ \"city\": \"" in cut.stderr and "the tool parser does not match" in cut.stderr
+        # the GGUF written to call: the call in tool_calls[], streamed as delta.tool_calls
+        written = tmp_path / "caller"
+        written.mkdir()
+        caller = write_tiny_gguf(written / FILE, caller=True)
+        place_model(rig, caller, revision_of(caller))
+        called = tools_on(revision_of(caller))
+        print(called.stderr)
+        assert called.returncode == 0, called.explain()
+        run = load_runs()[-1]
+        assert run.recipe == "tiny-cpu-tools" and run.url.endswith(":8102")
+        assert [s.name for s in run.steps if s.skipped] == ["thinking", "speculative"]
+        steps = {s.name: s.detail for s in run.steps}
+        call = 'get_current_weather({"city": "", "state": "", "unit": "celsius"}), 1 call(s)'
+        assert steps["tools"] == f"{call}, finish_reason tool_calls"
+        assert steps["tools-stream"].startswith(f"{call}, finish_reason tool_calls, ")
+        assert int(steps["tools-stream"].split(", ")[-1].split()[0]) > 1  # argument fragments
     finally:
         rig_ssh(rig, f"systemctl disable --now {UNIT_NAME}; rm -rf {UNIT_PATH} {CONF_DIR} "
                      f"{CACHE}/models--local--tiny {VENVS_DIR}/tiny-cpu {VENVS_DIR}/tiny-cpu-* "

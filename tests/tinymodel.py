@@ -8,6 +8,13 @@ tokens <0x00>..<0xFF> (SPM falls back to them for any character it has no piece 
 up <0x0A> as the newline token) and a few word pieces. The weights are seeded random numbers,
 so the file, and its Hugging Face cache revision, are the same on every run.
 
+A random model under a JSON grammar does not make a tool call: inside a string any character is
+allowed, and it never picks the closing quote. `caller=True` writes the same shapes with weights
+that make it one: each block's output is zero (the model sees only the current token), every
+embedding is positive on one dimension and the output head reads only that dimension, for the
+byte tokens `"` (most), `,` and `}`. Greedy under chatml-function-calling's grammar it closes each
+string at once and ends the object: `{"city" :"",...}`; unconstrained it writes quotes.
+
     python -m tests.tinymodel OUT.gguf
 """
 
@@ -50,8 +57,9 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """Write the model to `path` (the same bytes for the same seed)."""
+def write_tiny_gguf(path: Path, seed: int = 0, *, caller: bool = False) -> Path:
+    """Write the model to `path` (the same bytes for the same seed); `caller`: the docstring's
+    tool-calling weights."""
     import gguf
 
     tokens, scores, types = vocabulary()
@@ -62,6 +70,16 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
+
+    def block_out(*shape: int) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32) if caller else weights(*shape)
+
+    embeddings, head = weights(len(tokens), N_EMBD), weights(len(tokens), N_EMBD)
+    if caller:
+        embeddings[:, 0] = 1.0
+        head[:] = 0.0
+        for char, logit in (('"', 10.0), (",", 5.0), ("}", 5.0)):
+            head[tokens.index(f"<0x{ord(char):02X}>"), 0] = logit
 
     head_dim = N_EMBD // N_HEAD
     writer = gguf.GGUFWriter(str(path), arch="llama")
@@ -87,20 +105,20 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_add_eos_token(False)
 
     # numpy shapes are (rows, cols); GGUF stores them reversed, as llama.cpp expects.
-    writer.add_tensor("token_embd.weight", weights(len(tokens), N_EMBD))
+    writer.add_tensor("token_embd.weight", embeddings)
     writer.add_tensor("output_norm.weight", ones(N_EMBD))
-    writer.add_tensor("output.weight", weights(len(tokens), N_EMBD))
+    writer.add_tensor("output.weight", head)
     for i in range(N_LAYER):
         blk = f"blk.{i}"
         writer.add_tensor(f"{blk}.attn_norm.weight", ones(N_EMBD))
         writer.add_tensor(f"{blk}.attn_q.weight", weights(N_EMBD, N_EMBD))
         writer.add_tensor(f"{blk}.attn_k.weight", weights(N_HEAD_KV * head_dim, N_EMBD))
         writer.add_tensor(f"{blk}.attn_v.weight", weights(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"{blk}.attn_output.weight", weights(N_EMBD, N_EMBD))
+        writer.add_tensor(f"{blk}.attn_output.weight", block_out(N_EMBD, N_EMBD))
         writer.add_tensor(f"{blk}.ffn_norm.weight", ones(N_EMBD))
         writer.add_tensor(f"{blk}.ffn_gate.weight", weights(N_FF, N_EMBD))
         writer.add_tensor(f"{blk}.ffn_up.weight", weights(N_FF, N_EMBD))
-        writer.add_tensor(f"{blk}.ffn_down.weight", weights(N_EMBD, N_FF))
+        writer.add_tensor(f"{blk}.ffn_down.weight", block_out(N_EMBD, N_FF))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
