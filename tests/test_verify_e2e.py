@@ -144,9 +144,15 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         assert needles.count("accepted") == 2 and "60000 skipped (beyond the 512-token" in needles
         assert [r.tokens for r in run.ceiling.rungs] == [235, 353, 471]
         assert run.ceiling.failed is None and run.ceiling.ceiling > 471
-        # rig1 has no driver in this story: no nvidia-smi answers, and the step says so
-        assert [r.free_mib for r in run.ceiling.rungs] == [None] * 3
-        assert "free VRAM not read" in run.steps[3].detail
+        # free VRAM per rung: rig1's stand-in nvidia-smi answers once an earlier e2e file of the
+        # session installed the simulated driver (its two cards); alone, this file's rig1 has
+        # none, and the step says so
+        free = [r.free_mib for r in run.ceiling.rungs]
+        if free == [None] * 3:
+            assert "free VRAM not read" in run.steps[3].detail
+        else:
+            assert all(f is not None and len(f) == 2 and min(f) > 0 for f in free), free
+            assert run.steps[3].detail.count(" MiB") == 3
         # the context set beyond what the engine holds: the first rung beyond 512 fails
         ceiling = verify(verify_level="stress", verify_stress_needles="[100]",
                          verify_ceiling_rungs="3", verify_ceiling_start="300",
@@ -167,7 +173,8 @@ def test_verify_story(sandbox, tmp_path: Path, monkeypatch, capsys):
         run = load_runs()[-1]
         assert run.level == "soak" and run.soak.requests == 6 and run.soak.sessions >= 2
         assert [t.turn for t in run.soak.turns if t.session == 0][:2] == [0, 1]  # multi-turn
-        assert not run.soak.errors and run.soak.vram_growth_mib is None
+        # no VRAM read without the simulated driver; with it, the stand-in's constant use
+        assert not run.soak.errors and run.soak.vram_growth_mib in (None, 0)
         # the random model may end a turn at once: an empty reply, counted and failing
         assert (soaked.returncode == 0) == (not run.soak.empty), soaked.explain()
 
