@@ -34,7 +34,6 @@ RETENTION_HINT = ("decode tok/s fell from the first session to the last beyond t
                   "that thrashes, or memory pressure; look at clocks and the journal")
 
 
-
 def chunk_tokens(target: int, turns: int, fixed: int) -> int:
     """Tokens of new notes each turn adds so the last turn's prompt is about `target`, when
     each turn also adds `fixed` (its question and the answer before it)."""

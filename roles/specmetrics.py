@@ -37,7 +37,6 @@ FLOOR_HINT = ("the draft does not pay: a quantised MTP head accepted 1.07-1.27 i
               "or a separate draft model, or fewer num_speculative_tokens (docs/verify.md)")
 
 
-
 def counters(text: str) -> dict[str, float]:
     """The speculative counters of a /metrics text, each summed over its series (engines)."""
     found: dict[str, float] = {}

@@ -35,7 +35,6 @@ NEEDLE_HINT = ("the model lost the needle at this length: a context extension (r
                "does not hold this length; serve a shorter max_model_len")
 
 
-
 def needle_sizes(context: int, sizes: tuple[int, ...], room: int) -> tuple[list[int], list[int]]:
     """(the sizes whose prompt and `room` for the answer fit the context, those that do not)."""
     fits = [size for size in sizes if size + room < context]

@@ -62,7 +62,6 @@ FINISH_HINT = ("the stream did not end with finish_reason tool_calls: clients th
                "never run the tool; update the engine or use a parser that streams calls")
 
 
-
 def request(model: str, engine: str, *, stream: bool) -> dict:
     """The chat completion body. tool_choice "auto" where the engine's parser reads the answer
     (vLLM and SGLang answer "required" and a named tool by guided decoding, without the parser,
