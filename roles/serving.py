@@ -613,6 +613,11 @@ def supervisor_command(action: str) -> StringCommand:
     return StringCommand("/usr/bin/python3", "-I", "-S", SUPERVISE_PATH, action, SUPERVISE_CONF)
 
 
+def what_serves(systemd: bool) -> str:
+    """What runs the engine, for messages: the unit, or rigbook's supervisor (no systemd)."""
+    return UNIT_NAME if systemd else SUPERVISOR
+
+
 def stop_command(systemd: bool) -> StringCommand:
     """A graceful stop of the engine: the unit's, or the supervisor's (no systemd)."""
     return StringCommand("systemctl", "stop", UNIT_NAME) if systemd \
@@ -631,7 +636,7 @@ def _await_health(state, host, plan: ServePlan, arguments: dict, systemd: bool =
             f"completion {result.get('completion')!r}"
         )
         return True
-    what = UNIT_NAME if systemd else SUPERVISOR
+    what = what_serves(systemd)
     if systemd:
         read = StringCommand("journalctl", "-u", UNIT_NAME, "-n", str(JOURNAL_LINES), "--no-pager")
     else:
@@ -700,7 +705,7 @@ def serve_recipe(plan: ServePlan) -> Iterator:
         wanted[runner_source] = _sha(SUPERVISE_SOURCE.read_bytes())
     differs = {path for path, sha in wanted.items() if probe.files.get(path) != sha}
     restart = bool(differs & {runner, ENV_PATH, KEY_PATH, SUPERVISE_PATH}) or not probe.running
-    what = UNIT_NAME if systemd else SUPERVISOR
+    what = what_serves(systemd)
     where = f"{host.name}: {what} ({plan.label})"
 
     if gone is not None:
@@ -867,7 +872,7 @@ def stop_held(plan: ServePlan) -> Iterator:
     if probe.files.get(HOLD_PATH) is None:
         host.noop("serving is not held by a driver bump")
     elif probe.active in ("inactive", "failed"):
-        host.noop(f"{UNIT_NAME if probe.systemd else SUPERVISOR} is held and {probe.active}")
+        host.noop(f"{what_serves(probe.systemd)} is held and {probe.active}")
     else:
         yield stop_command(probe.systemd)
 
